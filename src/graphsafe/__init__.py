@@ -1,0 +1,58 @@
+"""graphsafe: hot weight reload that keeps captured CUDA graphs reading the right memory.
+
+Authors declare graph-visible derived tensors (:func:`graph_visible`, :func:`register_derived`,
+:func:`stable_empty`); a :class:`GraphContract` seals them before capture, restores them into the captured
+storage after every reload, verifies every address and fails closed.
+"""
+
+from graphsafe.contract import Finding, FindingKind, GraphContract, ReloadOutcome, ReloadTransaction, Status
+from graphsafe.errors import (
+    ContractViolation,
+    DeclarationError,
+    DeclaredDriftError,
+    GraphSafeError,
+    NotServingSafeError,
+    PathError,
+    PathSyntaxError,
+    RankAgreementError,
+    RecaptureError,
+    ReloadFailedError,
+    UndeclaredDriftError,
+)
+from graphsafe.registry import (
+    DerivedHandle,
+    SlotPath,
+    declared_paths,
+    graph_visible,
+    register_derived,
+    stable_empty,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ContractViolation",
+    "DeclarationError",
+    "DeclaredDriftError",
+    "DerivedHandle",
+    "Finding",
+    "FindingKind",
+    "GraphContract",
+    "GraphSafeError",
+    "NotServingSafeError",
+    "PathError",
+    "PathSyntaxError",
+    "RankAgreementError",
+    "RecaptureError",
+    "ReloadFailedError",
+    "ReloadOutcome",
+    "ReloadTransaction",
+    "SlotPath",
+    "Status",
+    "UndeclaredDriftError",
+    "__version__",
+    "declared_paths",
+    "graph_visible",
+    "register_derived",
+    "stable_empty",
+]

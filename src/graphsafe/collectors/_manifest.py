@@ -1,0 +1,619 @@
+"""Capture-time manifest: the storages a captured graph actually touched, recorded while it was captured.
+
+The walker and the registry say where a model *keeps* graph-visible tensors; a check built on them inherits
+their blind spots. The manifest is the independent record: :func:`record_capture` puts a ``TorchDispatchMode``
+around a capture and notes every tensor an op reads or writes whose storage existed before the capture began
+(storages created inside the capture live in the graph's private pool and are the graph's own business).
+
+Once per capture (and again at every seal) each recorded storage is tied to the model paths that held it: its
+parameters and buffers, the contract's sealed slots and the registry's declarations, and, where the contract does
+not walk, the walker's finds. At the end of every reload :meth:`Manifest.check` re-resolves only those paths: a
+recorded storage that was freed is ``dead``, one the model no longer holds under any of them is ``orphaned``. The
+contract decides what a finding does, per mode, as for any other finding.
+
+Only ops that pass through torch's dispatcher are seen (aten ops and ``torch.library`` custom ops); a kernel
+launched directly (a raw Triton or CUDA call) is invisible to the manifest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphsafe.contract._outcome import Finding, FindingKind
+from graphsafe.errors import GraphSafeError
+from graphsafe.registry._fingerprint import Fingerprint, fingerprint
+from graphsafe.registry._paths import SlotPath
+from graphsafe.registry._store import declarations_of
+
+if TYPE_CHECKING:
+    from graphsafe.contract._contract import GraphContract
+
+__all__ = [
+    "CapturedStorage",
+    "GradedStorage",
+    "Grading",
+    "Holder",
+    "Manifest",
+    "grade",
+    "record_capture",
+]
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """One model path that held a recorded storage at capture: ``layer`` (qualified name) and ``path`` on it."""
+
+    layer: str
+    layer_class: str
+    path: str
+    #: ``parameter``, ``buffer``, ``declared`` (registry), ``alias`` (of a declared slot) or ``walker``.
+    origin: str
+    slot: SlotPath = field(repr=False, compare=False)
+
+    @property
+    def declared(self) -> bool:
+        """Whether an author named this path (a registry declaration or an alias of one)."""
+        return self.origin in ("declared", "alias")
+
+    @property
+    def where(self) -> str:
+        """``layer:path`` (``<model>`` for the root)."""
+        return f"{self.layer or '<model>'}:{self.path}"
+
+
+@dataclass(slots=True, eq=False)
+class CapturedStorage:
+    """One storage a capture touched that it did not allocate."""
+
+    #: Name of the capture that recorded it.
+    capture: str
+    storage_ref: weakref.ReferenceType[Any] = field(repr=False)
+    #: The storage's data pointer and size at capture.
+    data_ptr: int
+    nbytes: int
+    device: torch.device
+    #: The first view through which the graph touched it.
+    first_view: Fingerprint = field(repr=False)
+    #: The first op that touched it (``aten.mm.default``).
+    op: str
+    #: Byte range ``[lo, hi)`` of the storage the graph touched, relative to its start.
+    lo: int
+    hi: int
+    #: Whether some op wrote it (an ``out=`` or in-place argument); reads are the common case.
+    written: bool = False
+    #: Model paths that held it when last indexed; empty for unowned storage.
+    holders: tuple[Holder, ...] = ()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the storage still exists."""
+        return self.storage_ref() is not None
+
+    @property
+    def byte_range(self) -> tuple[int, int]:
+        """``(lo, hi)``: the bytes the graph touched, relative to the storage start."""
+        return self.lo, self.hi
+
+    def describe(self) -> str:
+        """One line: address, bytes touched, first op, and where the model held it."""
+        access = "read/written" if self.written else "read"
+        where = ", ".join(h.where for h in self.holders) or "no model path (unowned)"
+        state = "" if self.alive else " (freed)"
+        return (
+            f"storage @0x{self.data_ptr:x} on {self.device}{state}: bytes [{self.lo}, {self.hi}) of {self.nbytes} "
+            f"{access} by capture {self.capture!r} (first by {self.op}); held at {where}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Recording.
+
+# torch.tensor(data) inside a capture reaches the dispatcher as lift_fresh of a tensor made on the spot.
+_FRESH_OPS: frozenset[Any] = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
+_WRITES: dict[Any, tuple[frozenset[int], frozenset[str]]] = {}
+
+
+def _written_args(func: Any) -> tuple[frozenset[int], frozenset[str]]:
+    """Positions and names of the arguments ``func``'s schema marks as written (cached per overload)."""
+    cached = _WRITES.get(func)
+    if cached is None:
+        positions: set[int] = set()
+        names: set[str] = set()
+        schema = getattr(func, "_schema", None)
+        for index, argument in enumerate(schema.arguments if schema is not None else ()):
+            alias = argument.alias_info
+            if alias is not None and alias.is_write:
+                positions.add(index)
+                names.add(argument.name)
+        cached = (frozenset(positions), frozenset(names))
+        _WRITES[func] = cached
+    return cached
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Tensors in an op argument or result: a tensor, or a (one level) list/tuple of optional tensors."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+
+
+def _touched_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """``[lo, hi)`` in bytes of the storage a strided view addresses, or ``None`` for an empty view."""
+    span = 0
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        if size == 0:
+            return None
+        span += (int(size) - 1) * abs(int(stride))
+    itemsize = tensor.element_size()
+    lo = int(tensor.storage_offset()) * itemsize
+    return lo, lo + (span + 1) * itemsize
+
+
+class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    """Notes the storages ops touch that the recording did not see being created."""
+
+    def __init__(self, capture: str, devices: Collection[torch.device] | None, ignore: Iterable[torch.Tensor]):
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.capture = capture
+        self.devices = devices
+        # Keyed by id(storage); the weak reference confirms the id still names the same storage (ids are reused).
+        self.external: dict[int, CapturedStorage] = {}
+        self.internal: dict[int, weakref.ReferenceType[Any]] = {}
+        self.ignored: dict[int, weakref.ReferenceType[Any]] = {}
+        for tensor in ignore:
+            storage = tensor.untyped_storage()
+            self.ignored[id(storage)] = weakref.ref(storage)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _FRESH_OPS:
+            # torch.tensor(...) inside the capture: the input was made on the spot, not read from the model.
+            for value in args:
+                for tensor in _tensors(value):
+                    self._mark_internal(tensor)
+        else:
+            positions, names = _written_args(func)
+            name = str(func)
+            for index, value in enumerate(args):
+                for tensor in _tensors(value):
+                    self._touch(tensor, name, index in positions)
+            for key, value in kwargs.items():
+                for tensor in _tensors(value):
+                    self._touch(tensor, name, key in names)
+        out = func(*args, **kwargs)
+        for tensor in _tensors(out):
+            self._mark_internal(tensor)
+        return out
+
+    def _mark_internal(self, tensor: torch.Tensor) -> None:
+        if tensor.layout is not torch.strided:
+            return
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        entry = self.external.get(key)
+        if entry is not None and entry.storage_ref() is storage:
+            return  # a view of (or an in-place result on) storage from before the capture
+        self.internal[key] = weakref.ref(storage)
+
+    def _touch(self, tensor: torch.Tensor, op: str, written: bool) -> None:
+        if tensor.layout is not torch.strided:
+            return
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        ref = self.internal.get(key)
+        if ref is not None and ref() is storage:
+            return
+        ref = self.ignored.get(key)
+        if ref is not None and ref() is storage:
+            return
+        span = _touched_bytes(tensor)
+        entry = self.external.get(key)
+        if entry is not None and entry.storage_ref() is storage:
+            if span is not None:
+                entry.lo = min(entry.lo, span[0])
+                entry.hi = max(entry.hi, span[1])
+            entry.written = entry.written or written
+            return
+        device = tensor.device
+        if device.type == "meta" or (self.devices is not None and not _device_in(device, self.devices)):
+            return
+        lo, hi = span if span is not None else (int(tensor.storage_offset()) * tensor.element_size(),) * 2
+        self.external[key] = CapturedStorage(
+            capture=self.capture,
+            storage_ref=weakref.ref(storage),
+            data_ptr=storage.data_ptr(),
+            nbytes=storage.nbytes(),
+            device=device,
+            first_view=fingerprint(tensor),
+            op=op,
+            lo=lo,
+            hi=hi,
+            written=written,
+        )
+
+
+def _device_in(device: torch.device, devices: Collection[torch.device]) -> bool:
+    return any(d == device or (d.index is None and d.type == device.type) for d in devices)
+
+
+_NAMES = itertools.count()
+
+
+@contextmanager
+def record_capture(
+    contract: GraphContract | None,
+    *,
+    name: str | None = None,
+    ignore: Iterable[torch.Tensor] = (),
+    devices: Collection[torch.device | str] | None = None,
+    reindex: bool = True,
+    manifest: Manifest | None = None,
+) -> Iterator[Manifest]:
+    """Record what a capture touches: ``with record_capture(contract): with torch.cuda.graph(g): out = fwd(x)``.
+
+    Every tensor an op reads or writes inside the block, whose storage was not created inside the block, is
+    recorded in the contract's :class:`Manifest` (created and set as ``contract.manifest`` on first use), which
+    the contract then checks at the end of every reload. Also works around a plain forward (on CPU, for tests).
+
+    Args:
+        contract: the contract whose graphs these are (``None``: record into ``manifest`` only).
+        name: the capture's name; recording again under a name replaces that capture (a recapture). Default: a
+            fresh name per call.
+        ignore: tensors the graph touches that are not model state (static inputs and outputs): not recorded.
+        devices: record only tensors on these devices (``"cuda"`` matches every index). Default: every device.
+        reindex: tie the recorded storages to the model paths that hold them now. The adapter passes ``False``
+            when the contract reseals right after (a recapture), which indexes everything anyway.
+        manifest: record into this manifest instead of the contract's.
+
+    Yields:
+        The manifest; the new capture's storages are in it once the block exits without an exception.
+    """
+    if manifest is None:
+        existing = contract.manifest if contract is not None else None
+        if existing is not None and not isinstance(existing, Manifest):
+            raise GraphSafeError(
+                f"the contract already has a manifest of type {type(existing).__name__}; pass manifest= explicitly"
+            )
+        manifest = existing if existing is not None else Manifest()
+    capture = name if name is not None else f"capture-{next(_NAMES)}"
+    wanted = tuple(torch.device(d) for d in devices) if devices is not None else None
+    recorder = _Recorder(capture, wanted, ignore)
+    with recorder:
+        yield manifest
+    manifest._install(capture, list(recorder.external.values()))
+    if contract is not None:
+        contract.manifest = manifest
+        if reindex:
+            manifest._index(contract, manifest.entries(capture))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The manifest: storage -> paths index, reload check, unowned storage.
+
+
+class _PathIndex:
+    """Model paths by storage, built once per (re)index."""
+
+    def __init__(self) -> None:
+        self.by_storage: dict[int, tuple[Any, list[Holder]]] = {}
+
+    def add(self, tensor: object, layer: str, layer_class: str, path: str, origin: str) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
+            return
+        storage = tensor.untyped_storage()
+        slot = self.by_storage.setdefault(id(storage), (storage, []))
+        holder = Holder(layer, layer_class, path, origin, SlotPath(path))
+        if all((h.layer, h.path) != (layer, path) for h in slot[1]):
+            slot[1].append(holder)
+
+    def holders(self, storage: Any) -> list[Holder]:
+        slot = self.by_storage.get(id(storage))
+        return slot[1] if slot is not None and slot[0] is storage else []
+
+
+def _state_index(model: nn.Module, index: _PathIndex) -> None:
+    for qualname, layer in model.named_modules():
+        cls = type(layer).__name__
+        for name, param in layer.named_parameters(recurse=False):
+            index.add(param, qualname, cls, name, "parameter")
+        for name, buffer in layer.named_buffers(recurse=False):
+            index.add(buffer, qualname, cls, name, "buffer")
+
+
+def _registry_index(model: nn.Module, index: _PathIndex) -> None:
+    for qualname, layer in model.named_modules():
+        for text, declaration in declarations_of(layer).items():
+            index.add(declaration.path.resolve_or(layer, None), qualname, type(layer).__name__, text, "declared")
+
+
+def _walker_index(model: nn.Module, index: _PathIndex, devices: Collection[torch.device] | None) -> None:
+    from graphsafe.collectors._walker import walk
+
+    for qualname, layer in model.named_modules():
+        for ref in walk(layer, devices=devices).refs:
+            index.add(ref.tensor, qualname, type(layer).__name__, ref.path, "walker")
+
+
+def _contract_index(contract: GraphContract, index: _PathIndex) -> None:
+    layers = dict(contract.sealed_layers())
+    for info in contract.slots():
+        layer = layers.get(info.layer)
+        if layer is not None:
+            index.add(SlotPath(info.path).resolve_or(layer, None), info.layer, info.layer_class, info.path,
+                      info.origin)
+
+
+class Manifest:
+    """What the captured graphs touched, per capture, and which model paths held it (see the module docs).
+
+    Implements the contract's ``ManifestCheck``: the contract calls :meth:`reindex` when it seals and
+    :meth:`check` at the end of every reload.
+
+    Args:
+        walk: where the contract does not walk (``detect="declared-only"``) or is not sealed yet, run the walker
+            at index time (once per capture or seal, never per reload) so findings can name undeclared paths.
+    """
+
+    def __init__(self, *, walk: bool = True) -> None:
+        self.walk = walk
+        self._captures: dict[str, list[CapturedStorage]] = {}
+
+    # -- contents ----------------------------------------------------------------------------------------------
+    @property
+    def captures(self) -> tuple[str, ...]:
+        """Names of the recorded captures."""
+        return tuple(self._captures)
+
+    def entries(self, capture: str | None = None) -> list[CapturedStorage]:
+        """Recorded storages of one capture, or of all (a storage two captures touched appears twice)."""
+        if capture is not None:
+            return list(self._captures.get(capture, ()))
+        return [entry for entries in self._captures.values() for entry in entries]
+
+    def storages(self) -> list[CapturedStorage]:
+        """Recorded storages, one entry per distinct live-or-dead storage (the first capture's)."""
+        seen: dict[int, CapturedStorage] = {}
+        # Two live storages never share an address, so a freed one is known by its address and device.
+        dead: dict[tuple[int, torch.device], CapturedStorage] = {}
+        for entry in self.entries():
+            storage = entry.storage_ref()
+            if storage is None:
+                dead.setdefault((entry.data_ptr, entry.device), entry)
+            else:
+                seen.setdefault(id(storage), entry)
+        return [*seen.values(), *dead.values()]
+
+    def __len__(self) -> int:
+        return len(self.storages())
+
+    def unowned(self) -> list[CapturedStorage]:
+        """Recorded storages no model path held when indexed (module-level caches, third-party internals)."""
+        return [entry for entry in self.storages() if not entry.holders]
+
+    def discard(self, capture: str) -> bool:
+        """Forget a capture whose graph was destroyed; ``False`` if there was none by that name."""
+        return self._captures.pop(capture, None) is not None
+
+    def _install(self, capture: str, entries: list[CapturedStorage]) -> None:
+        self._captures[capture] = entries
+
+    # -- indexing ----------------------------------------------------------------------------------------------
+    def reindex(self, contract: GraphContract) -> None:
+        """Tie every recorded storage to the model paths holding it now (the contract calls this on seal).
+
+        A recorded storage the model no longer holds anywhere keeps the paths it was last held at, so the next
+        check still reports it (the graph reads it until it is captured again).
+        """
+        self._index(contract, self.entries())
+
+    def _index(self, contract: GraphContract, entries: list[CapturedStorage]) -> None:
+        if not entries:
+            return
+        model = contract.model
+        index = _PathIndex()
+        _state_index(model, index)
+        _registry_index(model, index)
+        if contract.sealed:
+            _contract_index(contract, index)
+        if self.walk and (contract.detect == "declared-only" or not contract.sealed):
+            _walker_index(model, index, None)
+        for entry in entries:
+            storage = entry.storage_ref()
+            if storage is None:
+                continue
+            holders = index.holders(storage)
+            if holders:
+                entry.holders = tuple(holders)
+
+    # -- reload check ------------------------------------------------------------------------------------------
+    def check(self, contract: GraphContract) -> list[Finding]:
+        """``dead`` and ``orphaned`` findings for the recorded storages, after a reload's restore.
+
+        Only the recorded paths are re-resolved (no walk): O(recorded storages x their holders).
+        """
+        model = contract.model
+        layers: dict[str, nn.Module | None] = {}
+        findings: list[Finding] = []
+        for entry in self.storages():
+            storage = entry.storage_ref()
+            if storage is None:
+                findings.append(_finding(FindingKind.DEAD, entry, model, None))
+                continue
+            if not entry.holders:
+                continue  # unowned and alive: nothing says who should update it (see unowned())
+            if any(_holds(model, layers, holder, storage) for holder in entry.holders):
+                continue
+            first = entry.holders[0]
+            layer = _layer(model, layers, first.layer)
+            now = first.slot.resolve_or(layer, None) if layer is not None else None
+            findings.append(_finding(FindingKind.ORPHANED, entry, model, now))
+        return findings
+
+
+def _layer(model: nn.Module, cache: dict[str, nn.Module | None], qualname: str) -> nn.Module | None:
+    if qualname not in cache:
+        try:
+            cache[qualname] = model.get_submodule(qualname) if qualname else model
+        except AttributeError:
+            cache[qualname] = None
+    return cache[qualname]
+
+
+def _holds(model: nn.Module, cache: dict[str, nn.Module | None], holder: Holder, storage: Any) -> bool:
+    layer = _layer(model, cache, holder.layer)
+    if layer is None:
+        return False
+    value = holder.slot.resolve_or(layer, None)
+    return isinstance(value, torch.Tensor) and value.layout is torch.strided and value.untyped_storage() is storage
+
+
+def _finding(kind: FindingKind, entry: CapturedStorage, model: nn.Module, now: object) -> Finding:
+    touched = f"capture {entry.capture!r} {'wrote' if entry.written else 'read'} bytes [{entry.lo}, {entry.hi}) " \
+              f"of storage @0x{entry.data_ptr:x} (first by {entry.op})"
+    after = None
+    if kind is FindingKind.DEAD:
+        what = "the storage was freed, so replay touches freed memory"
+    else:
+        paths = ", ".join(repr(h.path) for h in entry.holders)
+        what = f"the model no longer holds it at {paths}, so replay reads memory no reload updates"
+        if isinstance(now, torch.Tensor) and now.layout is torch.strided:
+            after = fingerprint(now)
+    if entry.holders:
+        first = entry.holders[0]
+        others = [h.where for h in entry.holders[1:]]
+        also = f"; also held at {', '.join(others)}" if others else ""
+        return Finding(
+            kind,
+            layer=first.layer,
+            layer_class=first.layer_class,
+            path=first.path,
+            declared=any(h.declared for h in entry.holders),
+            before=entry.first_view,
+            after=after,
+            detail=f"capture manifest: {touched}; {what}{also}",
+        )
+    return Finding(
+        kind,
+        layer="",
+        layer_class=type(model).__name__,
+        path="",
+        declared=False,
+        before=entry.first_view,
+        detail=f"capture manifest: unowned captured storage (no model path held it at capture): {touched}; {what}",
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Grading the registry and the walker against what the graphs touched.
+
+
+@dataclass(frozen=True, slots=True)
+class GradedStorage:
+    """One recorded storage and the paths each source knows it by (``layer:path``)."""
+
+    entry: CapturedStorage
+    state: tuple[str, ...]
+    registry: tuple[str, ...]
+    walker: tuple[str, ...]
+
+    @property
+    def covered(self) -> bool:
+        """Whether any source names it (parameters and buffers count: an in-place load keeps them)."""
+        return bool(self.state or self.registry or self.walker)
+
+
+@dataclass(frozen=True, slots=True)
+class Grading:
+    """How the registry and the walker cover what the graphs touched (live storages; ``dead`` separately)."""
+
+    storages: tuple[GradedStorage, ...]
+    dead: tuple[CapturedStorage, ...]
+
+    @property
+    def state_covered(self) -> tuple[GradedStorage, ...]:
+        """Held as a parameter or buffer."""
+        return tuple(g for g in self.storages if g.state)
+
+    @property
+    def registry_covered(self) -> tuple[GradedStorage, ...]:
+        """Named by a registry declaration."""
+        return tuple(g for g in self.storages if g.registry)
+
+    @property
+    def walker_covered(self) -> tuple[GradedStorage, ...]:
+        """Found by the walker."""
+        return tuple(g for g in self.storages if g.walker)
+
+    @property
+    def derived(self) -> tuple[GradedStorage, ...]:
+        """Not a parameter or buffer: what reloads re-create and the registry or walker must keep."""
+        return tuple(g for g in self.storages if not g.state)
+
+    @property
+    def uncovered(self) -> tuple[GradedStorage, ...]:
+        """Named by no source at all: unowned captured storage."""
+        return tuple(g for g in self.storages if not g.covered)
+
+    @property
+    def walker_only(self) -> tuple[GradedStorage, ...]:
+        """Derived storage the walker finds but nobody declared (migration candidates)."""
+        return tuple(g for g in self.derived if g.walker and not g.registry)
+
+    @property
+    def registry_only(self) -> tuple[GradedStorage, ...]:
+        """Derived storage declared but out of the walker's reach (private containers, depth, closures)."""
+        return tuple(g for g in self.derived if g.registry and not g.walker)
+
+    def summary(self) -> str:
+        """A few lines of counts and the uncovered storages."""
+        derived = self.derived
+        lines = [
+            f"{len(self.storages)} captured storage(s) alive, {len(self.dead)} freed: {len(self.state_covered)} "
+            f"parameter/buffer, {len(derived)} derived; of the derived, registry covers "
+            f"{sum(1 for g in derived if g.registry)}, walker covers {sum(1 for g in derived if g.walker)}, "
+            f"neither {sum(1 for g in derived if not g.registry and not g.walker)}"
+        ]
+        for graded in self.uncovered:
+            lines.append(f"  - unowned captured storage: {graded.entry.describe()}")
+        return "\n".join(lines)
+
+
+def grade(target: GraphContract | nn.Module, manifest: Manifest) -> Grading:
+    """Grade the registry and the walker against ``manifest``, on the model's current state.
+
+    Call it right after capture (before any reload): for every storage the graphs touched, which parameters or
+    buffers, which declarations and which walker paths name it now.
+    """
+    model = target if isinstance(target, nn.Module) else target.model
+    sources: dict[str, _PathIndex] = {"state": _PathIndex(), "registry": _PathIndex(), "walker": _PathIndex()}
+    _state_index(model, sources["state"])
+    _registry_index(model, sources["registry"])
+    _walker_index(model, sources["walker"], None)
+
+    def named(source: str, storage: Any) -> tuple[str, ...]:
+        return tuple(h.where for h in sources[source].holders(storage))
+
+    graded: list[GradedStorage] = []
+    dead: list[CapturedStorage] = []
+    for entry in manifest.storages():
+        storage = entry.storage_ref()
+        if storage is None:
+            dead.append(entry)
+            continue
+        graded.append(GradedStorage(entry, named("state", storage), named("registry", storage),
+                                    named("walker", storage)))
+    return Grading(tuple(graded), tuple(dead))
+

@@ -1,0 +1,306 @@
+"""Renderers of a :class:`~graphsafe.collectors.MigrationReport`: text, markdown, tree and Graphviz dot.
+
+None of them prints device addresses, so their output is stable across runs for the same model (the JSON
+rendering, built in ``_report``, carries them for tools).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from graphsafe.registry._paths import Attr, Cell, Token, parse_path
+
+if TYPE_CHECKING:
+    from graphsafe.collectors._report import Fix, MigrationReport, ReportEntry
+
+__all__ = ["dot", "human_bytes", "markdown", "text", "tree"]
+
+_PROBLEM_FILL = "#f4cccc"
+_REPAIRED_FILL = "#fce5cd"
+_STABLE_FILL = "#d9ead3"
+_LAYER_FILL = "#dde6f3"
+
+
+def human_bytes(n: int) -> str:
+    """``128 B``, ``1.5 KiB``, ``2.0 MiB``..."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def _shape(shape: Sequence[int] | None) -> str:
+    return "?" if shape is None else "[" + ", ".join(str(n) for n in shape) + "]"
+
+
+def _restorable(value: bool | None) -> str:
+    return "?" if value is None else ("yes" if value else "no")
+
+
+def _entry_note(entry: ReportEntry) -> str:
+    parts = []
+    if entry.shares_storage_with is not None:
+        parts.append(f"same storage as {entry.shares_storage_with}")
+    if entry.lazy:
+        parts.append("not there after PWAL")
+    if entry.reason:
+        parts.append(entry.reason)
+    return "; ".join(parts)
+
+
+def _headline(report: MigrationReport) -> str:
+    if report.clean:
+        return "nothing to migrate: no undeclared graph-visible tensor"
+    parts = []
+    if report.entries:
+        parts.append(
+            f"{len(report.entries)} undeclared graph-visible tensor(s) in {len(report.layers)} layer(s), "
+            f"{human_bytes(report.nbytes)}; {len(report.fixes)} fix(es)"
+        )
+    if report.unowned:
+        parts.append(f"{len(report.unowned)} unowned captured storage(s)")
+    return "; ".join(parts)
+
+
+def _source_line(report: MigrationReport) -> str:
+    text = f"source: {report.source}"
+    if report.mode is not None:
+        text += f" (mode={report.mode})"
+    if report.status is not None:
+        text += f", last reload: {report.status}"
+    if report.declared_problems:
+        text += f"; {report.declared_problems} problem(s) on declared slots (not listed: see the outcome)"
+    return text
+
+
+def _fix_heading(fix: Fix) -> str:
+    if fix.kind == "graph_visible":
+        return f"@graph_visible on {fix.target}"
+    return f"register_derived in {fix.target}"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def text(report: MigrationReport) -> str:
+    """A terminal rendering: a headline, a table of entries, the grouped fixes, unowned storage, notes."""
+    lines = [f"graphsafe migration report: {_headline(report)}", _source_line(report)]
+    if report.entries:
+        rows = [["LAYER", "CLASS", "PATH", "SHAPE", "DTYPE", "DEVICE", "BYTES", "DRIFT", "RESTORABLE", "NOTE"]]
+        for e in report.entries:
+            rows.append([
+                e.layer or "<model>", e.layer_class, e.path, _shape(e.shape), e.dtype, e.device,
+                human_bytes(e.nbytes), e.drift, _restorable(e.restorable), _entry_note(e),
+            ])
+        lines += ["", *_table(rows)]
+    if report.fixes:
+        lines += ["", "Fixes, grouped by owner (each covers every layer listed):"]
+        for number, fix in enumerate(report.fixes, 1):
+            lines.append(f"  [{number}] {_fix_heading(fix)}")
+            lines.append(f"      layers: {', '.join(n or '<model>' for n in fix.layers)}")
+            lines += [f"        {line}" for line in fix.lines]
+            if fix.note:
+                lines.append(f"      note: {fix.note}")
+    if report.unowned:
+        lines += ["", "Unowned captured storage (a captured graph reads it; no layer path reaches it):"]
+        rows = [[u.description, u.dtype or "?", _shape(u.shape), u.device or "?",
+                 human_bytes(u.nbytes) if u.nbytes is not None else "?"] for u in report.unowned]
+        lines += ["  " + row for row in _table(rows)]
+    if report.notes:
+        lines += ["", "Notes:"] + [f"  - {note}" for note in report.notes]
+    return "\n".join(lines) + "\n"
+
+
+def _md(cell: str) -> str:
+    return cell.replace("|", "\\|")
+
+
+def markdown(report: MigrationReport) -> str:
+    """GitHub-flavoured markdown: a summary, a table of entries, one section per fix with a code block."""
+    headline, source = _headline(report), _source_line(report)
+    lines = ["# graphsafe migration report", "", headline[:1].upper() + headline[1:] + ".", "",
+             source[:1].upper() + source[1:] + "."]
+    if report.entries:
+        lines += [
+            "",
+            "## Undeclared graph-visible tensors",
+            "",
+            "| Layer | Class | Path | Shape | Dtype | Device | Bytes | Drift | Restorable | Note |",
+            "|---|---|---|---|---|---|---:|---|---|---|",
+        ]
+        for e in report.entries:
+            cells = [
+                f"`{e.layer or '<model>'}`", f"`{e.layer_class}`", f"`{e.path}`", _shape(e.shape), e.dtype, e.device,
+                str(e.nbytes), e.drift, _restorable(e.restorable), _entry_note(e),
+            ]
+            lines.append("| " + " | ".join(_md(c) for c in cells) + " |")
+    if report.fixes:
+        lines += ["", "## Fixes", "", "Grouped by owner: each fix covers every layer it lists."]
+        for number, fix in enumerate(report.fixes, 1):
+            what = "Decorate" if fix.kind == "graph_visible" else "Call `register_derived`"
+            lines += [
+                "",
+                f"### {number}. {what}: `{fix.target}`" if fix.kind == "graph_visible" else f"### {number}. {what}",
+                "",
+            ]
+            if fix.kind != "graph_visible":
+                lines += [f"In {fix.target}.", ""]
+            layers = ", ".join(f"`{name or '<model>'}`" for name in fix.layers)
+            lines += [f"Layers: {layers}.", "", "```python", *fix.lines, "```"]
+            if fix.note:
+                lines += ["", f"Note: {fix.note}."]
+    if report.unowned:
+        lines += ["", "## Unowned captured storage", "", "| Description | Dtype | Shape | Device | Bytes |",
+                  "|---|---|---|---|---:|"]
+        for u in report.unowned:
+            cells = [u.description, u.dtype or "?", _shape(u.shape), u.device or "?",
+                     str(u.nbytes) if u.nbytes is not None else "?"]
+            lines.append("| " + " | ".join(_md(c) for c in cells) + " |")
+    if report.notes:
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in report.notes]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Where the tensors hang: a trie of path tokens per layer.
+
+
+@dataclass
+class _Node:
+    label: str
+    entry: ReportEntry | None = None
+    children: dict[str, _Node] = field(default_factory=dict)
+
+
+def _token_label(token: Token) -> str:
+    if isinstance(token, Attr):
+        return token.name
+    if isinstance(token, Cell):
+        return f"__closure__[{token.index}]"
+    return f"[{token.key!r}]"
+
+
+def _layer_tries(report: MigrationReport) -> list[_Node]:
+    roots: dict[str, _Node] = {}
+    for entry in report.entries:
+        root = roots.get(entry.layer)
+        if root is None:
+            root = roots[entry.layer] = _Node(f"{entry.layer or '<model>'} ({entry.layer_class})")
+        tokens = parse_path(entry.path)
+        node = root
+        for depth, token in enumerate(tokens):
+            label = _token_label(token)
+            last = depth == len(tokens) - 1
+            if not last and depth < len(entry.via):
+                label = f"{label} ({entry.via[depth]})"
+            child = node.children.get(label)
+            if child is None:
+                child = node.children[label] = _Node(label)
+            node = child
+        node.entry = entry
+    return list(roots.values())
+
+
+def _leaf_text(entry: ReportEntry) -> str:
+    text = f"{entry.dtype}{_shape(entry.shape)} {entry.device}, {human_bytes(entry.nbytes)}, {entry.drift}"
+    if entry.shares_storage_with is not None:
+        text += f" (same storage as {entry.shares_storage_with})"
+    return text
+
+
+def tree(report: MigrationReport) -> str:
+    """A text tree per layer: layer -> quant_method -> kernel -> workspace, leaves with dtype, shape and drift."""
+    if not report.entries:
+        return f"({_headline(report)})\n"
+    lines: list[str] = []
+
+    def walk(node: _Node, prefix: str) -> None:
+        children = list(node.children.values())
+        for index, child in enumerate(children):
+            last = index == len(children) - 1
+            label = child.label if child.entry is None else f"{child.label}: {_leaf_text(child.entry)}"
+            lines.append(f"{prefix}{'└── ' if last else '├── '}{label}")
+            walk(child, prefix + ("    " if last else "│   "))
+
+    for root in _layer_tries(report):
+        lines.append(root.label)
+        walk(root, "")
+    return "\n".join(lines) + "\n"
+
+
+def _dot_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _fill(entry: ReportEntry) -> str:
+    if entry.drift == "auto-restored":
+        return _REPAIRED_FILL
+    return _PROBLEM_FILL if entry.problem else _STABLE_FILL
+
+
+def dot(report: MigrationReport) -> str:
+    """Graphviz: layers, the objects on each path and the tensors (filled by drift), fixes as notes."""
+    lines = [
+        "digraph migration_report {",
+        "  rankdir=LR;",
+        '  node [shape=box, fontname="monospace", fontsize=10];',
+        f"  label={_dot_string('graphsafe migration report: ' + _headline(report))};",
+        "  labelloc=t;",
+    ]
+    ids: dict[int, str] = {}
+    layer_ids: dict[str, str] = {}
+
+    def node_id(node: _Node) -> str:
+        if id(node) not in ids:
+            ids[id(node)] = f"n{len(ids)}"
+        return ids[id(node)]
+
+    def emit(node: _Node) -> None:
+        for child in node.children.values():
+            cid = node_id(child)
+            if child.entry is None:
+                lines.append(f"  {cid} [label={_dot_string(child.label.replace(' (', chr(10)).rstrip(')'))}];")
+            else:
+                entry = child.entry
+                label = f"{child.label}\n{entry.dtype}{_shape(entry.shape)} {human_bytes(entry.nbytes)}\n{entry.drift}"
+                lines.append(
+                    f"  {cid} [shape=ellipse, style=filled, fillcolor={_dot_string(_fill(entry))}, "
+                    f"label={_dot_string(label)}];"
+                )
+            lines.append(f"  {node_id(node)} -> {cid};")
+            emit(child)
+
+    for root in _layer_tries(report):
+        rid = node_id(root)
+        assert root.entry is None
+        layer = root.label.split(" (", 1)[0]
+        layer_ids[layer] = rid
+        lines.append(
+            f"  {rid} [style=filled, fillcolor={_dot_string(_LAYER_FILL)}, "
+            f"label={_dot_string(root.label.replace(' (', chr(10)).rstrip(')'))}];"
+        )
+        emit(root)
+    for number, fix in enumerate(report.fixes):
+        fid = f"fix{number}"
+        label = "\n".join(fix.lines) + "\n" + ("on " if fix.kind == "graph_visible" else "in ") + fix.target
+        lines.append(f"  {fid} [shape=note, label={_dot_string(label)}];")
+        for layer in fix.layers:
+            target = layer_ids.get(layer or "<model>")
+            if target is not None:
+                lines.append(f"  {fid} -> {target} [style=dashed, arrowhead=none];")
+    for number, unowned in enumerate(report.unowned):
+        label = f"unowned: {unowned.description}\n{unowned.dtype or '?'}{_shape(unowned.shape)}"
+        lines.append(
+            f"  u{number} [shape=box3d, style=filled, fillcolor={_dot_string(_PROBLEM_FILL)}, "
+            f"label={_dot_string(label)}];"
+        )
+    lines.append("}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,853 @@
+"""The walker: every device tensor reachable from a layer, named by a slot path.
+
+After a reload, ``process_weights_after_loading`` re-creates derived tensors (workspaces, strides, permutations,
+scales) wherever it likes under a layer; a captured graph keeps reading the old memory. :func:`walk` finds those
+tensors so undeclared drift can be detected.
+
+What is walked: the layer's own instance attributes that are not torch's ``nn.Module`` bookkeeping (parameters,
+buffers and child modules are someone else's business), then, recursively, plain objects (``__dict__`` and
+``__slots__``), dicts (``str``/``int`` keys), lists, deques, tuples, NamedTuples, ``functools.partial``
+(``func``, ``args``, ``keywords``), functions (closure cells, ``__defaults__``, ``__kwdefaults__``), bound
+methods (``__func__``, and ``__self__`` unless it is a module) and mappingproxies. Never entered: child
+``nn.Module``\\ s (each is its own reload unit), classes, Python modules, enums, streams/events/graphs, dtypes,
+devices, scalars, strings, weak references, generators and files.
+
+The walker never runs user code: attributes are read through the C-level ``__dict__``/slot descriptors found in
+the class ``__dict__``\\ s, containers through the builtin methods of ``dict``/``list``/``tuple``/``set``, type
+tests compare ids along the MRO, and no user object is hashed or compared. Tensor metadata is read with
+subclass ``__torch_function__`` disabled.
+
+Alias policy: every distinct object is read once (``objects_visited`` counts them, which also makes cycles
+harmless), but a tensor is reported under *every* simple path (one that passes through no object twice) from the
+layer to it, through whatever containers: an aliased workspace, or a dict shared by two owners, shows up under
+each path. Restoring needs all of them, since a rebound tuple or a replaced attribute only changes one parent.
+Tensors that no path can name (members of sets, values under non-``str``/``int`` dict keys, attributes shadowed
+by a data descriptor) are not reported; :attr:`WalkResult.notes` says where they are.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import functools
+import gc
+import io
+import logging
+import re
+import threading
+import types
+import weakref
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+from torch import nn
+
+from graphsafe.registry._fingerprint import Fingerprint, fingerprint
+
+__all__ = ["TensorRef", "WalkResult", "collect", "walk"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TensorRef:
+    """One device tensor and one path to it (a tensor reachable by several paths gets one ref per path).
+
+    ``eq=False``: comparing two refs field by field would compare tensors elementwise.
+    """
+
+    path: str
+    tensor: torch.Tensor
+    fingerprint: Fingerprint
+    restorable: bool
+    reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class WalkResult:
+    """What :func:`walk` found, how much it read, and whether a budget cut it short."""
+
+    refs: tuple[TensorRef, ...]
+    objects_visited: int
+    exhausted: str | None
+    notes: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pure, C-level accessors (none of them can dispatch to Python code defined by a user class).
+
+_TYPE_DICT: Final = type.__dict__["__dict__"].__get__
+_TYPE_MRO: Final = type.__dict__["__mro__"].__get__
+_TYPE_FLAGS: Final = type.__dict__["__flags__"].__get__
+_TYPE_NAME: Final = type.__dict__["__qualname__"].__get__
+_HEAPTYPE: Final = 1 << 9
+_DESCRIPTOR_TYPES: Final = (types.GetSetDescriptorType, types.MemberDescriptorType)
+
+_FUNC_CLOSURE: Final = types.FunctionType.__dict__["__closure__"].__get__
+_FUNC_DEFAULTS: Final = types.FunctionType.__dict__["__defaults__"].__get__
+_FUNC_KWDEFAULTS: Final = types.FunctionType.__dict__["__kwdefaults__"].__get__
+_CELL_CONTENTS: Final = types.CellType.__dict__["cell_contents"].__get__
+_METHOD_FUNC: Final = types.MethodType.__dict__["__func__"].__get__
+_METHOD_SELF: Final = types.MethodType.__dict__["__self__"].__get__
+_BUILTIN_SELF: Final = types.BuiltinFunctionType.__dict__["__self__"].__get__
+_WRAPPER_SELF: Final = types.MethodWrapperType.__dict__["__self__"].__get__
+_PARTIAL_FUNC: Final = functools.partial.__dict__["func"].__get__
+_PARTIAL_ARGS: Final = functools.partial.__dict__["args"].__get__
+_PARTIAL_KEYWORDS: Final = functools.partial.__dict__["keywords"].__get__
+_TENSOR_DEVICE: Final = torch._C.TensorBase.__dict__["device"].__get__
+_TUPLEGETTER: Final = type(_TYPE_DICT(collections.namedtuple("_NT", "a"))["a"])
+
+_DICT_ITEMS: Final = dict.items
+_LIST_ITER: Final = list.__iter__
+_TUPLE_ITER: Final = tuple.__iter__
+_DEQUE_ITER: Final = collections.deque.__iter__
+_SET_ITER: Final = set.__iter__
+_FROZENSET_ITER: Final = frozenset.__iter__
+
+_NAME_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# torch's own per-instance Module state; anything a subclass adds (with or without a leading underscore) is walked.
+_MODULE_INTERNALS: Final = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
+
+# --------------------------------------------------------------------------------------------------------------
+# Per-class plans.
+
+_LEAF, _SKIP, _TENSOR, _OBJECT, _DICT, _LIST, _DEQUE, _TUPLE, _NTUPLE, _SET, _FSET, _PROXY = range(12)
+_PARTIAL, _FUNCTION, _METHOD, _BUILTIN, _WRAPPER = range(12, 17)
+
+# Edge token kinds; _UNNAMED edges carry the reason no path can name the child.
+_TK_ATTR, _TK_ITEM, _TK_CELL, _TK_UNNAMED = range(4)
+# How assign writes through an edge: in place (done), by rebuilding the container into its parent, not at all.
+_W_INPLACE, _W_REBUILD, _W_NONE, _W_UNRESOLVED = range(4)
+
+
+def _resolve_names(dotted: tuple[str, ...]) -> list[type]:
+    """Classes by dotted name, skipping those this torch build lacks."""
+    found: list[type] = []
+    for name in dotted:
+        obj: Any = torch if name.startswith("torch.") else None
+        parts = name.split(".")[1:] if obj is not None else []
+        for part in parts:
+            obj = getattr(obj, part, None)
+        if isinstance(obj, type):
+            found.append(obj)
+    return found
+
+
+_LEAF_BASES: Final[tuple[type, ...]] = (
+    type,
+    types.ModuleType,
+    str,
+    bytes,
+    bytearray,
+    memoryview,
+    int,
+    float,
+    complex,
+    type(None),
+    type(Ellipsis),
+    type(NotImplemented),
+    range,
+    slice,
+    enum.Enum,
+    types.GeneratorType,
+    types.CoroutineType,
+    types.AsyncGeneratorType,
+    types.CodeType,
+    types.FrameType,
+    types.TracebackType,
+    types.CellType,
+    types.GetSetDescriptorType,
+    types.MemberDescriptorType,
+    property,
+    weakref.ReferenceType,
+    weakref.ProxyType,
+    weakref.CallableProxyType,
+    io.IOBase,
+    logging.Logger,
+    logging.Handler,
+    logging.Manager,
+    threading.Thread,
+    type(threading.Lock()),
+    type(threading.RLock()),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.Size,
+    torch.Generator,
+    torch.finfo,
+    torch.iinfo,
+    *_resolve_names(
+        (
+            "torch.qscheme",
+            "torch.Stream",
+            "torch.Event",
+            "torch.cuda.Stream",
+            "torch.cuda.Event",
+            "torch.cuda.CUDAGraph",
+            "torch._C._CudaStreamBase",
+            "torch._C._CudaEventBase",
+            "torch._C._CUDAGraph",
+            "torch._utils._CudaStreamBase",
+            "torch._utils._CudaEventBase",
+            "torch._utils._CUDAGraph",
+            "torch.UntypedStorage",
+            "torch.TypedStorage",
+            "torch._C.StorageBase",
+            "torch._ops.OperatorBase",
+            "torch._ops.OpOverloadPacket",
+            "torch._ops._OpNamespace",
+            "torch.SymInt",
+            "torch.SymFloat",
+            "torch.SymBool",
+        )
+    ),
+)
+
+# Checked in this order along the MRO (first match wins), so a Module or tensor subclass is never a plain object.
+_KIND_BASES: Final[tuple[tuple[type, int], ...]] = (
+    (torch._C.TensorBase, _TENSOR),
+    (nn.Module, _SKIP),
+    *((base, _LEAF) for base in _LEAF_BASES),
+    (dict, _DICT),
+    (list, _LIST),
+    (collections.deque, _DEQUE),
+    (tuple, _TUPLE),
+    (set, _SET),
+    (frozenset, _FSET),
+    (types.MappingProxyType, _PROXY),
+    (functools.partial, _PARTIAL),
+    (types.FunctionType, _FUNCTION),
+    (types.MethodType, _METHOD),
+    (types.BuiltinFunctionType, _BUILTIN),
+    (types.MethodWrapperType, _WRAPPER),
+)
+_CONTAINERS: Final[dict[int, type]] = {
+    _DICT: dict,
+    _LIST: list,
+    _DEQUE: collections.deque,
+    _TUPLE: tuple,
+    _NTUPLE: tuple,
+    _PARTIAL: functools.partial,
+}
+_KIND_BY_ID: Final = {id(base): kind for base, kind in _KIND_BASES}
+_KIND_ORDER: Final = {id(base): order for order, (base, _) in enumerate(_KIND_BASES)}
+
+
+_C_CODE_TYPES: Final = (
+    types.WrapperDescriptorType,
+    types.MethodDescriptorType,
+    types.ClassMethodDescriptorType,
+    types.BuiltinFunctionType,
+    types.MethodWrapperType,
+)
+
+
+def _python_owner(pairs: list[tuple[type, Any]], name: str) -> str | None:
+    """The class that defines ``name`` (first along the MRO) when that definition is Python code, else None."""
+    for klass, d in pairs:
+        if name in d:
+            return None if isinstance(d[name], _C_CODE_TYPES) else _TYPE_NAME(klass)
+    return None
+
+
+class _Plan:
+    """What the walker needs to know about one class, computed once."""
+
+    __slots__ = (
+        "attr_caveat",
+        "cls",
+        "data_descriptors",
+        "dict_get",
+        "fields",
+        "item_caveat",
+        "kind",
+        "name",
+        "rebuild_reason",
+        "shadowed_slots",
+        "slots",
+    )
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls  # keeps the class (and so its id) alive while the plan is cached
+        self.name: str = _TYPE_NAME(cls)
+        mro: tuple[type, ...] = _TYPE_MRO(cls)
+        dicts = [_TYPE_DICT(klass) for klass in mro]
+        pairs = list(zip(mro, dicts, strict=True))
+
+        # The most specific known base decides the kind (a dict subclass of a leaf type stays a leaf).
+        best: tuple[int, int] | None = None
+        for klass in mro:
+            order = _KIND_ORDER.get(id(klass))
+            if order is not None and (best is None or order < best[0]):
+                best = (order, _KIND_BY_ID[id(klass)])
+        kind = best[1] if best is not None else _OBJECT
+
+        # First definition of every name along the MRO: what attribute lookup would find on the class.
+        first: dict[str, Any] = {}
+        for d in reversed(dicts):
+            first.update(d)
+
+        def data_descriptor(value: Any) -> bool:
+            return any("__set__" in d or "__delete__" in d for d in map(_TYPE_DICT, _TYPE_MRO(type(value))))
+
+        self.attr_caveat: str | None = None
+        self.item_caveat: str | None = None
+        self.dict_get: Any = None
+        self.slots: tuple[tuple[str, Any], ...] = ()
+        self.shadowed_slots: tuple[tuple[str, Any], ...] = ()  # (why no path names it, getter)
+        self.data_descriptors: frozenset[str] = frozenset()
+        self.fields: tuple[tuple[int, str | None], ...] = ()
+        self.rebuild_reason: str | None = None
+
+        owner = _python_owner(pairs, "__getattribute__")
+        if owner is not None:
+            self.attr_caveat = f"resolving it runs {owner}.__getattribute__"
+        if kind in (_DICT, _LIST, _DEQUE, _TUPLE):
+            owner = _python_owner(pairs, "__getitem__")
+            if owner is not None:
+                self.item_caveat = f"resolving it runs {owner}.__getitem__"
+
+        if kind == _TUPLE:
+            fields = first.get("_fields")
+            if type(fields) is tuple and all(type(f) is str for f in fields) and "_make" in first:
+                kind = _NTUPLE
+                self.fields = tuple(
+                    (i, f if type(first.get(f)) is _TUPLEGETTER and _NAME_RE.fullmatch(f) else None)
+                    for i, f in enumerate(fields)
+                )
+            elif _python_owner(pairs, "__new__") or _python_owner(pairs, "__init__"):
+                self.rebuild_reason = f"inside a {self.name} (a tuple subclass assign cannot rebuild)"
+        self.kind = kind
+
+        # Instance state of plain objects, and of user subclasses of containers (builtin containers have none).
+        if kind in (_OBJECT, _SKIP) or (kind in _CONTAINERS and _CONTAINERS[kind] is not cls):
+            dict_descr = first.get("__dict__")
+            if isinstance(dict_descr, _DESCRIPTOR_TYPES):
+                self.dict_get = dict_descr.__get__
+            slots: list[tuple[str, Any]] = []
+            shadowed: list[tuple[str, Any]] = []
+            for klass, d in pairs:
+                if "__slots__" not in d:  # C types' own members (partial.func, ...) are not instance slots
+                    continue
+                for name, value in d.items():
+                    if type(value) is not types.MemberDescriptorType or name in ("__dict__", "__weakref__"):
+                        continue
+                    getter: Any = value.__get__
+                    if first.get(name) is value:
+                        slots.append((name, getter))
+                    else:
+                        why = f"slot {name!r} of {_TYPE_NAME(klass)} is shadowed by a class attribute"
+                        shadowed.append((why, getter))
+            self.slots = tuple(slots)
+            self.shadowed_slots = tuple(shadowed)
+            self.data_descriptors = frozenset(
+                name for name, value in first.items() if not name.startswith("__") and data_descriptor(value)
+            )
+            if kind == _OBJECT and self.dict_get is None and not slots and not shadowed:
+                self.kind = _LEAF  # a C type without instance state we could read
+
+
+_PLANS: dict[int, _Plan] = {}  # by id(cls): hashing a class could run a metaclass's __hash__
+_PLAN_CACHE_LIMIT: Final = 20_000
+
+
+def _plan_for(cls: type) -> _Plan:
+    if len(_PLANS) >= _PLAN_CACHE_LIMIT:  # dynamically created classes must not accumulate forever
+        _PLANS.clear()
+    plan = _Plan(cls)
+    _PLANS[id(cls)] = plan
+    return plan
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Devices.
+
+
+class _DeviceFilter:
+    __slots__ = ("any_index", "everything", "exact")
+
+    def __init__(self, devices: Collection[torch.device | str] | None) -> None:
+        self.everything = devices is None
+        self.exact: set[torch.device] = set()
+        self.any_index: set[str] = set()
+        for device in devices or ():
+            dev = torch.device(device)
+            if dev.index is None:
+                self.any_index.add(dev.type)
+                if dev.type == "cpu":
+                    self.exact.add(dev)
+            else:
+                self.exact.add(dev)
+
+    def accepts(self, device: torch.device) -> bool:
+        if device.type == "meta":
+            return False
+        return self.everything or device in self.exact or device.type in self.any_index
+
+
+def _layer_devices(layer: object) -> set[torch.device]:
+    """Devices of the parameters and buffers of ``layer`` and its submodules, read without running module code."""
+    found: set[torch.device] = set()
+    seen: set[int] = set()
+    stack = [layer]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        plan = _PLANS.get(id(type(module))) or _plan_for(type(module))
+        state = plan.dict_get(module) if plan.dict_get is not None else {}
+        for key in ("_parameters", "_buffers"):
+            table = state.get(key)
+            if type(table) is dict:
+                for tensor in dict.values(table):
+                    if _kind_of(tensor) == _TENSOR:
+                        found.add(_TENSOR_DEVICE(tensor))
+        children = state.get("_modules")
+        if type(children) is dict:
+            stack.extend(child for child in dict.values(children) if child is not None)
+    found.discard(torch.device("meta"))
+    return found
+
+
+def _kind_of(obj: object) -> int:
+    cls = type(obj)
+    plan = _PLANS.get(id(cls)) or _plan_for(cls)
+    return plan.kind
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The walk.
+
+_Edge = tuple[int, Any, int, int, str | None]  # token kind, name/key/index/reason, child node, write mode, reason
+_Kid = tuple[int, Any, Any, int, int, str | None]  # token kind, key, child, child kind, write mode, reason
+
+
+def _segment(kind: int, key: Any, first: bool) -> str:
+    """One token's text, exactly as :func:`format_path` writes it (the tests hold the two together)."""
+    if kind == _TK_ATTR:
+        name: str = key
+        return name if first else "." + name
+    if kind == _TK_CELL:
+        return f"__closure__[{key}]" if first else f".__closure__[{key}]"
+    if type(key) is int:
+        return f"[{key}]"
+    text: str = key
+    return "['" + text.replace("\\", "\\\\").replace("'", "\\'") + "']"
+
+
+def _render(steps: list[tuple[int, Any]]) -> str:
+    """A path for messages; steps no path can name are shown as ``<reason>``."""
+    text = ""
+    for kind, key in steps:
+        if kind == _TK_UNNAMED:
+            text += f" <{key}> "
+        else:
+            text += _segment(kind, key, not text or text.endswith(" "))
+    return text.strip() or "<layer>"
+
+
+def _nameable(name: str) -> bool:
+    """Whether the path grammar can name this attribute (ASCII identifier, and not ``__closure__``)."""
+    return name.isidentifier() and name.isascii() and name != "__closure__"
+
+
+def _kid(kids: list[_Kid], kind: int, key: Any, child: Any, mode: int, reason: str | None) -> None:
+    """Append ``child`` unless it is a leaf or a module (the general, not inlined, form of the hot loops)."""
+    cls = type(child)
+    plan = _PLANS.get(id(cls)) or _plan_for(cls)
+    if plan.kind > _SKIP:
+        kids.append((kind, key, child, plan.kind, mode, reason))
+
+
+class _Walk:
+    """One walk's state.
+
+    Phase 1 (:meth:`read`) reads every reachable object once, breadth first, recording edges between objects and
+    tensors; phase 2 (:meth:`useful`) marks the objects that lead to a tensor; phase 3 (:meth:`enumerate_paths`)
+    follows every simple path through marked objects and emits one ref per path that ends at a tensor.
+    """
+
+    def __init__(self, layer: object, max_depth: int, max_objects: int, devices: _DeviceFilter) -> None:
+        self.max_depth = max_depth
+        self.max_objects = max_objects
+        self.devices = devices
+        # Node tables; node 0 is the layer. Holding the objects keeps their ids unique until the walk ends.
+        self.objs: list[Any] = [layer]
+        self.kinds: list[int] = [_OBJECT]
+        self.parent: list[tuple[int, int, Any]] = [(-1, _TK_ATTR, None)]  # first discovery: node, token kind, key
+        self.edges: list[list[_Edge] | None] = [None]  # None: not read (a tensor, or cut by a budget)
+        self.extra_in: dict[int, list[int]] = {}  # further parents of shared objects
+        self.objects_visited = 0
+        self.depth_cut: str | None = None  # the first place the depth budget cut a path
+        self.depth_cuts = 0
+        self.objects_cut: str | None = None
+        self.paths_cut: str | None = None
+        self.notes: dict[str, None] = {}  # an ordered set
+
+    def path_of(self, node: int, extra: tuple[int, Any] | None = None) -> str:
+        steps: list[tuple[int, Any]] = []
+        while node > 0:
+            pnode, kind, key = self.parent[node]
+            steps.append((kind, key))
+            node = pnode
+        steps.reverse()
+        if extra is not None:
+            steps.append(extra)
+        return _render(steps)
+
+    def cut_depth(self, where: Callable[[], str]) -> None:
+        self.depth_cuts += 1
+        if self.depth_cut is None:
+            self.depth_cut = where()
+
+    # -- phase 1 -----------------------------------------------------------------------------------------------
+
+    def read(self) -> None:
+        objs, kinds, parent, edges = self.objs, self.kinds, self.parent, self.edges
+        index: dict[int, int] = {id(objs[0]): 0}
+        depth = [0]
+        extra_in = self.extra_in
+        plans_get = _PLANS.get
+        plan_for = _plan_for
+        device_of = _TENSOR_DEVICE
+        everything, exact, any_index = self.devices.everything, self.devices.exact, self.devices.any_index
+        max_depth, max_objects = self.max_depth, self.max_objects
+        dict_items = _DICT_ITEMS
+        head = 0
+        while head < len(objs):
+            node = head
+            head += 1
+            if kinds[node] == _TENSOR:
+                continue
+            if self.objects_visited >= max_objects:
+                unread = sum(1 for k in kinds[node:] if k != _TENSOR)
+                self.objects_cut = (
+                    f"max_objects={max_objects} reached at {self.path_of(node)!r}; "
+                    f"{unread} reachable object(s) were not read"
+                )
+                return
+            self.objects_visited += 1
+            obj = objs[node]
+            plan = plans_get(id(type(obj))) or plan_for(type(obj))
+            pk = plan.kind
+            kids: list[_Kid] = []
+            append = kids.append
+
+            # Instance attributes (__dict__ and __slots__) of objects, of the layer, and of container subclasses.
+            if plan.dict_get is not None or plan.slots or plan.shadowed_slots:
+                exclude = _MODULE_INTERNALS if node == 0 and pk == _SKIP else None
+                caveat = plan.attr_caveat
+                amode = _W_UNRESOLVED if caveat else _W_INPLACE
+                if plan.dict_get is not None:
+                    shadow = plan.data_descriptors
+                    for name, value in dict_items(plan.dict_get(obj)):
+                        vplan = plans_get(id(type(value))) or plan_for(type(value))
+                        ck = vplan.kind
+                        if ck <= _SKIP:
+                            continue
+                        if exclude is not None and name in exclude:
+                            continue
+                        if type(name) is not str or not _nameable(name):
+                            append((_TK_UNNAMED, f"attribute {name!r} is not a path name", value, ck, _W_NONE, None))
+                        elif name in shadow:
+                            why = f"attribute {name!r} is shadowed by a data descriptor of {plan.name}"
+                            append((_TK_UNNAMED, why, value, ck, _W_NONE, None))
+                        else:
+                            append((_TK_ATTR, name, value, ck, amode, caveat))
+                for name, get in plan.slots:
+                    try:
+                        value = get(obj)
+                    except AttributeError:  # an unset slot
+                        continue
+                    _kid(kids, _TK_ATTR, name, value, amode, caveat)
+                for why, get in plan.shadowed_slots:
+                    try:
+                        value = get(obj)
+                    except AttributeError:
+                        continue
+                    _kid(kids, _TK_UNNAMED, why, value, _W_NONE, None)
+                if node == 0 and pk == _SKIP:
+                    pk = _OBJECT  # the layer itself: only its attributes
+
+            if pk in (_LIST, _TUPLE, _NTUPLE, _DEQUE):
+                if pk == _LIST:
+                    items: Iterator[Any] = obj.__iter__() if type(obj) is list else _LIST_ITER(obj)
+                    imode, ireason = _W_INPLACE, None
+                elif pk == _DEQUE:
+                    items = _DEQUE_ITER(obj)
+                    imode, ireason = _W_INPLACE, None
+                else:
+                    items = obj.__iter__() if type(obj) is tuple else _TUPLE_ITER(obj)
+                    imode, ireason = (_W_NONE, plan.rebuild_reason) if plan.rebuild_reason else (_W_REBUILD, None)
+                if plan.item_caveat:
+                    imode, ireason = _W_UNRESOLVED, plan.item_caveat
+                fields = plan.fields
+                i = -1
+                for value in items:
+                    i += 1
+                    vplan = plans_get(id(type(value))) or plan_for(type(value))
+                    ck = vplan.kind
+                    if ck <= _SKIP:
+                        continue
+                    if fields and i < len(fields) and fields[i][1] is not None:
+                        append((_TK_ATTR, fields[i][1], value, ck, imode, ireason))
+                    else:
+                        append((_TK_ITEM, i, value, ck, imode, ireason))
+            elif pk in (_DICT, _PROXY):
+                target: Any = obj
+                if pk == _PROXY:
+                    # A mappingproxy's mapping is reachable only through the GC protocol (C code, no user hooks).
+                    inner = gc.get_referents(obj)
+                    if len(inner) != 1 or _kind_of(inner[0]) != _DICT:
+                        continue
+                    target = inner[0]
+                    imode, ireason = _W_NONE, "inside a mappingproxy"
+                elif plan.item_caveat:
+                    imode, ireason = _W_UNRESOLVED, plan.item_caveat
+                else:
+                    imode, ireason = _W_INPLACE, None
+                for key, value in dict_items(target):
+                    vplan = plans_get(id(type(value))) or plan_for(type(value))
+                    ck = vplan.kind
+                    kt = type(key)
+                    if kt is str or kt is int:
+                        if ck > _SKIP:
+                            append((_TK_ITEM, key, value, ck, imode, ireason))
+                        continue
+                    kname = _TYPE_NAME(kt)
+                    _kid(kids, _TK_UNNAMED, f"a dict key of type {kname}", key, _W_NONE, None)
+                    if ck > _SKIP:
+                        append((_TK_UNNAMED, f"the value under a {kname} dict key", value, ck, _W_NONE, None))
+            elif pk == _FUNCTION:
+                closure = _FUNC_CLOSURE(obj)
+                if closure is not None:
+                    for i, cell in enumerate(closure):
+                        try:
+                            value = _CELL_CONTENTS(cell)
+                        except ValueError:  # an empty cell
+                            continue
+                        _kid(kids, _TK_CELL, i, value, _W_INPLACE, None)
+                defaults = _FUNC_DEFAULTS(obj)
+                if defaults is not None:
+                    _kid(kids, _TK_ATTR, "__defaults__", defaults, _W_INPLACE, None)
+                kwdefaults = _FUNC_KWDEFAULTS(obj)
+                if kwdefaults is not None:
+                    _kid(kids, _TK_ATTR, "__kwdefaults__", kwdefaults, _W_INPLACE, None)
+            elif pk == _PARTIAL:
+                _kid(kids, _TK_ATTR, "func", _PARTIAL_FUNC(obj), _W_REBUILD, None)
+                _kid(kids, _TK_ATTR, "args", _PARTIAL_ARGS(obj), _W_REBUILD, None)
+                _kid(kids, _TK_ATTR, "keywords", _PARTIAL_KEYWORDS(obj), _W_REBUILD, None)
+            elif pk == _METHOD:
+                why = "through the read-only {} of a method"
+                _kid(kids, _TK_ATTR, "__func__", _METHOD_FUNC(obj), _W_NONE, why.format("__func__"))
+                _kid(kids, _TK_ATTR, "__self__", _METHOD_SELF(obj), _W_NONE, why.format("__self__"))
+            elif pk in (_BUILTIN, _WRAPPER):
+                owner = _BUILTIN_SELF(obj) if pk == _BUILTIN else _WRAPPER_SELF(obj)
+                _kid(kids, _TK_ATTR, "__self__", owner, _W_NONE, "through the read-only __self__ of a builtin method")
+            elif pk in (_SET, _FSET):
+                what = "a member of a set" if pk == _SET else "a member of a frozenset"
+                for value in (_SET_ITER if pk == _SET else _FROZENSET_ITER)(obj):
+                    _kid(kids, _TK_UNNAMED, what, value, _W_NONE, None)
+
+            # Link the children: new ones become nodes (unless too deep), known ones just gain an edge.
+            out: list[_Edge] = []
+            edges[node] = out
+            child_depth = depth[node] + 1
+            for tk, key, child, ck, mode, reason in kids:
+                if ck == _TENSOR:
+                    dev = device_of(child)
+                    if dev.type == "meta" or not (everything or dev in exact or dev.type in any_index):
+                        continue
+                cid = id(child)
+                idx = index.get(cid)
+                if idx is None:
+                    if child_depth > max_depth:
+                        self.cut_depth(lambda n=node, t=tk, k=key: self.path_of(n, (t, k)))  # type: ignore[misc]
+                        continue
+                    idx = len(objs)
+                    index[cid] = idx
+                    objs.append(child)
+                    kinds.append(ck)
+                    depth.append(child_depth)
+                    parent.append((node, tk, key))
+                    edges.append(None)
+                elif idx in extra_in:
+                    extra_in[idx].append(node)
+                else:
+                    extra_in[idx] = [node]
+                out.append((tk, key, idx, mode, reason))
+
+    # -- phases 2 and 3 ----------------------------------------------------------------------------------------
+
+    def useful(self) -> bytearray:
+        """1 for every node from which some tensor node can be reached (tensors included)."""
+        marks = bytearray(len(self.objs))
+        stack = [i for i, kind in enumerate(self.kinds) if kind == _TENSOR]
+        parent, extra_in = self.parent, self.extra_in
+        while stack:
+            node = stack.pop()
+            if marks[node]:
+                continue
+            marks[node] = 1
+            if node > 0:
+                stack.append(parent[node][0])
+                more = extra_in.get(node)
+                if more:
+                    stack.extend(more)
+        return marks
+
+    def enumerate_paths(self) -> list[TensorRef]:
+        marks = self.useful()
+        refs: list[TensorRef] = []
+        if not marks[0] or self.edges[0] is None:
+            return refs
+        edges, kinds, objs = self.edges, self.kinds, self.objs
+        max_depth, budget = self.max_depth, self.max_objects
+        prints: dict[int, Fingerprint | None] = {}
+        frames: list[Iterator[_Edge]] = [iter(self.edges[0])]
+        trail: list[_Edge] = []  # the edges of the current path
+        texts = [""]  # texts[k]: the path text of the first k edges of the trail
+        on_trail = {0}
+        steps = 0
+        while frames:
+            edge = next(frames[-1], None)
+            if edge is None:
+                frames.pop()
+                if trail:
+                    on_trail.discard(trail.pop()[2])
+                    texts.pop()
+                continue
+            tk, key, child, _, _ = edge
+            if not marks[child] or child in on_trail:
+                continue
+            steps += 1
+            if steps > budget:
+                where = _render([(e[0], e[1]) for e in [*trail, edge]])
+                self.paths_cut = f"max_objects={budget} reached while enumerating alias paths at {where!r}"
+                break
+            if tk == _TK_UNNAMED:
+                where = texts[-1] or "<layer>"
+                self.notes[f"{where}: {key} leads to device tensors that no slot path can name"] = None
+                continue
+            if len(trail) >= max_depth:
+                self.cut_depth(lambda e=edge: _render([(x[0], x[1]) for x in [*trail, e]]))  # type: ignore[misc]
+                continue
+            text = texts[-1] + _segment(tk, key, not trail)
+            if kinds[child] == _TENSOR:
+                ref = self._emit(text, trail, texts, edge, objs[child], child, prints)
+                if ref is not None:
+                    refs.append(ref)
+                continue
+            child_edges = edges[child]
+            if child_edges is None:
+                continue
+            trail.append(edge)
+            texts.append(text)
+            on_trail.add(child)
+            frames.append(iter(child_edges))
+        return refs
+
+    def _emit(
+        self,
+        path: str,
+        trail: list[_Edge],
+        texts: list[str],
+        last: _Edge,
+        tensor: torch.Tensor,
+        node: int,
+        prints: dict[int, Fingerprint | None],
+    ) -> TensorRef | None:
+        if node not in prints:
+            try:
+                prints[node] = fingerprint(tensor)
+            except Exception as exc:  # sparse, or a wrapper subclass without storage
+                prints[node] = None
+                self.notes[f"{path}: cannot fingerprint a {_TYPE_NAME(type(tensor))} ({exc})"] = None
+        print_ = prints[node]
+        if print_ is None:
+            return None
+        steps = [*trail, last]
+        restorable, reason = True, None
+        for i, edge in enumerate(steps):
+            if edge[3] == _W_UNRESOLVED:  # resolving the path runs user code: no guarantee it finds this tensor
+                restorable, reason = False, f"{edge[4]} at {texts[i] or '<layer>'!r}"
+                break
+        else:
+            # assign writes the last step; immutable containers are rebuilt into their parents, upwards.
+            for i in range(len(steps) - 1, -1, -1):
+                mode = steps[i][3]
+                if mode == _W_INPLACE:
+                    break
+                if mode == _W_NONE:
+                    restorable, reason = False, f"{steps[i][4]} at {texts[i] or '<layer>'!r}"
+                    break
+        return TensorRef(path=path, tensor=tensor, fingerprint=print_, restorable=restorable, reason=reason)
+
+    def exhausted(self) -> str | None:
+        parts: list[str] = []
+        if self.depth_cut is not None:
+            more = self.depth_cuts - 1
+            tail = f" and {more} more place(s)" if more else ""
+            parts.append(f"max_depth={self.max_depth} reached at {self.depth_cut!r}{tail}; nothing deeper was read")
+        if self.objects_cut:
+            parts.append(self.objects_cut)
+        if self.paths_cut:
+            parts.append(self.paths_cut)
+        return "; ".join(parts) if parts else None
+
+
+def walk(
+    layer: nn.Module,
+    *,
+    max_depth: int = 8,
+    max_objects: int = 100_000,
+    devices: Collection[torch.device | str] | None = None,
+) -> WalkResult:
+    """Find every device tensor reachable from ``layer``'s own non-parameter, non-buffer attributes.
+
+    Each ref's ``path`` resolves on ``layer`` to exactly its tensor (``SlotPath(path).resolve(layer)``);
+    ``restorable`` says whether ``SlotPath(path).assign(layer, t)`` can put a tensor back there.
+
+    Args:
+        layer: the reload unit. Its parameters, buffers and child modules are not walked.
+        max_depth: the longest path, in steps (``a.b[0]`` is three), that is reported or read through.
+        max_objects: how many distinct objects may be read; the same number bounds the alias-path enumeration.
+        devices: report only tensors on these devices (``"cuda"`` matches every CUDA index). ``None``: the
+            devices of the layer's (and its submodules') parameters and buffers, or every device if it has none.
+            Meta tensors are never reported.
+
+    Returns:
+        The refs (one per simple path to a tensor), how many objects were read, and ``exhausted``: ``None``, or a
+        sentence naming the budget that was hit and where (the refs are then incomplete).
+    """
+    if max_depth < 0 or max_objects < 0:
+        raise ValueError("max_depth and max_objects must be >= 0")
+    with torch._C.DisableTorchFunctionSubclass():
+        if devices is None:
+            found = _layer_devices(layer)
+            dev_filter = _DeviceFilter(found if found else None)
+        else:
+            dev_filter = _DeviceFilter(devices)
+        state = _Walk(layer, max_depth, max_objects, dev_filter)
+        state.read()
+        refs = state.enumerate_paths()
+    return WalkResult(
+        refs=tuple(refs),
+        objects_visited=state.objects_visited,
+        exhausted=state.exhausted(),
+        notes=tuple(state.notes),
+    )
+
+
+def collect(
+    layer: nn.Module,
+    *,
+    max_depth: int = 8,
+    max_objects: int = 100_000,
+    devices: Collection[torch.device | str] | None = None,
+) -> list[TensorRef]:
+    """The refs of :func:`walk` as a list (check ``walk(...).exhausted`` when completeness matters)."""
+    return list(walk(layer, max_depth=max_depth, max_objects=max_objects, devices=devices).refs)

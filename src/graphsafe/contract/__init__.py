@@ -1,0 +1,15 @@
+"""The reload contract (private modules; public names are re-exported by :mod:`graphsafe`)."""
+
+from graphsafe.contract._contract import GraphContract, RecaptureHandle, ReloadTransaction, SlotInfo
+from graphsafe.contract._outcome import Finding, FindingKind, ReloadOutcome, Status
+
+__all__ = [
+    "Finding",
+    "FindingKind",
+    "GraphContract",
+    "RecaptureHandle",
+    "ReloadOutcome",
+    "ReloadTransaction",
+    "SlotInfo",
+    "Status",
+]

@@ -1,0 +1,578 @@
+"""``GraphContract``: seal -> reload transaction -> restore -> verify -> ``ReloadOutcome``.
+
+The contract is the only place that decides an outcome. Adapters translate a framework's lifecycle into
+``seal``/``reload``/``before_layer``/``after_layer`` calls and an outcome into the framework's action.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from graphsafe.contract._copy import copy_pairs
+from graphsafe.contract._outcome import Finding, FindingKind, ReloadOutcome, Status
+from graphsafe.contract._slots import LayerSnapshot, Origin, SealedLayer, SealedSlot, WalkSettings
+from graphsafe.errors import (
+    ContractViolation,
+    DeclarationError,
+    DeclaredDriftError,
+    GraphSafeError,
+    NotServingSafeError,
+    RankAgreementError,
+    RecaptureError,
+    ReloadFailedError,
+    UndeclaredDriftError,
+)
+from graphsafe.registry._fingerprint import Fingerprint, fingerprint
+from graphsafe.registry._paths import SlotPath
+from graphsafe.registry._store import layer_store
+
+if TYPE_CHECKING:
+    from graphsafe.collectors._walker import WalkResult
+
+__all__ = ["MODES", "DETECT_POLICIES", "GraphContract", "Mode", "RecaptureHandle", "ReloadTransaction", "SlotInfo"]
+
+Mode = Literal["strict", "recapture", "migrate"]
+Detect = Literal["every-reload", "sealed-paths", "declared-only"]
+MODES: tuple[str, ...] = ("strict", "recapture", "migrate")
+DETECT_POLICIES: tuple[str, ...] = ("every-reload", "sealed-paths", "declared-only")
+
+
+class ManifestCheck(Protocol):
+    """What the contract needs of a capture-time manifest (see :func:`graphsafe.record_capture`)."""
+
+    def reindex(self, contract: GraphContract) -> None: ...
+
+    def check(self, contract: GraphContract) -> list[Finding]: ...
+
+
+class Agreement(Protocol):
+    """Rank agreement on an outcome (see :mod:`graphsafe.adapters.distributed`)."""
+
+    def __call__(self, local: ReloadOutcome) -> ReloadOutcome: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SlotInfo:
+    """A tracked slot as the contract sealed it (for reports and tools)."""
+
+    layer: str
+    layer_class: str
+    path: str
+    origin: str
+    fingerprint: Fingerprint
+    restorable: bool
+    alias_of: str | None
+    source: str | None
+
+
+class RecaptureHandle:
+    """Returned by :meth:`GraphContract.on_recapture`; ``remove()`` unregisters the callback."""
+
+    __slots__ = ("_callbacks", "_fn")
+
+    def __init__(self, callbacks: list[Callable[[ReloadOutcome], Any]], fn: Callable[[ReloadOutcome], Any]) -> None:
+        self._callbacks = callbacks
+        self._fn = fn
+
+    def remove(self) -> None:
+        """Unregister (idempotent)."""
+        if self._fn in self._callbacks:
+            self._callbacks.remove(self._fn)
+
+
+def _walk(layer: nn.Module, settings: WalkSettings) -> WalkResult:
+    from graphsafe.collectors._walker import walk
+
+    return walk(layer, max_depth=settings.max_depth, max_objects=settings.max_objects, devices=settings.devices)
+
+
+class GraphContract:
+    """Keeps every graph-visible tensor of ``model`` at its captured storage across weight reloads.
+
+    ``mode`` decides what a finding does, and every mode fails closed:
+
+    * ``"strict"``: any finding raises a :class:`~graphsafe.ContractViolation` carrying the outcome; the contract
+      is then not serving-safe and refuses reloads until :meth:`reseal`.
+    * ``"recapture"``: findings a new capture fixes give ``NEEDS_RECAPTURE``; ``on_recapture`` callbacks run, then
+      the contract reseals itself (with no callback it waits, not serving-safe, for :meth:`reseal`).
+    * ``"migrate"``: as ``recapture``, and undeclared tensors that drifted are restored like declared ones
+      (recorded as ``auto-restored`` findings) where their path and layout allow.
+
+    ``detect`` is the collector policy: ``"every-reload"`` walks each layer at every reload (finds tensors that
+    appeared after the seal, e.g. scratch allocated on the first forward), ``"sealed-paths"`` only re-resolves
+    the paths found at seal (no walk per reload: O(declared + found)), ``"declared-only"`` tracks declared slots
+    alone.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mode: Mode = "strict",
+        *,
+        detect: Detect = "every-reload",
+        max_depth: int = 8,
+        max_objects: int = 100_000,
+        devices: Collection[torch.device | str] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"GraphContract needs an nn.Module, got {type(model).__name__}")
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)} (no mode only warns)")
+        if detect not in DETECT_POLICIES:
+            raise ValueError(f"unknown detect policy {detect!r}: choose one of {', '.join(DETECT_POLICIES)}")
+        self._model_ref = weakref.ref(model)
+        self.mode: Mode = mode
+        self.detect: Detect = detect
+        self._walk_settings = WalkSettings(
+            detect, max_depth, max_objects, tuple(torch.device(d) for d in devices) if devices else None
+        )
+        self._layers: list[SealedLayer] = []
+        self._sealed = False
+        self._unsafe_reason: str | None = "not sealed yet: call seal() after the first load, before capture"
+        self._callbacks: list[Callable[[ReloadOutcome], Any]] = []
+        # Captured tensors of slots a failed restore left behind: kept alive until reseal so that a replay the
+        # caller should not do anyway reads stale memory rather than memory the allocator handed to someone else.
+        self._quarantine: list[torch.Tensor] = []
+        self._active: ReloadTransaction | None = None
+        self.last_outcome: ReloadOutcome | None = None
+        self.manifest: ManifestCheck | None = None
+        self.reloads = 0
+
+    # -- state -------------------------------------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        """The model (raises if it was garbage-collected)."""
+        model = self._model_ref()
+        if model is None:
+            raise GraphSafeError("the contract's model was garbage-collected")
+        return model
+
+    @property
+    def sealed(self) -> bool:
+        """Whether :meth:`seal` has run."""
+        return self._sealed
+
+    @property
+    def serving_safe(self) -> bool:
+        """Whether replaying the captured graphs is known to read the right memory."""
+        return self._sealed and self._unsafe_reason is None
+
+    @property
+    def unsafe_reason(self) -> str | None:
+        """Why the contract is not serving-safe, or ``None``."""
+        return self._unsafe_reason
+
+    def slots(self) -> Iterator[SlotInfo]:
+        """Every sealed slot (declared, alias and walker-found)."""
+        for sealed in self._layers:
+            for slot in sealed.slots:
+                yield SlotInfo(
+                    sealed.qualname,
+                    sealed.layer_class,
+                    slot.path.text,
+                    slot.origin.value,
+                    slot.fp,
+                    slot.restorable,
+                    slot.alias_of,
+                    slot.declaration.source if slot.declaration else None,
+                )
+
+    def sealed_layers(self) -> Iterator[tuple[str, nn.Module]]:
+        """``(qualified name, layer)`` for every layer the seal tracks."""
+        for sealed in self._layers:
+            layer = sealed.layer_ref()
+            if layer is not None:
+                yield sealed.qualname, layer
+
+    # -- sealing -----------------------------------------------------------------------------------------------
+    def seal(self) -> GraphContract:
+        """Fingerprint every declared slot (and, unless ``declared-only``, every undeclared device tensor).
+
+        Call after the first load and PWAL, before capture. Raises :class:`~graphsafe.DeclarationError` if a
+        declared slot does not resolve to a tensor.
+        """
+        if self._active is not None:
+            raise GraphSafeError("seal() inside a reload transaction")
+        layers: list[SealedLayer] = []
+        for qualname, layer in self.model.named_modules():
+            sealed = self._seal_layer(qualname, layer)
+            if sealed is not None:
+                layers.append(sealed)
+        self._layers = layers
+        self._quarantine.clear()
+        self._sealed = True
+        self._unsafe_reason = None
+        if self.manifest is not None:
+            self.manifest.reindex(self)
+        return self
+
+    def reseal(self) -> GraphContract:
+        """Seal again after a recapture or a full reload; makes the contract serving-safe again."""
+        return self.seal()
+
+    def _seal_layer(self, qualname: str, layer: nn.Module) -> SealedLayer | None:
+        store = layer_store(layer, create=False)
+        declarations = dict(store.slots) if store is not None else {}
+        slots: list[SealedSlot] = []
+        storages: dict[int, str] = {}
+        for text, declaration in declarations.items():
+            value = declaration.path.resolve_or(layer, None)
+            if not isinstance(value, torch.Tensor):
+                what = "does not resolve" if value is None else f"holds {type(value).__name__}, not a tensor"
+                raise DeclarationError(
+                    f"{qualname or '<model>'} ({type(layer).__name__}): declared slot {text!r} {what} at seal "
+                    f"(declared by {declaration.source}); assign it before seal() or remove the declaration"
+                )
+            slots.append(
+                SealedSlot(declaration.path, fingerprint(value), weakref.ref(value), Origin.DECLARED, declaration)
+            )
+            storages.setdefault(id(value.untyped_storage()), text)
+        exhausted = None
+        if self.detect != "declared-only":
+            result = _walk(layer, self._walk_settings)
+            exhausted = result.exhausted
+            for ref in result.refs:
+                if ref.path in declarations:
+                    continue
+                alias_of = storages.get(id(ref.tensor.untyped_storage()))
+                slots.append(
+                    SealedSlot(
+                        SlotPath(ref.path),
+                        ref.fingerprint,
+                        weakref.ref(ref.tensor),
+                        Origin.ALIAS if alias_of is not None else Origin.WALKER,
+                        restorable=ref.restorable,
+                        reason=ref.reason,
+                        alias_of=alias_of,
+                    )
+                )
+        if not slots and exhausted is None:
+            return None
+        return SealedLayer(
+            weakref.ref(layer), qualname, type(layer).__name__, slots, store.generation if store else 0, exhausted
+        )
+
+    # -- reload ------------------------------------------------------------------------------------------------
+    def reload(
+        self, *, layerwise: bool = False, group: Any = None, timeout: float | timedelta | None = None
+    ) -> ReloadTransaction:
+        """A reload transaction: ``with contract.reload() as txn: model.load_weights(new)``.
+
+        With ``layerwise=True`` nothing is snapshotted up front: call ``txn.before_layer(layer)`` before each layer
+        is re-materialised and ``txn.after_layer(layer)`` right after its PWAL. With ``group`` (a
+        ``torch.distributed`` process group) every rank prepares locally, then all ranks agree on the worst status
+        before any commits, recaptures or raises; a rank that does not arrive within ``timeout`` fails the reload.
+        """
+        return ReloadTransaction(self, layerwise=layerwise, group=group, timeout=timeout)
+
+    def on_recapture(self, fn: Callable[[ReloadOutcome], Any]) -> RecaptureHandle:
+        """Run ``fn(outcome)`` when a reload needs the graphs captured again (then the contract reseals)."""
+        self._callbacks.append(fn)
+        return RecaptureHandle(self._callbacks, fn)
+
+    def mark_unsafe(self, reason: str) -> None:
+        """Declare the captured graphs unsafe to replay until :meth:`reseal` (used by adapters)."""
+        self._unsafe_reason = reason
+
+    # -- internals used by the transaction --------------------------------------------------------------------
+    def _layer_entries(self, layer: nn.Module) -> list[SealedLayer]:
+        members = {id(m) for m in layer.modules()}
+        return [s for s in self._layers if id(s.layer_ref()) in members]
+
+    def _walker_extras(self, sealed: SealedLayer, layer: nn.Module) -> tuple[list[SealedSlot], str | None]:
+        """Tensors the walker finds now but the seal did not know (``every-reload`` only)."""
+        if self.detect != "every-reload":
+            return [], None
+        result = _walk(layer, self._walk_settings)
+        known = {slot.path.text for slot in sealed.slots}
+        storages = {id(s.fp.storage_ref()): s.path.text for s in sealed.slots if s.origin is Origin.DECLARED}
+        extras = []
+        for ref in result.refs:
+            if ref.path in known:
+                continue
+            alias_of = storages.get(id(ref.tensor.untyped_storage()))
+            extras.append(
+                SealedSlot(
+                    SlotPath(ref.path),
+                    ref.fingerprint,
+                    weakref.ref(ref.tensor),
+                    Origin.ALIAS if alias_of is not None else Origin.WALKER,
+                    restorable=ref.restorable,
+                    reason=ref.reason,
+                    alias_of=alias_of,
+                )
+            )
+        return extras, result.exhausted
+
+    def _decide(self, findings: list[Finding], error: BaseException | None) -> Status:
+        problems = [f for f in findings if f.kind.is_problem]
+        if error is not None:
+            return Status.FAILED
+        if not problems:
+            return Status.COMMITTED
+        if self.mode == "strict" or any(not f.kind.recapture_fixes for f in problems):
+            return Status.FAILED
+        return Status.NEEDS_RECAPTURE
+
+    def _apply(self, outcome: ReloadOutcome, error: BaseException | None) -> None:
+        """Turn an (agreed) outcome into the mode's action: commit, recapture, or raise."""
+        self.last_outcome = outcome
+        self.reloads += 1
+        if outcome.status is Status.COMMITTED:
+            return
+        if outcome.status is Status.NEEDS_RECAPTURE:
+            # Unsafe until the reseal below succeeds: a callback or the reseal itself may raise.
+            self._unsafe_reason = "the reload needs the graphs captured again: recapture, then call reseal()"
+            if not self._callbacks:
+                return
+            for callback in list(self._callbacks):
+                try:
+                    callback(outcome)
+                except Exception as exc:
+                    self._unsafe_reason = f"recapture callback {callback!r} failed: {exc!r}"
+                    raise RecaptureError(
+                        f"recapture after reload failed in {callback!r}: {exc}; the graphs may read stale memory "
+                        "(contract not serving-safe until reseal())",
+                        outcome,
+                    ) from exc
+            self.seal()
+            return
+        self._unsafe_reason = "the last reload failed: " + (
+            repr(error) if error is not None else f"{len(outcome.problems)} finding(s)"
+        )
+        if error is not None:
+            return  # the transaction re-raises the original error
+        raise _violation(outcome, self)
+
+
+def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViolation:
+    problems = outcome.problems
+    remote = [f for f in problems if f.rank is not None]
+    undeclared = [f for f in problems if not f.declared]
+    header = (
+        f"graphsafe {contract.mode} mode: the reload left {len(problems)} graph-visible slot(s) unsafe; "
+        "the contract is not serving-safe until reseal() (after a recapture or a full reload)."
+    )
+    body = outcome.summary()
+    if remote and contract._decide([f for f in problems if f.rank is None], None) is not Status.FAILED:
+        # This rank's own reload would have stood: name the ranks that failed the group (agreement findings).
+        ranks = ", ".join(str(r) for r in sorted({f.rank for f in remote if f.rank is not None}))
+        return RankAgreementError(
+            f"graphsafe: rank(s) {ranks} did not commit the reload, so every rank of the group fails it; "
+            f"the contract is not serving-safe until reseal().\n{body}",
+            outcome,
+        )
+    if any(not f.kind.recapture_fixes for f in problems):
+        return ReloadFailedError(f"{header}\n{body}", outcome)
+    if undeclared and not remote:
+        report = None
+        try:
+            from graphsafe.collectors import migration_report
+
+            report = migration_report(outcome)
+        except Exception:  # the report is an aid; the error must still be raised
+            report = None
+        advice = "\nDeclare them with @graph_visible(...) or register_derived(...); `graphsafe report` shows how."
+        return UndeclaredDriftError(f"{header}\n{body}{advice}", outcome, report)
+    return DeclaredDriftError(f"{header}\n{body}", outcome)
+
+
+class ReloadTransaction:
+    """One reload under a contract. Use as a context manager, or call :meth:`begin` and :meth:`finish`."""
+
+    def __init__(
+        self, contract: GraphContract, *, layerwise: bool, group: Any, timeout: float | timedelta | None
+    ) -> None:
+        self.contract = contract
+        self.layerwise = layerwise
+        self.group = group
+        self.timeout = timeout
+        self.outcome: ReloadOutcome | None = None
+        self._snapshots: dict[int, LayerSnapshot] = {}
+        self._findings: list[Finding] = []
+        self._restored = 0
+        self._bytes = 0
+        self._seconds = 0.0
+        self._begun = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    def begin(self) -> ReloadTransaction:
+        """Start the reload: refuse if the contract is not serving-safe; snapshot unless layerwise."""
+        contract = self.contract
+        if contract._active is not None:
+            raise GraphSafeError("a reload transaction is already open on this contract")
+        if not contract.serving_safe:
+            refused = NotServingSafeError(f"refusing to reload: {contract.unsafe_reason}", contract.last_outcome)
+            if self.group is not None:
+                # The peers reload and wait for this rank: take part as FAILED so that agreement rounds stay paired.
+                from graphsafe.adapters.distributed import agree
+
+                failed = ReloadOutcome(Status.FAILED, contract.mode, error=refused)
+                agree(failed, group=self.group, timeout=self.timeout)
+            raise refused
+        contract._active = self
+        self._begun = True
+        if not self.layerwise:
+            start = time.perf_counter()
+            for sealed in contract._layers:
+                self._snapshot(sealed)
+            self._seconds += time.perf_counter() - start
+        return self
+
+    def __enter__(self) -> ReloadTransaction:
+        return self.begin()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if not self._begun:
+            return
+        if exc is not None and not isinstance(exc, Exception):
+            # KeyboardInterrupt and friends: mark unsafe and let them through untouched.
+            self.contract._active = None
+            self.contract.mark_unsafe(f"the reload was interrupted by {exc_type.__name__ if exc_type else exc!r}")
+            return
+        self.finish(error=exc)
+
+    def before_layer(self, layer: nn.Module) -> None:
+        """Snapshot ``layer`` (and sealed layers under it) before it is re-materialised."""
+        start = time.perf_counter()
+        for sealed in self.contract._layer_entries(layer):
+            self._snapshot(sealed)
+        self._seconds += time.perf_counter() - start
+
+    def after_layer(self, layer: nn.Module) -> None:
+        """Restore and verify ``layer`` right after its PWAL, so its new derived tensors can be freed now."""
+        start = time.perf_counter()
+        for sealed in self.contract._layer_entries(layer):
+            snapshot = self._snapshots.get(id(sealed))
+            if snapshot is None:
+                snapshot = self._snapshot(sealed)
+            if snapshot is not None and not snapshot.done:
+                self._restore(snapshot)
+        self._seconds += time.perf_counter() - start
+
+    def finish(self, error: BaseException | None = None) -> ReloadOutcome:
+        """End the reload: restore what is left, verify, agree across ranks, then commit, recapture or raise.
+
+        With ``error`` (the reload raised), the outcome is ``FAILED``, the contract is not serving-safe, and the
+        caller re-raises ``error`` (the context manager does).
+        """
+        contract = self.contract
+        start = time.perf_counter()
+        try:
+            if error is None:
+                for sealed in contract._layers:
+                    snapshot = self._snapshots.get(id(sealed))
+                    if snapshot is None:
+                        snapshot = self._snapshot(sealed)
+                    if snapshot is not None and not snapshot.done:
+                        self._restore(snapshot)
+                if contract.manifest is not None:
+                    self._findings.extend(contract.manifest.check(contract))
+            else:
+                for snapshot in self._snapshots.values():
+                    contract._quarantine.extend(t for t in snapshot.captured if t is not None)
+                self._findings.append(
+                    Finding(
+                        FindingKind.RELOAD_ERROR,
+                        layer="",
+                        layer_class=type(contract.model).__name__,
+                        path="",
+                        declared=True,
+                        detail=f"the reload raised {error!r}; captured storage was not restored "
+                        "and the weights may be half-loaded",
+                    )
+                )
+        finally:
+            self._snapshots.clear()
+            contract._active = None
+        self._seconds += time.perf_counter() - start
+        status = contract._decide(self._findings, error)
+        outcome = ReloadOutcome(
+            status=status,
+            mode=contract.mode,
+            findings=tuple(self._findings),
+            slots_restored=self._restored,
+            bytes_copied=self._bytes,
+            seconds=self._seconds,
+            layers=len(contract._layers),
+            error=error,
+        )
+        if self.group is not None:
+            from graphsafe.adapters.distributed import agree
+
+            outcome = agree(outcome, group=self.group, timeout=self.timeout)
+        self.outcome = outcome
+        contract._apply(outcome, error)
+        return outcome
+
+    # -- per layer ---------------------------------------------------------------------------------------------
+    def _snapshot(self, sealed: SealedLayer) -> LayerSnapshot | None:
+        layer = sealed.layer_ref()
+        contract = self.contract
+        if layer is None or not self._still_in_model(sealed, layer):
+            for slot in sealed.slots:
+                self._findings.append(
+                    sealed.finding(FindingKind.VANISHED, slot, detail="the layer itself was replaced or removed")
+                )
+            return None
+        extras, exhausted = contract._walker_extras(sealed, layer)
+        snapshot = LayerSnapshot.take(sealed, layer, extras)
+        if exhausted or sealed.walk_exhausted:
+            snapshot.findings.append(
+                Finding(
+                    FindingKind.BUDGET_EXHAUSTED,
+                    layer=sealed.qualname,
+                    layer_class=sealed.layer_class,
+                    path="",
+                    declared=False,
+                    detail=(exhausted or sealed.walk_exhausted or "")
+                    + "; undeclared tensors past it are unchecked: raise max_depth/max_objects or declare them",
+                )
+            )
+        self._snapshots[id(sealed)] = snapshot
+        return snapshot
+
+    def _still_in_model(self, sealed: SealedLayer, layer: nn.Module) -> bool:
+        if not sealed.qualname:
+            return layer is self.contract.model
+        try:
+            return self.contract.model.get_submodule(sealed.qualname) is layer
+        except AttributeError:
+            return False
+
+    def _restore(self, snapshot: LayerSnapshot) -> None:
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        rebinds: list[tuple[int, torch.Tensor]] = []
+        if not self._still_in_model(snapshot.sealed, snapshot.layer):
+            # Replaced after the snapshot: the loader filled the new layer, so restoring the orphaned one would
+            # commit captured storage that keeps the old values.
+            snapshot.findings.extend(
+                snapshot.sealed.finding(FindingKind.VANISHED, slot, detail="the layer was replaced during the reload")
+                for slot in snapshot.slots
+            )
+        else:
+            rebinds = snapshot.restore(auto_restore=self.contract.mode == "migrate", pairs=pairs)
+            if pairs:
+                self._bytes += copy_pairs(pairs)
+                snapshot.check_aliases(pairs, rebinds)
+            snapshot.rebind(rebinds)
+            snapshot.verify()
+        snapshot.done = True
+        self._restored += snapshot.restored
+        self._findings.extend(snapshot.findings)
+        if any(f.kind.is_problem for f in snapshot.findings):
+            self.contract._quarantine.extend(t for t in snapshot.captured if t is not None)
+        # Drop the strong references now: the new derived tensors of this layer can be freed before the next.
+        snapshot.captured = [None] * len(snapshot.captured)
+        del pairs, rebinds

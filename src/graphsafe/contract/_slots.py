@@ -1,0 +1,389 @@
+"""What a seal records per layer, and the per-reload work on one layer: snapshot, restore, verify.
+
+This is the only code that mutates a model during reload (copies into captured storage, rebinds paths).
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphsafe.contract._outcome import Finding, FindingKind
+from graphsafe.registry._fingerprint import Fingerprint, fingerprint, geometry_key
+from graphsafe.registry._paths import SlotPath
+from graphsafe.registry._store import Declaration
+
+__all__ = ["LayerSnapshot", "Origin", "SealedLayer", "SealedSlot", "WalkSettings"]
+
+_MISSING: Any = object()
+
+
+class Origin(enum.Enum):
+    """Why a slot is tracked."""
+
+    DECLARED = "declared"  # named by the author
+    ALIAS = "alias"  # an undeclared path to a declared slot's storage: restored with it
+    WALKER = "walker"  # found only by the collector
+
+    @property
+    def declared(self) -> bool:
+        return self is not Origin.WALKER
+
+
+@dataclass(slots=True)
+class SealedSlot:
+    """One tracked slot: its path, its sealed fingerprint and a weak handle to the captured tensor."""
+
+    path: SlotPath
+    fp: Fingerprint
+    tensor_ref: weakref.ReferenceType[torch.Tensor]
+    origin: Origin
+    declaration: Declaration | None = None
+    restorable: bool = True
+    reason: str | None = None
+    alias_of: str | None = None
+    key: tuple[Any, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = self.fp.key
+
+    def captured(self) -> torch.Tensor | None:
+        """The captured tensor: the original object, or a new view on the captured storage, or ``None`` if freed."""
+        tensor = self.tensor_ref()
+        if tensor is not None:
+            return tensor
+        storage = self.fp.storage_ref()
+        if storage is None:
+            return None
+        view = torch.empty(0, dtype=self.fp.dtype, device=self.fp.device)
+        view.set_(storage, self.fp.storage_offset, self.fp.shape, self.fp.stride)
+        return view
+
+
+@dataclass(frozen=True, slots=True)
+class WalkSettings:
+    """How the collector is run for a contract (``policy`` is the ``detect`` option)."""
+
+    policy: str
+    max_depth: int
+    max_objects: int
+    devices: tuple[torch.device, ...] | None
+
+
+@dataclass(slots=True)
+class SealedLayer:
+    """Everything sealed for one layer."""
+
+    layer_ref: weakref.ReferenceType[nn.Module]
+    qualname: str
+    layer_class: str
+    slots: list[SealedSlot]
+    declared_generation: int
+    walk_exhausted: str | None = None
+
+    def finding(self, kind: FindingKind, slot: SealedSlot, **extra: Any) -> Finding:
+        detail = extra.pop("detail", "")
+        if slot.origin is Origin.ALIAS and slot.alias_of:
+            detail = f"{detail}; alias of declared slot {slot.alias_of!r}".lstrip("; ")
+        return Finding(
+            kind=kind,
+            layer=self.qualname,
+            layer_class=self.layer_class,
+            path=slot.path.text,
+            declared=slot.origin.declared,
+            before=extra.pop("before", slot.fp),
+            after=extra.pop("after", None),
+            detail=detail,
+        )
+
+
+def _describe_geometry_change(slot: SealedSlot, tensor: torch.Tensor) -> str:
+    changes = []
+    if tuple(tensor.shape) != slot.fp.shape:
+        changes.append(f"shape {list(slot.fp.shape)} -> {list(tensor.shape)}")
+    if tensor.dtype != slot.fp.dtype:
+        changes.append(f"dtype {slot.fp.dtype} -> {tensor.dtype}")
+    if tensor.device != slot.fp.device:
+        changes.append(f"device {slot.fp.device} -> {tensor.device}")
+    if not changes and tensor.storage_offset() != slot.fp.storage_offset:
+        changes.append(f"offset {slot.fp.storage_offset} -> {tensor.storage_offset()}")
+    if not changes:
+        changes.append(f"stride {list(slot.fp.stride)} -> {list(tensor.stride())}")
+    return ", ".join(changes)
+
+
+@dataclass(slots=True)
+class _Freshness:
+    """What a declared slot and its inputs looked like before PWAL, to tell a skipped rebuild (``stale``)."""
+
+    tensor: torch.Tensor
+    version: int
+    sources: tuple[str, ...] | None
+    inputs: _InputState
+
+
+def _input_tensors(layer: nn.Module, sources: tuple[str, ...] | None) -> list[torch.Tensor]:
+    if sources is None:
+        own: list[torch.Tensor] = [p for _, p in layer.named_parameters(recurse=False)]
+        return own if own else list(layer.parameters())
+    found = []
+    for source in sources:
+        value = SlotPath(source).resolve_or(layer, None)
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+    return found
+
+
+_SIGNATURE_ELEMENTS = 256
+
+
+def _signature(tensor: torch.Tensor) -> torch.Tensor:
+    # A strided sample of the values: loaders commonly write through ``param.data.copy_``, which does not move the
+    # parameter's version counter, so the values themselves are the only witness. Sampling keeps this a tiny
+    # kernel; a change confined to unsampled elements can escape it (documented in docs/fault-matrix.md).
+    flat = tensor.detach().reshape(-1)
+    step = max(1, flat.numel() // _SIGNATURE_ELEMENTS)
+    return flat[::step][:_SIGNATURE_ELEMENTS].clone()
+
+
+@dataclass(frozen=True, slots=True)
+class _InputState:
+    identity: tuple[tuple[int, int], ...]
+    samples: tuple[torch.Tensor, ...]
+
+    def same_as(self, other: _InputState) -> bool:
+        return self.identity == other.identity and all(
+            torch.equal(a, b) for a, b in zip(self.samples, other.samples, strict=True)
+        )
+
+
+def _input_state(layer: nn.Module, sources: tuple[str, ...] | None) -> _InputState:
+    # A weight load either replaces the inputs (storage changes), writes them through the parameter (version
+    # moves) or writes them through ``.data`` (only the values change).
+    tensors = [t for t in _input_tensors(layer, sources) if t.device.type != "meta"]
+    return _InputState(
+        tuple((id(t.untyped_storage()), t._version) for t in tensors), tuple(_signature(t) for t in tensors)
+    )
+
+
+@dataclass(slots=True)
+class LayerSnapshot:
+    """One layer's state for one reload: strong references to every captured tensor until restore is done."""
+
+    sealed: SealedLayer
+    layer: nn.Module
+    slots: list[SealedSlot]
+    captured: list[torch.Tensor | None]
+    versions: list[int]
+    findings: list[Finding] = field(default_factory=list)
+    freshness: dict[int, _Freshness] = field(default_factory=dict)
+    restored: int = 0
+    bytes_copied: int = 0
+    done: bool = False
+
+    @classmethod
+    def take(cls, sealed: SealedLayer, layer: nn.Module, extra: Iterable[SealedSlot] = ()) -> LayerSnapshot:
+        slots = list(sealed.slots)
+        slots.extend(extra)
+        captured: list[torch.Tensor | None] = []
+        versions: list[int] = []
+        findings: list[Finding] = []
+        freshness: dict[int, _Freshness] = {}
+        input_cache: dict[tuple[str, ...] | None, _InputState] = {}
+        for index, slot in enumerate(slots):
+            tensor = slot.captured()
+            captured.append(tensor)
+            versions.append(tensor._version if tensor is not None else -1)
+            if tensor is None:
+                findings.append(
+                    sealed.finding(
+                        FindingKind.DEAD,
+                        slot,
+                        detail="the captured storage was freed before the reload began; replay reads freed memory",
+                    )
+                )
+                continue
+            declaration = slot.declaration
+            if slot.origin is Origin.DECLARED and declaration is not None and not declaration.static:
+                current = slot.path.resolve_or(layer, None)
+                if isinstance(current, torch.Tensor):
+                    sources = declaration.derived_from
+                    if sources not in input_cache:
+                        input_cache[sources] = _input_state(layer, sources)
+                    freshness[index] = _Freshness(current, current._version, sources, input_cache[sources])
+        return cls(sealed, layer, slots, captured, versions, findings, freshness)
+
+    def restore(
+        self, *, auto_restore: bool, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[tuple[int, torch.Tensor]]:
+        """Plan copies (appended to ``pairs``) and return the rebinds ``(slot index, captured)`` to apply.
+
+        Problems become findings; nothing here raises for a bad slot.
+        """
+        sealed = self.sealed
+        rebinds: list[tuple[int, torch.Tensor]] = []
+        seen_pairs: set[tuple[int, int]] = set()
+        for index, slot in enumerate(self.slots):
+            captured = self.captured[index]
+            if captured is None:
+                continue
+            current = slot.path.resolve_or(self.layer, _MISSING)
+            if current is _MISSING or not isinstance(current, torch.Tensor):
+                what = (
+                    "the path no longer resolves"
+                    if current is _MISSING
+                    else (f"the path now holds {type(current).__name__}, not a tensor")
+                )
+                self.findings.append(sealed.finding(FindingKind.VANISHED, slot, detail=what))
+                continue
+            if current is captured or (
+                current.untyped_storage() is captured.untyped_storage()
+                and current.data_ptr() == slot.fp.data_ptr
+                and geometry_key(current) == geometry_key(captured)
+            ):
+                self._check_fresh(index, slot, current)
+                continue  # in place (possibly through another Python object)
+            if current.untyped_storage() is captured.untyped_storage():
+                self.findings.append(
+                    sealed.finding(
+                        FindingKind.RESPECIFIED,
+                        slot,
+                        after=fingerprint(current),
+                        detail="same storage seen through another view: " + _describe_geometry_change(slot, current),
+                    )
+                )
+                continue
+            if geometry_key(current) != geometry_key(captured) or (current.storage_offset() != slot.fp.storage_offset):
+                self.findings.append(
+                    sealed.finding(
+                        FindingKind.RESPECIFIED,
+                        slot,
+                        after=fingerprint(current),
+                        detail=_describe_geometry_change(slot, current)
+                        + "; a copy cannot keep the captured layout: recapture",
+                    )
+                )
+                continue
+            if slot.origin is Origin.WALKER:
+                if not auto_restore or not slot.restorable:
+                    why = "undeclared tensor moved to new storage"
+                    if auto_restore:
+                        why += f"; not restorable ({slot.reason})"
+                    self.findings.append(
+                        sealed.finding(FindingKind.MOVED, slot, after=fingerprint(current), detail=why)
+                    )
+                    continue
+                self.findings.append(
+                    sealed.finding(
+                        FindingKind.AUTO_RESTORED,
+                        slot,
+                        after=fingerprint(current),
+                        detail="copied into the captured storage and rebound (migrate mode); declare it",
+                    )
+                )
+            pair_key = (id(captured), id(current))
+            if pair_key not in seen_pairs:
+                seen_pairs.add(pair_key)
+                pairs.append((captured, current))
+            rebinds.append((index, captured))
+        return rebinds
+
+    def _check_fresh(self, index: int, slot: SealedSlot, current: torch.Tensor) -> None:
+        """Flag a declared slot PWAL neither rebuilt nor wrote in place although its inputs changed."""
+        return
+        before = self.freshness.get(index)
+        if before is None or current is not before.tensor or current._version != before.version:
+            return
+        if _input_state(self.layer, before.sources).same_as(before.inputs):
+            return  # a partial reload that did not touch this slot's inputs
+        inputs = ", ".join(before.sources) if before.sources else "the layer's parameters"
+        self.findings.append(
+            self.sealed.finding(
+                FindingKind.STALE,
+                slot,
+                after=fingerprint(current),
+                detail=f"its inputs ({inputs}) changed but PWAL neither rebuilt it nor wrote it in place; the graph "
+                "would read old values at the right address. Rebuild it in PWAL, or declare it static=True if "
+                "its contents do not depend on the weights",
+            )
+        )
+
+    def check_aliases(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], rebinds: list[tuple[int, torch.Tensor]]
+    ) -> None:
+        """After copying: slots sharing a captured storage must all read their new values (else alias-broken)."""
+        by_storage: dict[int, list[int]] = {}
+        for index, captured in rebinds:
+            by_storage.setdefault(id(captured.untyped_storage()), []).append(index)
+        new_of = {id(dst): src for dst, src in pairs}
+        for indices in by_storage.values():
+            if len(indices) < 2:
+                continue
+            for index in indices:
+                held = self.captured[index]
+                assert held is not None
+                source: Any = self.slots[index].path.resolve_or(self.layer, None)
+                if not isinstance(source, torch.Tensor):
+                    source = new_of.get(id(held))
+                if isinstance(source, torch.Tensor) and not torch.equal(held, source):
+                    others = ", ".join(repr(self.slots[i].path.text) for i in indices if i != index)
+                    self.findings.append(
+                        self.sealed.finding(
+                            FindingKind.ALIAS_BROKEN,
+                            self.slots[index],
+                            after=fingerprint(source),
+                            detail=f"shared captured storage with {others}, but the reload produced values that "
+                            "no longer agree",
+                        )
+                    )
+
+    def rebind(self, rebinds: list[tuple[int, torch.Tensor]]) -> None:
+        """Put the captured tensors back at their paths."""
+        # A slot whose alias broke keeps its new tensor: the shared captured storage now holds another slot's
+        # values, and rebinding would hand this path (and any recapture) the wrong ones.
+        broken = {f.path for f in self.findings if f.kind is FindingKind.ALIAS_BROKEN}
+        for index, captured in rebinds:
+            slot = self.slots[index]
+            if slot.path.text in broken:
+                continue
+            try:
+                slot.path.assign(self.layer, captured)
+            except Exception as exc:  # a container that no longer takes assignment
+                self.findings.append(
+                    self.sealed.finding(FindingKind.MOVED, slot, detail=f"could not rebind the captured tensor: {exc}")
+                )
+                continue
+            self.restored += 1
+
+    def verify(self) -> None:
+        """Every slot must again have its sealed fingerprint; anything else is a finding (once per slot)."""
+        flagged = {f.path for f in self.findings if f.kind.is_problem}
+        for index, slot in enumerate(self.slots):
+            if slot.path.text in flagged:
+                continue
+            if not slot.fp.alive:
+                self.findings.append(
+                    self.sealed.finding(FindingKind.DEAD, slot, detail="the captured storage was freed")
+                )
+                continue
+            current = slot.path.resolve_or(self.layer, _MISSING)
+            if not isinstance(current, torch.Tensor):
+                self.findings.append(
+                    self.sealed.finding(FindingKind.VANISHED, slot, detail="the path no longer resolves")
+                )
+                continue
+            if current is self.captured[index]:
+                continue
+            after = fingerprint(current)
+            if after.key != slot.key or not after.same_storage(slot.fp):
+                self.findings.append(
+                    self.sealed.finding(
+                        FindingKind.MOVED, slot, after=after, detail="not at its captured storage after restore"
+                    )
+                )

@@ -1,0 +1,296 @@
+"""Declaring graph-visible derived tensors: ``graph_visible``, ``register_derived`` and ``stable_empty``."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
+
+import torch
+from torch import nn
+
+from graphsafe.errors import DeclarationError, PathError, PathSyntaxError
+from graphsafe.registry._paths import SlotPath
+from graphsafe.registry._store import Declaration, layer_store
+
+__all__ = [
+    "GRAPH_VISIBLE_ATTR",
+    "DerivedHandle",
+    "GraphVisibleSpec",
+    "declared_paths",
+    "graph_visible",
+    "register_derived",
+    "stable_empty",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: Attribute the ``graph_visible`` marker sets on the function it wraps (read it with :func:`declared_paths`).
+GRAPH_VISIBLE_ATTR = "graphsafe_graph_visible"
+
+
+@dataclass(frozen=True, slots=True)
+class GraphVisibleSpec:
+    """What ``@graph_visible`` recorded on a function, readable without running it."""
+
+    paths: tuple[str, ...]
+    derived_from: tuple[str, ...] | None
+    static: bool
+    layer_arg: str | None
+
+
+def _normalize_derived_from(derived_from: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    if derived_from is None:
+        return None
+    items = (derived_from,) if isinstance(derived_from, str) else tuple(derived_from)
+    for item in items:
+        SlotPath(item)  # syntax check at declaration time
+    return items
+
+
+def _qualified(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def declared_paths(fn: Callable[..., Any]) -> GraphVisibleSpec | None:
+    """The paths ``@graph_visible`` declared on ``fn`` (a function, method or bound method), or ``None``."""
+    target = getattr(fn, "__func__", fn)
+    spec = getattr(target, GRAPH_VISIBLE_ATTR, None)
+    return spec if isinstance(spec, GraphVisibleSpec) else None
+
+
+def _find_layer(
+    signature: inspect.Signature | None, layer_arg: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> nn.Module | None:
+    if signature is not None:
+        try:
+            bound = signature.bind_partial(*args, **kwargs)
+        except TypeError:
+            bound = None
+        if bound is not None:
+            name = layer_arg or ("layer" if "layer" in bound.arguments else None)
+            if name is not None:
+                value = bound.arguments.get(name)
+                return value if isinstance(value, nn.Module) else None
+    # No parameter named "layer": a quant method's (self, layer, ...) or a layer's own (self, ...).
+    if len(args) >= 2 and isinstance(args[1], nn.Module):
+        return args[1]
+    if args and isinstance(args[0], nn.Module):
+        return args[0]
+    return None
+
+
+def graph_visible(
+    *paths: str,
+    derived_from: str | Sequence[str] | None = None,
+    static: bool = False,
+    layer_arg: str | None = None,
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Declare the graph-visible tensors a ``process_weights_after_loading`` creates.
+
+    Decorates a method ``(self, layer, ...)``, a function ``(layer, ...)`` or a layer's own method ``(self, ...)``;
+    ``layer_arg`` names the parameter holding the layer when none of these fit. After the wrapped call returns,
+    each path is resolved on the layer and declared for it. A path that does not resolve to a tensor then raises
+    :class:`~graphsafe.DeclarationError`. ``derived_from`` names the slots the tensors are computed from (default:
+    the layer's parameters); ``static=True`` marks contents PWAL legitimately leaves alone (zeroed scratch).
+    """
+    if not paths:
+        raise DeclarationError("graph_visible() needs at least one slot path")
+    parsed = tuple(SlotPath(p) for p in paths)  # PathSyntaxError at import time, where the bug is
+    sources = _normalize_derived_from(derived_from)
+    spec = GraphVisibleSpec(tuple(p.text for p in parsed), sources, static, layer_arg)
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        try:
+            signature: inspect.Signature | None = inspect.signature(fn)
+        except (TypeError, ValueError):
+            signature = None
+        where = _qualified(fn)
+        source = f"@graph_visible on {where}"
+
+        @functools.wraps(fn)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            result = fn(*args, **kwargs)
+            layer = _find_layer(signature, layer_arg, args, kwargs)
+            if layer is None:
+                raise DeclarationError(
+                    f"{where}: @graph_visible could not find the layer among the call's arguments; "
+                    "name it with @graph_visible(..., layer_arg='name')"
+                )
+            for path in parsed:
+                _declare(layer, path, None, sources, static, source, where)
+            return result
+
+        setattr(wrapper, GRAPH_VISIBLE_ATTR, spec)
+        return wrapper
+
+    return decorate
+
+
+def _declare(
+    layer: nn.Module,
+    path: SlotPath,
+    tensor: torch.Tensor | None,
+    derived_from: tuple[str, ...] | None,
+    static: bool,
+    source: str,
+    where: str,
+) -> Declaration:
+    try:
+        value = path.resolve(layer)
+    except PathError as exc:
+        raise DeclarationError(
+            f"{where}: declared slot {path.text!r} on {type(layer).__name__} does not resolve: "
+            f"{exc.reason} at {exc.prefix!r}. Declare it after the tensor is assigned."
+        ) from exc
+    if not isinstance(value, torch.Tensor):
+        raise DeclarationError(
+            f"{where}: declared slot {path.text!r} on {type(layer).__name__} holds {type(value).__name__}, not a tensor"
+        )
+    if tensor is not None and not _same_view(value, tensor):
+        raise DeclarationError(
+            f"{where}: register_derived({path.text!r}, tensor) on {type(layer).__name__}: the path resolves to a "
+            "different tensor (storage, offset, shape or stride differ) than the one passed"
+        )
+    declaration = Declaration(path=path, source=source, derived_from=derived_from, static=static)
+    store = layer_store(layer)
+    assert store is not None
+    store.put(declaration)
+    return declaration
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.untyped_storage() is b.untyped_storage()
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+class DerivedHandle:
+    """A declaration made by :func:`register_derived`; ``remove()`` undeclares it (also as a context manager)."""
+
+    __slots__ = ("_layer_ref", "path")
+
+    def __init__(self, layer: nn.Module, path: SlotPath) -> None:
+        import weakref
+
+        self._layer_ref = weakref.ref(layer)
+        self.path = path
+
+    @property
+    def layer(self) -> nn.Module | None:
+        """The layer, or ``None`` once it was garbage-collected."""
+        return self._layer_ref()
+
+    @property
+    def active(self) -> bool:
+        """Whether the declaration is still in force."""
+        layer = self._layer_ref()
+        store = layer_store(layer, create=False) if layer is not None else None
+        return store is not None and self.path.text in store.slots
+
+    def remove(self) -> None:
+        """Undeclare the slot (idempotent)."""
+        layer = self._layer_ref()
+        store = layer_store(layer, create=False) if layer is not None else None
+        if store is not None:
+            store.drop(self.path.text)
+
+    def __enter__(self) -> DerivedHandle:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        layer = self._layer_ref()
+        owner = type(layer).__name__ if layer is not None else "<collected layer>"
+        return f"DerivedHandle({owner}, {self.path.text!r}, active={self.active})"
+
+
+def _caller() -> str:
+    frame = inspect.currentframe()
+    try:
+        outer = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+        if outer is None:
+            return "register_derived"
+        return f"register_derived at {outer.f_code.co_filename}:{outer.f_lineno}"
+    finally:
+        del frame
+
+
+def register_derived(
+    layer: nn.Module,
+    path: str,
+    tensor: torch.Tensor | None = None,
+    *,
+    derived_from: str | Sequence[str] | None = None,
+    static: bool = False,
+) -> DerivedHandle:
+    """Declare the graph-visible tensor at ``path`` on ``layer`` imperatively.
+
+    Use it inside PWAL or lazily (a scratch buffer allocated on the first forward). When ``tensor`` is given it
+    must be exactly what the path resolves to. Re-declaring on every reload is idempotent. Returns a handle whose
+    ``remove()`` undeclares the slot.
+    """
+    if not isinstance(layer, nn.Module):
+        raise DeclarationError(f"register_derived needs an nn.Module layer, got {type(layer).__name__}")
+    try:
+        slot = SlotPath(path)
+    except PathSyntaxError as exc:
+        raise DeclarationError(f"register_derived on {type(layer).__name__}: {exc}") from exc
+    source = _caller()
+    _declare(layer, slot, tensor, _normalize_derived_from(derived_from), static, source, source)
+    return DerivedHandle(layer, slot)
+
+
+def stable_empty(
+    layer: nn.Module,
+    name: str,
+    shape: Sequence[int] | torch.Size,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    zero: bool = False,
+) -> torch.Tensor:
+    """A tensor whose storage is the same every time PWAL re-runs for ``(layer, name)``, already declared.
+
+    The constructive twin of declaring: for workspaces and lazily allocated scratch, allocate through this and
+    assign the result at path ``name`` (e.g. ``layer._permute_scratch = stable_empty(layer, "_permute_scratch",
+    ...)``). ``zero=True`` zeroes it in place on every call. The slot is declared ``static`` (its contents are
+    not derived from the weights). Asking again with another shape, dtype or device raises
+    :class:`~graphsafe.DeclarationError` (that would need a new capture).
+    """
+    if not isinstance(layer, nn.Module):
+        raise DeclarationError(f"stable_empty needs an nn.Module layer, got {type(layer).__name__}")
+    slot = SlotPath(name)
+    wanted_shape = tuple(int(n) for n in shape)
+    wanted_device = torch.device(device)
+    store = layer_store(layer)
+    assert store is not None
+    tensor = store.stable.get(slot.text)
+    if tensor is not None:
+        same_device = tensor.device.type == wanted_device.type and (
+            wanted_device.index is None or tensor.device.index == wanted_device.index
+        )
+        if tuple(tensor.shape) != wanted_shape or tensor.dtype != dtype or not same_device:
+            raise DeclarationError(
+                f"stable_empty({type(layer).__name__}, {slot.text!r}): first allocated as "
+                f"{tensor.dtype}{list(tensor.shape)} on {tensor.device}, now asked for {dtype}{list(wanted_shape)} "
+                f"on {wanted_device}; a captured graph cannot follow a new allocation: recapture instead"
+            )
+        if zero:
+            tensor.zero_()
+    else:
+        tensor = (torch.zeros if zero else torch.empty)(wanted_shape, dtype=dtype, device=wanted_device)
+        store.stable[slot.text] = tensor
+    store.put(Declaration(path=slot, source=f"stable_empty({slot.text!r})", static=True))
+    return tensor

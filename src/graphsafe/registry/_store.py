@@ -1,0 +1,72 @@
+"""The one weak per-layer store of declarations.
+
+Keyed weakly by layer, so a layer that is garbage-collected leaves nothing behind. Everything else graphsafe
+tracks hangs off a :class:`~graphsafe.GraphContract` instance.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from graphsafe.registry._paths import SlotPath
+
+__all__ = ["Declaration", "LayerDeclarations", "declarations_of", "iter_declared_layers", "layer_store"]
+
+
+@dataclass(frozen=True, slots=True)
+class Declaration:
+    """One declared graph-visible slot of a layer."""
+
+    path: SlotPath
+    source: str
+    derived_from: tuple[str, ...] | None = None
+    static: bool = False
+
+
+@dataclass(slots=True)
+class LayerDeclarations:
+    """Declarations and stable storages of one layer."""
+
+    slots: dict[str, Declaration] = field(default_factory=dict)
+    stable: dict[str, torch.Tensor] = field(default_factory=dict)
+    generation: int = 0
+
+    def put(self, declaration: Declaration) -> None:
+        existing = self.slots.get(declaration.path.text)
+        if existing != declaration:
+            self.slots[declaration.path.text] = declaration
+            self.generation += 1
+
+    def drop(self, path: str) -> bool:
+        if self.slots.pop(path, None) is None:
+            return False
+        self.generation += 1
+        return True
+
+
+_STORE: weakref.WeakKeyDictionary[nn.Module, LayerDeclarations] = weakref.WeakKeyDictionary()
+
+
+def layer_store(layer: nn.Module, *, create: bool = True) -> LayerDeclarations | None:
+    """The store entry of ``layer`` (created on first use when ``create``)."""
+    entry = _STORE.get(layer)
+    if entry is None and create:
+        entry = LayerDeclarations()
+        _STORE[layer] = entry
+    return entry
+
+
+def declarations_of(layer: nn.Module) -> Mapping[str, Declaration]:
+    """The declared slots of ``layer`` by path text (empty when it declares nothing)."""
+    entry = _STORE.get(layer)
+    return entry.slots if entry is not None else {}
+
+
+def iter_declared_layers() -> Iterator[tuple[nn.Module, LayerDeclarations]]:
+    """Every live layer that has an entry (for diagnostics and tests)."""
+    return iter(list(_STORE.items()))

@@ -1,0 +1,36 @@
+"""GPU tests: skipped where CUDA is absent; a summary of exact vs tolerance comparisons at the end of the run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+_RECORDS = pytest.StashKey[list[str]]()
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture
+def gpu_notes(request: pytest.FixtureRequest) -> Iterator[list[str]]:
+    """Lines to print in the terminal summary (comparisons that needed the reduction tolerance, and the like)."""
+    records = request.config.stash.setdefault(_RECORDS, [])
+    yield records
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    records = config.stash.get(_RECORDS, [])
+    if records:
+        terminalreporter.section("graphsafe GPU notes")
+        for line in records:
+            terminalreporter.write_line(line)

@@ -1,0 +1,69 @@
+"""Outcome values: status order, finding kinds, and what a real reload's outcome carries and renders (CPU)."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from graphsafe import DeclaredDriftError, Finding, FindingKind, GraphContract, ReloadOutcome, Status
+
+if TYPE_CHECKING:
+    from conftest import Tiny
+
+
+def test_status_worst_orders_failed_over_recapture_over_committed() -> None:
+    assert Status.worst() is Status.COMMITTED
+    assert Status.worst(Status.COMMITTED, Status.NEEDS_RECAPTURE) is Status.NEEDS_RECAPTURE
+    assert Status.worst(Status.NEEDS_RECAPTURE, Status.FAILED, Status.COMMITTED) is Status.FAILED
+
+
+def test_only_value_and_error_findings_are_beyond_a_recapture() -> None:
+    beyond = {kind for kind in FindingKind if not kind.recapture_fixes}
+    assert beyond == {FindingKind.STALE, FindingKind.RELOAD_ERROR}
+    assert {kind for kind in FindingKind if not kind.is_problem} == {FindingKind.AUTO_RESTORED}
+
+
+def test_where_names_the_root_model_explicitly() -> None:
+    root = Finding(FindingKind.VANISHED, layer="", layer_class="Net", path="scale", declared=True)
+    nested = Finding(FindingKind.VANISHED, layer="layers.1", layer_class="QuantLinear", path="scale", declared=False)
+    assert root.where == "<model>:scale"
+    assert nested.where == "layers.1:scale"
+    assert "undeclared" in nested.describe() and "undeclared" not in root.describe()
+
+
+def _faulty_outcome(tiny: Tiny) -> ReloadOutcome:
+    model = tiny.build(0)
+    contract = GraphContract(model, detect="declared-only").seal()
+    with pytest.raises(DeclaredDriftError) as info, contract.reload():
+        tiny.reload(model, 1)
+        model.layers[1].weight_t = model.layers[1].weight_t.to(torch.float64)
+    assert info.value.outcome is not None
+    return info.value.outcome
+
+
+def test_a_findings_fingerprints_describe_before_and_after(tiny: Tiny) -> None:
+    outcome = _faulty_outcome(tiny)
+    (finding,) = outcome.problems
+    assert finding.before is not None and finding.after is not None
+    assert finding.before.dtype == torch.float32 and finding.after.dtype == torch.float64
+    assert finding.before.data_ptr != finding.after.data_ptr
+    text = finding.describe()
+    assert "layers.1" in text and "'weight_t'" in text and "respecified" in text
+    assert "float32" in text and "float64" in text
+    summary = outcome.summary()
+    assert outcome.status.value in summary and "weight_t" in summary
+
+
+def test_outcome_to_dict_is_json_and_keeps_the_facts(tiny: Tiny) -> None:
+    outcome = _faulty_outcome(tiny)
+    data = json.loads(json.dumps(outcome.to_dict()))
+    assert data["status"] == "failed" and data["mode"] == "strict"
+    assert data["slots_restored"] == outcome.slots_restored > 0
+    assert data["bytes_copied"] == outcome.bytes_copied > 0
+    (finding,) = data["findings"]
+    assert (finding["kind"], finding["layer"], finding["path"]) == ("respecified", "layers.1", "weight_t")
+    assert finding["before"]["dtype"] == "float32" and finding["after"]["dtype"] == "float64"
+    assert finding["before"]["data_ptr"] == outcome.problems[0].before.data_ptr  # type: ignore[union-attr]
