@@ -115,6 +115,9 @@ def weights(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
 
 
 # Loaders: how the new values reach the parameters. All of them then run PWAL on every layer.
+Loader = Callable[[nn.Module, Mapping[str, torch.Tensor]], None]
+
+
 def load_data_copy(model: nn.Module, new: Mapping[str, torch.Tensor]) -> None:
     """The upstream way: ``param.data.copy_`` (does NOT move the parameter's version counter)."""
     params = dict(model.named_parameters())
@@ -169,7 +172,9 @@ def seal(model: nn.Module, mode: str = "strict") -> GraphContract:
     return GraphContract(model, mode).seal()  # type: ignore[arg-type]
 
 
-def reload(contract: GraphContract, model: nn.Module, new: Mapping[str, torch.Tensor], loader=load_data_copy) -> None:  # type: ignore[no-untyped-def]
+def reload(
+    contract: GraphContract, model: nn.Module, new: Mapping[str, torch.Tensor], loader: Loader = load_data_copy
+) -> None:
     with contract.reload():
         loader(model, new)
 
@@ -348,7 +353,7 @@ def test_a_partial_reload_does_not_flag_layers_it_did_not_touch() -> None:
 
 
 @pytest.mark.parametrize("loader", [load_data_copy, load_param_copy, load_replace], ids=lambda f: f.__name__)
-def test_every_way_a_loader_writes_the_inputs_is_seen(loader: Callable[[nn.Module, Mapping[str, torch.Tensor]], None]) -> None:
+def test_every_way_a_loader_writes_the_inputs_is_seen(loader: Loader) -> None:
     model = build(0)
     contract = seal(model)
     weight = model.layers[0].weight

@@ -5,6 +5,8 @@ Authors declare graph-visible derived tensors (:func:`graph_visible`, :func:`reg
 storage after every reload, verifies every address and fails closed.
 """
 
+from graphsafe.adapters.torch import CapturedGraph, GraphRunner
+from graphsafe.collectors import Manifest, MigrationReport, TensorRef, collect, migration_report, record_capture
 from graphsafe.contract import Finding, FindingKind, GraphContract, ReloadOutcome, ReloadTransaction, Status
 from graphsafe.errors import (
     ContractViolation,
@@ -31,6 +33,7 @@ from graphsafe.registry import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CapturedGraph",
     "ContractViolation",
     "DeclarationError",
     "DeclaredDriftError",
@@ -38,7 +41,10 @@ __all__ = [
     "Finding",
     "FindingKind",
     "GraphContract",
+    "GraphRunner",
     "GraphSafeError",
+    "Manifest",
+    "MigrationReport",
     "NotServingSafeError",
     "PathError",
     "PathSyntaxError",
@@ -48,11 +54,15 @@ __all__ = [
     "ReloadOutcome",
     "ReloadTransaction",
     "SlotPath",
+    "TensorRef",
     "Status",
     "UndeclaredDriftError",
     "__version__",
+    "collect",
     "declared_paths",
     "graph_visible",
+    "migration_report",
+    "record_capture",
     "register_derived",
     "stable_empty",
 ]

@@ -22,6 +22,7 @@ same, which is what CPU tests cover; the fallback cannot show staleness, since e
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from types import TracebackType
@@ -133,11 +134,7 @@ class CapturedGraph:
             return
         self._closed = True
         if self._handle is not None:
-            self._handle.remove()
-        manifest = self.contract.manifest
-        discard = getattr(manifest, "discard", None)
-        if callable(discard):
-            discard(self.name)
+            _forget(self._handle, weakref.ref(self.contract), self.name)
         self._graph = None
 
     def __repr__(self) -> str:
@@ -147,7 +144,10 @@ class CapturedGraph:
     # -- capture -----------------------------------------------------------------------------------------------
     def _start(self) -> CapturedGraph:
         self._capture(reindex=True)
-        self._handle = self.contract.on_recapture(self._on_recapture)
+        # The contract holds the callback weakly: a strong bound method would make a reference cycle, and a cycle
+        # collected by the GC in the middle of some later capture would destroy this graph there and invalidate it.
+        self._handle = self.contract.on_recapture(_WeakRecapture(self))
+        weakref.finalize(self, _forget, self._handle, weakref.ref(self.contract), self.name)
         return self
 
     def _on_recapture(self, outcome: ReloadOutcome) -> None:
@@ -223,6 +223,32 @@ class CapturedGraph:
                                  f"{len(self._out_leaves)}")
         for out, leaf in zip(self._out_leaves, leaves, strict=True):
             out.copy_(leaf)
+
+
+class _WeakRecapture:
+    """A recapture callback that does not keep its graph alive."""
+
+    __slots__ = ("_graph",)
+
+    def __init__(self, graph: CapturedGraph) -> None:
+        self._graph = weakref.ref(graph)
+
+    def __call__(self, outcome: ReloadOutcome) -> None:
+        graph = self._graph()
+        if graph is not None and not graph._closed:
+            graph._on_recapture(outcome)
+
+    def __repr__(self) -> str:
+        return f"<recapture of {self._graph()!r}>"
+
+
+def _forget(handle: RecaptureHandle, contract_ref: weakref.ReferenceType[GraphContract], name: str) -> None:
+    """Unregister a graph that was closed or collected, and drop its capture from the manifest."""
+    handle.remove()
+    contract = contract_ref()
+    discard = getattr(contract.manifest if contract is not None else None, "discard", None)
+    if callable(discard):
+        discard(name)
 
 
 def _device_of(inputs: Sequence[torch.Tensor], fn: Callable[..., Any]) -> torch.device:

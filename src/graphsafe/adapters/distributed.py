@@ -105,9 +105,7 @@ def agreement_group(group: Any = None) -> AgreementGroup:
     return AgreementGroup(c10d._get_default_store(), rank, dist.get_world_size(pg), str(name))
 
 
-def agree(
-    local: ReloadOutcome, *, group: Any = None, timeout: float | timedelta | None = None
-) -> ReloadOutcome:
+def agree(local: ReloadOutcome, *, group: Any = None, timeout: float | timedelta | None = None) -> ReloadOutcome:
     """Every rank of ``group`` passes its locally prepared outcome; every rank gets the group's outcome.
 
     The result is ``local`` with the worst status of the group, ``rank_statuses`` (each rank's own status, and

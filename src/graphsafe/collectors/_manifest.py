@@ -17,6 +17,7 @@ launched directly (a raw Triton or CUDA call) is invisible to the manifest.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import weakref
 from collections.abc import Collection, Iterable, Iterator
@@ -46,6 +47,7 @@ __all__ = [
     "grade",
     "record_capture",
 ]
+
 
 @dataclass(frozen=True, slots=True)
 class Holder:
@@ -82,11 +84,12 @@ class CapturedStorage:
     device: torch.device
     #: The first view through which the graph touched it.
     first_view: Fingerprint = field(repr=False)
-    #: The first op that touched it (``aten.mm.default``).
+    #: The first op that read or wrote it (``aten.mm.default``), or that viewed it when nothing did.
     op: str
-    #: Byte range ``[lo, hi)`` of the storage the graph touched, relative to its start.
-    lo: int
-    hi: int
+    #: Byte range ``[lo, hi)`` of the storage the graph read or wrote, relative to its start (``(0, 0)``: the
+    #: capture only took views of it, e.g. to return them).
+    lo: int = 0
+    hi: int = 0
     #: Whether some op wrote it (an ``out=`` or in-place argument); reads are the common case.
     written: bool = False
     #: Model paths that held it when last indexed; empty for unowned storage.
@@ -102,15 +105,24 @@ class CapturedStorage:
         """``(lo, hi)``: the bytes the graph touched, relative to the storage start."""
         return self.lo, self.hi
 
+    @property
+    def access(self) -> str:
+        """What the capture did with it: ``"wrote"``, ``"read"`` or ``"viewed"`` (no bytes read)."""
+        return "wrote" if self.written else "read" if self.hi else "viewed"
+
+    def touched(self) -> str:
+        """A phrase for messages: which bytes of which storage the capture used, and how."""
+        what = f"bytes [{self.lo}, {self.hi}) of" if self.hi else "(no bytes of)"
+        return (
+            f"capture {self.capture!r} {self.access} {what} storage @0x{self.data_ptr:x} "
+            f"({self.nbytes} bytes on {self.device}; first by {self.op})"
+        )
+
     def describe(self) -> str:
         """One line: address, bytes touched, first op, and where the model held it."""
-        access = "read/written" if self.written else "read"
         where = ", ".join(h.where for h in self.holders) or "no model path (unowned)"
         state = "" if self.alive else " (freed)"
-        return (
-            f"storage @0x{self.data_ptr:x} on {self.device}{state}: bytes [{self.lo}, {self.hi}) of {self.nbytes} "
-            f"{access} by capture {self.capture!r} (first by {self.op}); held at {where}"
-        )
+        return f"{self.touched()}{state}; held at {where}"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -118,23 +130,26 @@ class CapturedStorage:
 
 # torch.tensor(data) inside a capture reaches the dispatcher as lift_fresh of a tensor made on the spot.
 _FRESH_OPS: frozenset[Any] = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
-_WRITES: dict[Any, tuple[frozenset[int], frozenset[str]]] = {}
+# How an op uses an argument, from its schema: a view only aliases it (reads no bytes), a write may not read it.
+_READ, _WRITE, _VIEW = 0, 1, 2
+_ACCESS: dict[Any, tuple[dict[int, int], dict[str, int], str]] = {}
 
 
-def _written_args(func: Any) -> tuple[frozenset[int], frozenset[str]]:
-    """Positions and names of the arguments ``func``'s schema marks as written (cached per overload)."""
-    cached = _WRITES.get(func)
+def _access(func: Any) -> tuple[dict[int, int], dict[str, int], str]:
+    """Non-read uses of ``func``'s arguments by position and by name, and its name (cached per overload)."""
+    cached = _ACCESS.get(func)
     if cached is None:
-        positions: set[int] = set()
-        names: set[str] = set()
+        positions: dict[int, int] = {}
+        names: dict[str, int] = {}
         schema = getattr(func, "_schema", None)
         for index, argument in enumerate(schema.arguments if schema is not None else ()):
             alias = argument.alias_info
-            if alias is not None and alias.is_write:
-                positions.add(index)
-                names.add(argument.name)
-        cached = (frozenset(positions), frozenset(names))
-        _WRITES[func] = cached
+            if alias is not None:
+                kind = _WRITE if alias.is_write else _VIEW
+                positions[index] = kind
+                names[argument.name] = kind
+        cached = (positions, names, str(func))
+        _ACCESS[func] = cached
     return cached
 
 
@@ -174,28 +189,45 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         for tensor in ignore:
             storage = tensor.untyped_storage()
             self.ignored[id(storage)] = weakref.ref(storage)
+        # Whether an op ran while a CUDA stream was capturing; if one did, ops outside the capture (torch's own
+        # bookkeeping in capture_begin, e.g. the RNG seed/offset fills) are not part of the graph.
+        self.capturing = False
+        self.saw_capture = False
+        self.in_capture: set[int] = set()
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        # An uninitialised CUDA context cannot be capturing (and must not be initialised just to ask).
+        capturing = _cuda_ready() and torch.cuda.is_current_stream_capturing()
+        self.capturing = capturing
+        self.saw_capture = self.saw_capture or capturing
         if func in _FRESH_OPS:
             # torch.tensor(...) inside the capture: the input was made on the spot, not read from the model.
-            for value in args:
-                for tensor in _tensors(value):
-                    self._mark_internal(tensor)
+            for tensor in _tensors(args):
+                self._mark_internal(tensor)
         else:
-            positions, names = _written_args(func)
-            name = str(func)
+            positions, names, name = _access(func)
+            touch = self._touch
+            # Inlined walk over the arguments: this runs for every op of the capture.
             for index, value in enumerate(args):
-                for tensor in _tensors(value):
-                    self._touch(tensor, name, index in positions)
+                if isinstance(value, torch.Tensor):
+                    touch(value, name, positions.get(index, _READ))
+                elif isinstance(value, list | tuple):
+                    access = positions.get(index, _READ)
+                    for item in value:
+                        if isinstance(item, torch.Tensor):
+                            touch(item, name, access)
             for key, value in kwargs.items():
                 for tensor in _tensors(value):
-                    self._touch(tensor, name, key in names)
+                    touch(tensor, name, names.get(key, _READ))
         out = func(*args, **kwargs)
-        for tensor in _tensors(out):
-            self._mark_internal(tensor)
+        if isinstance(out, torch.Tensor):
+            self._mark_internal(out)
+        else:
+            for tensor in _tensors(out):
+                self._mark_internal(tensor)
         return out
 
     def _mark_internal(self, tensor: torch.Tensor) -> None:
@@ -208,7 +240,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
             return  # a view of (or an in-place result on) storage from before the capture
         self.internal[key] = weakref.ref(storage)
 
-    def _touch(self, tensor: torch.Tensor, op: str, written: bool) -> None:
+    def _touch(self, tensor: torch.Tensor, op: str, access: int) -> None:
         if tensor.layout is not torch.strided:
             return
         storage = tensor.untyped_storage()
@@ -219,30 +251,40 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         ref = self.ignored.get(key)
         if ref is not None and ref() is storage:
             return
-        span = _touched_bytes(tensor)
         entry = self.external.get(key)
-        if entry is not None and entry.storage_ref() is storage:
-            if span is not None:
-                entry.lo = min(entry.lo, span[0])
-                entry.hi = max(entry.hi, span[1])
-            entry.written = entry.written or written
+        if entry is None or entry.storage_ref() is not storage:
+            device = tensor.device
+            if device.type == "meta" or (self.devices is not None and not _device_in(device, self.devices)):
+                return
+            # Registered even when only viewed: the view's storage must not be taken for the graph's own.
+            entry = CapturedStorage(
+                capture=self.capture,
+                storage_ref=weakref.ref(storage),
+                data_ptr=storage.data_ptr(),
+                nbytes=storage.nbytes(),
+                device=device,
+                first_view=fingerprint(tensor),
+                op=op,
+            )
+            self.external[key] = entry
+        if self.capturing:
+            self.in_capture.add(key)
+        if access == _VIEW:
             return
-        device = tensor.device
-        if device.type == "meta" or (self.devices is not None and not _device_in(device, self.devices)):
+        if access == _WRITE:
+            entry.written = True
+        span = _touched_bytes(tensor)
+        if span is None:
             return
-        lo, hi = span if span is not None else (int(tensor.storage_offset()) * tensor.element_size(),) * 2
-        self.external[key] = CapturedStorage(
-            capture=self.capture,
-            storage_ref=weakref.ref(storage),
-            data_ptr=storage.data_ptr(),
-            nbytes=storage.nbytes(),
-            device=device,
-            first_view=fingerprint(tensor),
-            op=op,
-            lo=lo,
-            hi=hi,
-            written=written,
-        )
+        if entry.hi == 0:  # the first bytes touched name the op and the view in messages
+            entry.op, entry.first_view, entry.lo, entry.hi = op, fingerprint(tensor), span[0], span[1]
+        else:
+            entry.lo = min(entry.lo, span[0])
+            entry.hi = max(entry.hi, span[1])
+
+
+def _cuda_ready() -> bool:
+    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
 
 
 def _device_in(device: torch.device, devices: Collection[torch.device]) -> bool:
@@ -254,7 +296,7 @@ _NAMES = itertools.count()
 
 @contextmanager
 def record_capture(
-    contract: GraphContract | None,
+    contract: GraphContract | None = None,
     *,
     name: str | None = None,
     ignore: Iterable[torch.Tensor] = (),
@@ -267,6 +309,8 @@ def record_capture(
     Every tensor an op reads or writes inside the block, whose storage was not created inside the block, is
     recorded in the contract's :class:`Manifest` (created and set as ``contract.manifest`` on first use), which
     the contract then checks at the end of every reload. Also works around a plain forward (on CPU, for tests).
+    When a CUDA capture ran inside the block, only what ran while the stream was capturing is kept. Python's
+    cyclic garbage collector is paused inside the block (a collection could free another graph mid-capture).
 
     Args:
         contract: the contract whose graphs these are (``None``: record into ``manifest`` only).
@@ -291,9 +335,20 @@ def record_capture(
     capture = name if name is not None else f"capture-{next(_NAMES)}"
     wanted = tuple(torch.device(d) for d in devices) if devices is not None else None
     recorder = _Recorder(capture, wanted, ignore)
-    with recorder:
-        yield manifest
-    manifest._install(capture, list(recorder.external.values()))
+    # A cyclic collection inside a capture could destroy an unrelated CUDA graph (or free its pool), which
+    # invalidates the capture; the recorder's own bookkeeping allocates enough to trigger one. Pause it.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with recorder:
+            yield manifest
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    entries = recorder.external
+    if recorder.saw_capture:
+        entries = {key: entry for key, entry in entries.items() if key in recorder.in_capture}
+    manifest._install(capture, list(entries.values()))
     if contract is not None:
         contract.manifest = manifest
         if reindex:
@@ -481,8 +536,7 @@ def _holds(model: nn.Module, cache: dict[str, nn.Module | None], holder: Holder,
 
 
 def _finding(kind: FindingKind, entry: CapturedStorage, model: nn.Module, now: object) -> Finding:
-    touched = f"capture {entry.capture!r} {'wrote' if entry.written else 'read'} bytes [{entry.lo}, {entry.hi}) " \
-              f"of storage @0x{entry.data_ptr:x} (first by {entry.op})"
+    touched = entry.touched()
     after = None
     if kind is FindingKind.DEAD:
         what = "the storage was freed, so replay touches freed memory"

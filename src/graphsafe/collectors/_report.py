@@ -16,7 +16,8 @@ would raise on a path that does not resolve when PWAL returns. Rendering lives i
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterable, Mapping, Sequence
+import re
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -28,6 +29,7 @@ from graphsafe.registry._paths import SlotPath
 from graphsafe.registry._store import declarations_of
 
 if TYPE_CHECKING:
+    from graphsafe.collectors._walker import TensorRef
     from graphsafe.contract._contract import GraphContract
     from graphsafe.contract._outcome import Finding, ReloadOutcome
 
@@ -40,6 +42,7 @@ __all__ = [
     "ReportEntry",
     "UnownedEntry",
     "migration_report",
+    "report_schema",
 ]
 
 #: The ``schema`` field of the JSON rendering; bumped on any incompatible change (see report_schema.json).
@@ -50,6 +53,7 @@ STABLE: Final = "stable so far"
 FORMATS: Final = ("text", "markdown", "json", "tree", "dot")
 
 _PWAL: Final = "process_weights_after_loading"
+_ADDRESS: Final = re.compile(r"@0x[0-9a-fA-F]+")
 # Findings about a slot, most telling first; used to pick one drift per entry when a slot has several.
 _DRIFT_ORDER: Final = (
     "vanished",
@@ -279,6 +283,16 @@ class MigrationReport:
         return self.render("text")
 
 
+def report_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of :meth:`MigrationReport.to_dict`, from ``report_schema.json``."""
+    from importlib import resources
+
+    schema: dict[str, Any] = json.loads(
+        resources.files("graphsafe.collectors").joinpath("report_schema.json").read_text(encoding="utf-8")
+    )
+    return schema
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Owners.
 
@@ -349,6 +363,17 @@ class _Draft:
     detail: str = ""
 
 
+def _strip_addresses(text: str) -> str:
+    """Text for people: device addresses change run to run (the JSON ``data_ptr`` fields keep them)."""
+    return _ADDRESS.sub("@<address>", text)
+
+
+def _finding_note(finding: Finding) -> str:
+    """A finding that names no slot (a reload error, an exhausted walk, unowned storage) as one line."""
+    where = f"{finding.layer or '<model>'} ({finding.layer_class})"
+    return _strip_addresses(f"{finding.kind.value} at {where}: {finding.detail}".splitlines()[0])
+
+
 def _rank(finding: Finding) -> int:
     kind = finding.kind.value
     return _DRIFT_ORDER.index(kind) if kind in _DRIFT_ORDER else len(_DRIFT_ORDER)
@@ -367,10 +392,10 @@ def _index_findings(outcome: ReloadOutcome | None) -> tuple[dict[tuple[str, str]
             if finding.kind.is_problem and finding.path:
                 declared_problems += 1
             elif finding.kind.is_problem:
-                notes.append(finding.describe().splitlines()[0])
+                notes.append(_finding_note(finding))
             continue
         if not finding.path:
-            notes.append(finding.describe().splitlines()[0])
+            notes.append(_finding_note(finding))
             continue
         key = (finding.layer, finding.path)
         current = by_slot.get(key)
@@ -397,37 +422,55 @@ def _draft_from_finding(finding: Finding, *, lazy: bool, evidence: str) -> _Draf
     )
 
 
-def _from_model(
-    model: nn.Module, max_depth: int, max_objects: int, devices: Collection[torch.device | str] | None
-) -> tuple[list[_Draft], dict[str, nn.Module], list[str]]:
+@dataclass(frozen=True, slots=True)
+class _Walk:
+    max_depth: int = 8
+    max_objects: int = 100_000
+    devices: Collection[torch.device | str] | None = None
+
+
+def _walk_undeclared(
+    model: nn.Module, settings: _Walk, notes: list[str], skip: Collection[tuple[str, str]] = ()
+) -> Iterator[tuple[str, nn.Module, TensorRef]]:
+    """``(qualname, layer, ref)`` for every walker-found tensor that is neither declared nor an alias of a
+    declared slot (a path onto a declared slot's storage is restored with it), nor in ``skip``."""
     from graphsafe.collectors._walker import walk
 
-    drafts: list[_Draft] = []
-    layers: dict[str, nn.Module] = {}
-    notes: list[str] = []
     for qualname, layer in model.named_modules():
-        layers[qualname] = layer
         declared = declarations_of(layer)
-        # Storages of declared slots: an undeclared path onto one of them is an alias, restored with it.
-        held: list[torch.Tensor] = []
-        for declaration in declared.values():
-            value = declaration.path.resolve_or(layer, None)
-            if isinstance(value, torch.Tensor):
-                held.append(value)
+        held = [v for v in (d.path.resolve_or(layer, None) for d in declared.values()) if isinstance(v, torch.Tensor)]
         declared_storages = {id(t.untyped_storage()) for t in held}
-        result = walk(layer, max_depth=max_depth, max_objects=max_objects, devices=devices)
+        result = walk(layer, max_depth=settings.max_depth, max_objects=settings.max_objects, devices=settings.devices)
         name = qualname or "<model>"
         if result.exhausted:
-            notes.append(f"{name}: walk budget exhausted ({result.exhausted}); tensors past it are not listed")
-        notes.extend(f"{name}: {note}" for note in result.notes)
+            notes.append(_strip_addresses(f"{name}: walk budget exhausted ({result.exhausted}); tensors past it are "
+                                          "not listed"))
+        notes.extend(_strip_addresses(f"{name}: {note}") for note in result.notes)
         for ref in result.refs:
-            if ref.path in declared or id(ref.tensor.untyped_storage()) in declared_storages:
+            if ref.path in declared or (qualname, ref.path) in skip:
                 continue
-            drafts.append(
-                _Draft(qualname, type(layer).__name__, ref.path, ref.fingerprint, STABLE, ref.restorable, False,
-                       "walk", ref.reason)
-            )
-    return drafts, layers, notes
+            if id(ref.tensor.untyped_storage()) in declared_storages:
+                continue
+            yield qualname, layer, ref
+
+
+def _from_model(model: nn.Module, settings: _Walk) -> tuple[list[_Draft], dict[str, nn.Module], list[str]]:
+    notes: list[str] = []
+    drafts = [
+        _Draft(name, type(layer).__name__, ref.path, ref.fingerprint, STABLE, ref.restorable, False, "walk",
+               ref.reason)
+        for name, layer, ref in _walk_undeclared(model, settings, notes)
+    ]
+    return drafts, dict(model.named_modules()), notes
+
+
+def _live_model(contract: GraphContract) -> nn.Module | None:
+    from graphsafe.errors import GraphSafeError
+
+    try:
+        return contract.model
+    except GraphSafeError:
+        return None
 
 
 def _from_contract(contract: GraphContract) -> tuple[list[_Draft], dict[str, nn.Module], list[str], int]:
@@ -442,22 +485,36 @@ def _from_contract(contract: GraphContract) -> tuple[list[_Draft], dict[str, nn.
             continue
         finding = by_slot.get((slot.layer, slot.path))
         drift = finding.kind.value if finding is not None else STABLE
-        restorable: bool | None = slot.restorable
         drafts.append(
-            _Draft(slot.layer, slot.layer_class, slot.path, slot.fingerprint, drift, restorable, drift == "vanished",
-                   "seal", detail=finding.detail if finding is not None else "")
+            _Draft(slot.layer, slot.layer_class, slot.path, slot.fingerprint, drift, slot.restorable,
+                   drift == "vanished", "seal", detail=finding.detail if finding is not None else "")
         )
+    # Not sealed but found when the reload began (a finding), or now (a walk): allocated after the seal, i.e.
+    # not by PWAL (seal() runs right after the load and its PWAL).
     for (layer, path), finding in by_slot.items():
-        if (layer, path) in known:
-            continue
-        # Not sealed but found when the reload began: allocated after the seal (a forward), not by PWAL.
-        draft = _draft_from_finding(finding, lazy=True, evidence="after-seal")
-        if draft is not None:
-            drafts.append(draft)
+        if (layer, path) not in known:
+            draft = _draft_from_finding(finding, lazy=True, evidence="after-seal")
+            if draft is not None:
+                drafts.append(draft)
     if not contract.sealed:
         notes.append("the contract is not sealed yet: seal() collects the undeclared tensors")
     elif contract.detect == "declared-only":
         notes.append("the contract was sealed with detect='declared-only': undeclared tensors were not collected")
+    elif (model := _live_model(contract)) is None:
+        notes.append("the contract's model was garbage-collected: only what the seal and the last reload saw is listed")
+    else:
+        settings = getattr(contract, "_walk_settings", None)
+        walk_settings = (
+            _Walk(settings.max_depth, settings.max_objects, settings.devices) if settings is not None else _Walk()
+        )
+        layers = dict(model.named_modules())
+        for name, module, ref in _walk_undeclared(model, walk_settings, notes, skip=known | by_slot.keys()):
+            drafts.append(
+                _Draft(name, type(module).__name__, ref.path, ref.fingerprint, STABLE, ref.restorable, True,
+                       "after-seal", ref.reason)
+            )
+    order = {name: index for index, name in enumerate(layers)}
+    drafts.sort(key=lambda d: order.get(d.layer, len(order)))  # stable: keeps path order within a layer
     return drafts, layers, notes, declared_problems
 
 
@@ -480,46 +537,53 @@ def _from_outcome(
     return drafts, layers, notes, declared_problems
 
 
-def _unowned(contract: GraphContract) -> list[UnownedEntry]:
-    """Unowned captured storage from the contract's capture manifest, if it has one (duck-typed)."""
+def _unowned(contract: GraphContract, drafts: Iterable[_Draft]) -> list[UnownedEntry]:
+    """Unowned captured storage from the contract's capture manifest, if it has one (duck-typed), minus storage
+    an entry already names (the manifest indexes paths at capture; a tensor first walked later is not unowned)."""
     manifest = getattr(contract, "manifest", None)
     unowned = getattr(manifest, "unowned", None)
     if not callable(unowned):
         return []
-    entries = []
-    for index, item in enumerate(unowned()):
-        entries.append(_unowned_entry(index, item))
-    return entries
+    named = {(d.fp.storage_ptr, str(d.fp.device)) for d in drafts}
+    entries = [_unowned_entry(index, item) for index, item in enumerate(unowned())]
+    return [e for e in entries if (e.data_ptr, e.device) not in named]
 
 
 def _unowned_entry(index: int, item: Any) -> UnownedEntry:
+    """One unowned storage: a tensor, a fingerprint, or a record with ``first_view``/``fingerprint`` and
+    optionally ``capture``, ``op``, ``lo``/``hi``, ``written``, ``nbytes``, ``data_ptr``, ``device``."""
     if isinstance(item, torch.Tensor):
         return UnownedEntry(
             f"captured storage #{index}", tuple(item.shape), _dtype_name(item.dtype), str(item.device),
-            item.numel() * item.element_size(), item.data_ptr(),
+            item.untyped_storage().nbytes(), item.data_ptr(),
         )
-    fp = item if isinstance(item, Fingerprint) else getattr(item, "fingerprint", None)
-    label = next(
-        (str(v) for v in (getattr(item, name, None) for name in ("description", "where", "name", "label")) if v),
-        f"captured storage #{index}",
+    fp = item if isinstance(item, Fingerprint) else next(
+        (v for v in (getattr(item, n, None) for n in ("first_view", "fingerprint")) if isinstance(v, Fingerprint)),
+        None,
     )
-    if isinstance(fp, Fingerprint):
-        return UnownedEntry(label, fp.shape, _dtype_name(fp.dtype), str(fp.device), fp.nbytes, fp.data_ptr)
 
     def number(name: str) -> int | None:
         value = getattr(item, name, None)
-        return int(value) if isinstance(value, int) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
-    shape = getattr(item, "shape", None)
-    dtype = getattr(item, "dtype", None)
+    capture, op = getattr(item, "capture", None), getattr(item, "op", None)
+    lo, hi, nbytes = number("lo"), number("hi"), number("nbytes")
+    if isinstance(capture, str):
+        access = "read/written" if getattr(item, "written", False) else "read"
+        span = f"bytes [{lo}, {hi}) of " if lo is not None and hi is not None else ""
+        size = f"a {nbytes}-byte storage" if nbytes is not None else "a storage"
+        first = f" (first by {op})" if isinstance(op, str) else ""
+        description = f"capture {capture!r} {access} {span}{size} no layer path holds{first}"
+    else:
+        description = f"captured storage #{index}, held by no layer path"
     device = getattr(item, "device", None)
     return UnownedEntry(
-        label,
-        tuple(int(n) for n in shape) if isinstance(shape, Sequence) else None,
-        _dtype_name(dtype) if isinstance(dtype, torch.dtype) else (str(dtype) if dtype is not None else None),
-        str(device) if device is not None else None,
-        number("nbytes"),
-        number("data_ptr"),
+        _strip_addresses(description),
+        fp.shape if fp is not None else None,
+        _dtype_name(fp.dtype) if fp is not None else None,
+        str(device) if device is not None else (str(fp.device) if fp is not None else None),
+        nbytes if nbytes is not None else (fp.storage_nbytes if fp is not None else None),
+        number("data_ptr") if number("data_ptr") is not None else (fp.storage_ptr if fp is not None else None),
     )
 
 
@@ -568,7 +632,7 @@ def _finish(drafts: list[_Draft], layers: Mapping[str, nn.Module]) -> tuple[tupl
                 reason=draft.reason,
                 shares_storage_with=shared,
                 via=_via(layer, draft.path),
-                detail=draft.detail,
+                detail=_strip_addresses(draft.detail),
                 data_ptr=draft.fp.data_ptr,
             )
         )
@@ -579,11 +643,43 @@ def _quote(path: str) -> str:
     return json.dumps(path)  # a double-quoted string literal, valid Python for every slot path
 
 
-def _register_lines(paths: Iterable[str]) -> tuple[str, ...]:
-    return tuple(f"register_derived(layer, {_quote(p)})" for p in paths)
+def _register_lines(paths: Iterable[str], static: Collection[str] = ()) -> tuple[str, ...]:
+    return tuple(f"register_derived(layer, {_quote(p)}{', static=True' if p in static else ''})" for p in paths)
 
 
-def _fixes(entries: Sequence[ReportEntry], known: Sequence[bool]) -> tuple[Fix, ...]:
+def _stable_empty_call(entry: ReportEntry) -> str:
+    shape = "(" + ", ".join(str(n) for n in entry.shape) + ("," if len(entry.shape) == 1 else "") + ")"
+    return f"stable_empty(layer, {_quote(entry.path)}, {shape}, torch.{entry.dtype}, {_quote(entry.device)})"
+
+
+def _lazy_note(members: Sequence[ReportEntry]) -> str:
+    vanished = list({e.path: e for e in members if e.drift == "vanished"}.values())
+    if not vanished:
+        return (
+            "scratch whose contents are not derived from the weights can instead be allocated with stable_empty(layer, "
+            "path, shape, dtype, device), which hands back the same storage every time"
+        )
+    calls = "; ".join(_stable_empty_call(e) for e in vanished)
+    names = ", ".join(e.path for e in vanished)
+    return (
+        f"{names} vanished during the reload (something dropped it; the graph still reads the old storage), so "
+        f"declaring is not enough: keep the storage, by not resetting it in PWAL or by allocating it with {calls}, "
+        "which hands back the same storage every time"
+    )
+
+
+def _decorator(paths: Sequence[str], static: bool) -> str:
+    return "@graph_visible(" + ", ".join(_quote(p) for p in paths) + (", static=True" if static else "") + ")"
+
+
+_STATIC_NOTE = (
+    "static=True: {paths} kept {their} storage and was not written in the reload, so {it} does not follow the "
+    "weights (declared without it, graphsafe would flag it stale); if PWAL does rebuild {it} in place, drop "
+    "static=True so graphsafe checks that"
+)
+
+
+def _fixes(entries: Sequence[ReportEntry], known: Sequence[bool], reloaded: bool) -> tuple[Fix, ...]:
     """Group entries by the code to edit, in order of first appearance."""
     groups: dict[tuple[str, str], list[ReportEntry]] = {}
     for entry, owner_known in zip(entries, known, strict=True):
@@ -599,19 +695,20 @@ def _fixes(entries: Sequence[ReportEntry], known: Sequence[bool]) -> tuple[Fix, 
         owner = members[0].owner
         layers = tuple(dict.fromkeys(e.layer for e in members))
         paths = tuple(dict.fromkeys(e.path for e in members))
+        # A tensor a reload neither replaced nor wrote does not follow the weights: it is declared static, else
+        # the contract's freshness check would call it stale. Without a reload nothing is known: not static.
+        static = {p for p in paths if reloaded and all(e.drift == STABLE for e in members if e.path == p)}
         if kind == "lazy":
             fixes.append(
                 Fix("register_derived", owner, f"{owner}: right after the code that assigns each path (it is not "
                     "there when PWAL returns, e.g. the first forward allocates it)", paths, layers,
-                    _register_lines(paths),
-                    "scratch whose contents are not derived from the weights can instead be allocated with "
-                    "stable_empty(layer, path, shape, dtype, device), which keeps one storage across reloads")
+                    _register_lines(paths, static), _lazy_note(members))
             )
             continue
         if kind == "no-pwal":
             fixes.append(
                 Fix("register_derived", owner, f"{owner}: where it assigns each path ({owner} has no {_PWAL})",
-                    paths, layers, _register_lines(paths))
+                    paths, layers, _register_lines(paths, static))
             )
             continue
         # One decorator covers every layer the PWAL runs for, but only paths every such layer has (a declared
@@ -623,14 +720,21 @@ def _fixes(entries: Sequence[ReportEntry], known: Sequence[bool]) -> tuple[Fix, 
             f"the {_PWAL} that runs for {owner} (its quant_method's, if it has one)"
         )
         if common:
-            line = "@graph_visible(" + ", ".join(_quote(p) for p in common) + ")"
-            fixes.append(Fix("graph_visible", owner, where, common, layers, (line,)))
+            derived = [p for p in common if p not in static]
+            frozen = [p for p in common if p in static]
+            lines = tuple(_decorator(group, group is frozen) for group in (derived, frozen) if group)
+            note = ""
+            if frozen:
+                many = len(frozen) > 1
+                note = _STATIC_NOTE.format(paths=", ".join(frozen), their="their" if many else "its",
+                                           it="they" if many else "it")
+            fixes.append(Fix("graph_visible", owner, where, common, layers, lines, note))
         if partial:
             some = tuple(n for n in layers if per_layer[n] & set(partial))
             fixes.append(
-                Fix("register_derived", owner, f"inside {where}, after it assigns each path", partial, some,
-                    _register_lines(partial), "only some of its layers have these paths, so a decorator (which "
-                    "requires every path on every layer) cannot declare them")
+                Fix("register_derived", owner, f"{where}, after it assigns each path", partial, some,
+                    _register_lines(partial, static), "only some of its layers have these paths, so a decorator "
+                    "(which requires every path on every layer) cannot declare them")
             )
     return tuple(fixes)
 
@@ -647,9 +751,12 @@ def migration_report(
 
     Args:
         source: an ``nn.Module`` (walked now: every drift is ``"stable so far"``), a
-            :class:`~graphsafe.GraphContract` (its walker-found slots and its last reload's findings, plus
-            unowned captured storage when its ``manifest`` has ``unowned()``) or a
-            :class:`~graphsafe.ReloadOutcome` (its findings on undeclared slots).
+            :class:`~graphsafe.GraphContract` (its walker-found slots, what its last reload found, and what a
+            walk finds now that the seal did not know, plus unowned captured storage when its ``manifest`` has
+            ``unowned()``) or a :class:`~graphsafe.ReloadOutcome` (its findings on undeclared slots).
+
+    An entry is lazy (it gets ``register_derived``, not a decorator) when it is not at its path right after PWAL:
+    it vanished in a reload, or it appeared after the seal (seal right after the load, before warm-up).
         model: with an outcome source, the model it came from, so owners can be resolved exactly.
         max_depth, max_objects, devices: walk budgets and device filter for a model source.
     """
@@ -662,13 +769,13 @@ def migration_report(
     mode: str | None = None
     status: str | None = None
     if isinstance(source, nn.Module):
-        drafts, layers, notes = _from_model(source, max_depth, max_objects, devices)
+        drafts, layers, notes = _from_model(source, _Walk(max_depth, max_objects, devices))
         kind = "model"
         notes.insert(0, "no reload observed: drift is unknown until one (report a contract after a reload)")
         outcome = None
     elif isinstance(source, GraphContract):
         drafts, layers, notes, declared_problems = _from_contract(source)
-        unowned = _unowned(source)
+        unowned = _unowned(source, drafts)
         kind, mode, outcome = "contract", source.mode, source.last_outcome
     elif isinstance(source, ReloadOutcome):
         drafts, layers, notes, declared_problems = _from_outcome(source, model)
@@ -683,7 +790,7 @@ def migration_report(
     entries, known = _finish(drafts, layers)
     return MigrationReport(
         entries=entries,
-        fixes=_fixes(entries, known),
+        fixes=_fixes(entries, known, outcome is not None),
         unowned=tuple(unowned),
         notes=tuple(dict.fromkeys(notes)),
         source=kind,

@@ -175,9 +175,18 @@ def markdown(report: MigrationReport) -> str:
 
 @dataclass
 class _Node:
-    label: str
+    name: str
+    cls: str | None = None
     entry: ReportEntry | None = None
     children: dict[str, _Node] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.cls})" if self.cls else self.name
+
+    @property
+    def dot_label(self) -> str:
+        return f"{self.name}\n{self.cls}" if self.cls else self.name
 
 
 def _token_label(token: Token) -> str:
@@ -193,17 +202,17 @@ def _layer_tries(report: MigrationReport) -> list[_Node]:
     for entry in report.entries:
         root = roots.get(entry.layer)
         if root is None:
-            root = roots[entry.layer] = _Node(f"{entry.layer or '<model>'} ({entry.layer_class})")
+            root = roots[entry.layer] = _Node(entry.layer or "<model>", entry.layer_class)
         tokens = parse_path(entry.path)
         node = root
         for depth, token in enumerate(tokens):
-            label = _token_label(token)
+            name = _token_label(token)
             last = depth == len(tokens) - 1
-            if not last and depth < len(entry.via):
-                label = f"{label} ({entry.via[depth]})"
-            child = node.children.get(label)
+            cls = entry.via[depth] if not last and depth < len(entry.via) else None
+            key = f"{name} ({cls})" if cls else name
+            child = node.children.get(key)
             if child is None:
-                child = node.children[label] = _Node(label)
+                child = node.children[key] = _Node(name, cls)
             node = child
         node.entry = entry
     return list(roots.values())
@@ -267,10 +276,10 @@ def dot(report: MigrationReport) -> str:
         for child in node.children.values():
             cid = node_id(child)
             if child.entry is None:
-                lines.append(f"  {cid} [label={_dot_string(child.label.replace(' (', chr(10)).rstrip(')'))}];")
+                lines.append(f"  {cid} [label={_dot_string(child.dot_label)}];")
             else:
                 entry = child.entry
-                label = f"{child.label}\n{entry.dtype}{_shape(entry.shape)} {human_bytes(entry.nbytes)}\n{entry.drift}"
+                label = f"{child.name}\n{entry.dtype}{_shape(entry.shape)} {human_bytes(entry.nbytes)}\n{entry.drift}"
                 lines.append(
                     f"  {cid} [shape=ellipse, style=filled, fillcolor={_dot_string(_fill(entry))}, "
                     f"label={_dot_string(label)}];"
@@ -280,13 +289,9 @@ def dot(report: MigrationReport) -> str:
 
     for root in _layer_tries(report):
         rid = node_id(root)
-        assert root.entry is None
-        layer = root.label.split(" (", 1)[0]
-        layer_ids[layer] = rid
-        lines.append(
-            f"  {rid} [style=filled, fillcolor={_dot_string(_LAYER_FILL)}, "
-            f"label={_dot_string(root.label.replace(' (', chr(10)).rstrip(')'))}];"
-        )
+        layer_ids[root.name] = rid
+        fill, label = _dot_string(_LAYER_FILL), _dot_string(root.dot_label)
+        lines.append(f"  {rid} [style=filled, fillcolor={fill}, label={label}];")
         emit(root)
     for number, fix in enumerate(report.fixes):
         fid = f"fix{number}"

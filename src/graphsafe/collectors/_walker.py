@@ -8,12 +8,12 @@ What is walked: the layer's own instance attributes that are not torch's ``nn.Mo
 buffers and child modules are someone else's business), then, recursively, plain objects (``__dict__`` and
 ``__slots__``), dicts (``str``/``int`` keys), lists, deques, tuples, NamedTuples, ``functools.partial``
 (``func``, ``args``, ``keywords``), functions (closure cells, ``__defaults__``, ``__kwdefaults__``), bound
-methods (``__func__``, and ``__self__`` unless it is a module) and mappingproxies. Never entered: child
-``nn.Module``\\ s (each is its own reload unit), classes, Python modules, enums, streams/events/graphs, dtypes,
-devices, scalars, strings, weak references, generators and files.
+methods (``__func__``, and ``__self__`` unless it is a module), builtin methods (``__self__``) and
+mappingproxies. Never entered: child modules (each is its own reload unit), classes, Python modules, enums,
+streams/events/graphs, dtypes, devices, scalars, strings, weak references, generators and files.
 
 The walker never runs user code: attributes are read through the C-level ``__dict__``/slot descriptors found in
-the class ``__dict__``\\ s, containers through the builtin methods of ``dict``/``list``/``tuple``/``set``, type
+the class dictionaries, containers through the builtin methods of ``dict``/``list``/``tuple``/``set``, type
 tests compare ids along the MRO, and no user object is hashed or compared. Tensor metadata is read with
 subclass ``__torch_function__`` disabled.
 
@@ -23,10 +23,15 @@ layer to it, through whatever containers: an aliased workspace, or a dict shared
 each path. Restoring needs all of them, since a rebound tuple or a replaced attribute only changes one parent.
 Tensors that no path can name (members of sets, values under non-``str``/``int`` dict keys, attributes shadowed
 by a data descriptor) are not reported; :attr:`WalkResult.notes` says where they are.
+
+Budgets: ``max_objects`` bounds how many distinct objects are read (each container is read in full) and how many
+path steps the alias enumeration takes; ``max_depth`` bounds path length. Hitting either is never silent:
+:attr:`WalkResult.exhausted` names the budget and the first path where it cut.
 """
 
 from __future__ import annotations
 
+import _io
 import collections
 import enum
 import functools
@@ -78,9 +83,7 @@ class WalkResult:
 
 _TYPE_DICT: Final = type.__dict__["__dict__"].__get__
 _TYPE_MRO: Final = type.__dict__["__mro__"].__get__
-_TYPE_FLAGS: Final = type.__dict__["__flags__"].__get__
 _TYPE_NAME: Final = type.__dict__["__qualname__"].__get__
-_HEAPTYPE: Final = 1 << 9
 _DESCRIPTOR_TYPES: Final = (types.GetSetDescriptorType, types.MemberDescriptorType)
 
 _FUNC_CLOSURE: Final = types.FunctionType.__dict__["__closure__"].__get__
@@ -164,6 +167,7 @@ _LEAF_BASES: Final[tuple[type, ...]] = (
     weakref.ProxyType,
     weakref.CallableProxyType,
     io.IOBase,
+    _io._IOBase,  # the C base of every file object (io.IOBase is an ABC they are only registered with)
     logging.Logger,
     logging.Handler,
     logging.Manager,
@@ -248,7 +252,8 @@ def _python_owner(pairs: list[tuple[type, Any]], name: str) -> str | None:
     """The class that defines ``name`` (first along the MRO) when that definition is Python code, else None."""
     for klass, d in pairs:
         if name in d:
-            return None if isinstance(d[name], _C_CODE_TYPES) else _TYPE_NAME(klass)
+            # type identity, not isinstance: isinstance may consult a user-defined __class__
+            return None if any(type(d[name]) is t for t in _C_CODE_TYPES) else _TYPE_NAME(klass)
     return None
 
 
@@ -257,6 +262,7 @@ class _Plan:
 
     __slots__ = (
         "attr_caveat",
+        "attrs",
         "cls",
         "data_descriptors",
         "dict_get",
@@ -323,8 +329,8 @@ class _Plan:
 
         # Instance state of plain objects, and of user subclasses of containers (builtin containers have none).
         if kind in (_OBJECT, _SKIP) or (kind in _CONTAINERS and _CONTAINERS[kind] is not cls):
-            dict_descr = first.get("__dict__")
-            if isinstance(dict_descr, _DESCRIPTOR_TYPES):
+            dict_descr: Any = first.get("__dict__")
+            if any(type(dict_descr) is t for t in _DESCRIPTOR_TYPES):
                 self.dict_get = dict_descr.__get__
             slots: list[tuple[str, Any]] = []
             shadowed: list[tuple[str, Any]] = []
@@ -343,21 +349,27 @@ class _Plan:
             self.slots = tuple(slots)
             self.shadowed_slots = tuple(shadowed)
             self.data_descriptors = frozenset(
-                name for name, value in first.items() if not name.startswith("__") and data_descriptor(value)
+                name
+                for name, value in first.items()
+                if type(name) is str and not name.startswith("__") and data_descriptor(value)
             )
             if kind == _OBJECT and self.dict_get is None and not slots and not shadowed:
                 self.kind = _LEAF  # a C type without instance state we could read
+        self.attrs = self.dict_get is not None or bool(self.slots) or bool(self.shadowed_slots)
 
 
 _PLANS: dict[int, _Plan] = {}  # by id(cls): hashing a class could run a metaclass's __hash__
+_KINDS: dict[int, int] = {}  # the same, kind only: the hot loops' leaf test
 _PLAN_CACHE_LIMIT: Final = 20_000
 
 
 def _plan_for(cls: type) -> _Plan:
     if len(_PLANS) >= _PLAN_CACHE_LIMIT:  # dynamically created classes must not accumulate forever
         _PLANS.clear()
+        _KINDS.clear()
     plan = _Plan(cls)
     _PLANS[id(cls)] = plan
+    _KINDS[id(cls)] = plan.kind
     return plan
 
 
@@ -366,6 +378,8 @@ def _plan_for(cls: type) -> _Plan:
 
 
 class _DeviceFilter:
+    """Which devices to report; a device without an index (``"cuda"``) stands for every index of its type."""
+
     __slots__ = ("any_index", "everything", "exact")
 
     def __init__(self, devices: Collection[torch.device | str] | None) -> None:
@@ -380,11 +394,6 @@ class _DeviceFilter:
                     self.exact.add(dev)
             else:
                 self.exact.add(dev)
-
-    def accepts(self, device: torch.device) -> bool:
-        if device.type == "meta":
-            return False
-        return self.everything or device in self.exact or device.type in self.any_index
 
 
 def _layer_devices(layer: object) -> set[torch.device]:
@@ -421,7 +430,6 @@ def _kind_of(obj: object) -> int:
 # --------------------------------------------------------------------------------------------------------------
 # The walk.
 
-_Edge = tuple[int, Any, int, int, str | None]  # token kind, name/key/index/reason, child node, write mode, reason
 _Kid = tuple[int, Any, Any, int, int, str | None]  # token kind, key, child, child kind, write mode, reason
 
 
@@ -449,8 +457,14 @@ def _render(steps: list[tuple[int, Any]]) -> str:
     return text.strip() or "<layer>"
 
 
+_UNSEEN: Final[Any] = object()
+_NAMEABLE: dict[str, bool] = {}  # attribute names seen so far; names repeat across objects and walks
+
+
 def _nameable(name: str) -> bool:
     """Whether the path grammar can name this attribute (ASCII identifier, and not ``__closure__``)."""
+    if len(_NAMEABLE) > 100_000:  # bounded: names are usually a small, repeating set
+        _NAMEABLE.clear()
     return name.isidentifier() and name.isascii() and name != "__closure__"
 
 
@@ -468,6 +482,9 @@ class _Walk:
     Phase 1 (:meth:`read`) reads every reachable object once, breadth first, recording edges between objects and
     tensors; phase 2 (:meth:`useful`) marks the objects that lead to a tensor; phase 3 (:meth:`enumerate_paths`)
     follows every simple path through marked objects and emits one ref per path that ends at a tensor.
+
+    Edges live in flat parallel lists (a node's edges are the contiguous range ``estart[n]:eend[n]``) rather than
+    in a tuple per edge: per-edge container objects would feed the cyclic GC, which then costs as much as the walk.
     """
 
     def __init__(self, layer: object, max_depth: int, max_objects: int, devices: _DeviceFilter) -> None:
@@ -477,8 +494,15 @@ class _Walk:
         # Node tables; node 0 is the layer. Holding the objects keeps their ids unique until the walk ends.
         self.objs: list[Any] = [layer]
         self.kinds: list[int] = [_OBJECT]
-        self.parent: list[tuple[int, int, Any]] = [(-1, _TK_ATTR, None)]  # first discovery: node, token kind, key
-        self.edges: list[list[_Edge] | None] = [None]  # None: not read (a tensor, or cut by a budget)
+        self.parent: list[int] = [-1]  # the node each node was first discovered from
+        self.estart: list[int] = [-1]  # -1: not read (a tensor, or cut by a budget)
+        self.eend: list[int] = [-1]
+        # Edge columns: token kind, name/key/index (or, for unnamed edges, why), child node, write mode, reason.
+        self.e_tk: list[int] = []
+        self.e_key: list[Any] = []
+        self.e_child: list[int] = []
+        self.e_mode: list[int] = []
+        self.e_reason: list[str | None] = []
         self.extra_in: dict[int, list[int]] = {}  # further parents of shared objects
         self.objects_visited = 0
         self.depth_cut: str | None = None  # the first place the depth budget cut a path
@@ -488,10 +512,12 @@ class _Walk:
         self.notes: dict[str, None] = {}  # an ordered set
 
     def path_of(self, node: int, extra: tuple[int, Any] | None = None) -> str:
+        """The discovery path of ``node`` (for messages only: it searches the parents' edges)."""
         steps: list[tuple[int, Any]] = []
         while node > 0:
-            pnode, kind, key = self.parent[node]
-            steps.append((kind, key))
+            pnode = self.parent[node]
+            e = next(e for e in range(self.estart[pnode], self.eend[pnode]) if self.e_child[e] == node)
+            steps.append((self.e_tk[e], self.e_key[e]))
             node = pnode
         steps.reverse()
         if extra is not None:
@@ -506,30 +532,37 @@ class _Walk:
     # -- phase 1 -----------------------------------------------------------------------------------------------
 
     def read(self) -> None:
-        objs, kinds, parent, edges = self.objs, self.kinds, self.parent, self.edges
+        objs, kinds, parent, estart, eend = self.objs, self.kinds, self.parent, self.estart, self.eend
+        e_tk, e_key, e_child, e_mode, e_reason = self.e_tk, self.e_key, self.e_child, self.e_mode, self.e_reason
         index: dict[int, int] = {id(objs[0]): 0}
-        depth = [0]
         extra_in = self.extra_in
         plans_get = _PLANS.get
+        kinds_get = _KINDS.get
         plan_for = _plan_for
         device_of = _TENSOR_DEVICE
         everything, exact, any_index = self.devices.everything, self.devices.exact, self.devices.any_index
         max_depth, max_objects = self.max_depth, self.max_objects
         dict_items = _DICT_ITEMS
+        nameable = _NAMEABLE
         head = 0
+        visited = 0
+        level, boundary = 0, 1  # breadth first: nodes before `boundary` are at depth <= `level`
         while head < len(objs):
             node = head
             head += 1
+            if node == boundary:
+                level += 1
+                boundary = len(objs)
             if kinds[node] == _TENSOR:
                 continue
-            if self.objects_visited >= max_objects:
-                unread = sum(1 for k in kinds[node:] if k != _TENSOR)
+            if visited >= max_objects:
+                queued = sum(1 for k in kinds[node:] if k != _TENSOR)
                 self.objects_cut = (
                     f"max_objects={max_objects} reached at {self.path_of(node)!r}; "
-                    f"{unread} reachable object(s) were not read"
+                    f"{queued} queued object(s) and whatever lies beyond them were not read"
                 )
-                return
-            self.objects_visited += 1
+                break
+            visited += 1
             obj = objs[node]
             plan = plans_get(id(type(obj))) or plan_for(type(obj))
             pk = plan.kind
@@ -537,20 +570,30 @@ class _Walk:
             append = kids.append
 
             # Instance attributes (__dict__ and __slots__) of objects, of the layer, and of container subclasses.
-            if plan.dict_get is not None or plan.slots or plan.shadowed_slots:
+            if plan.attrs:
                 exclude = _MODULE_INTERNALS if node == 0 and pk == _SKIP else None
                 caveat = plan.attr_caveat
                 amode = _W_UNRESOLVED if caveat else _W_INPLACE
                 if plan.dict_get is not None:
                     shadow = plan.data_descriptors
-                    for name, value in dict_items(plan.dict_get(obj)):
-                        vplan = plans_get(id(type(value))) or plan_for(type(value))
-                        ck = vplan.kind
+                    state = plan.dict_get(obj)
+                    attrs = dict_items(state) if type(state) is dict or _kind_of(state) == _DICT else ()
+                    for name, value in attrs:
+                        ck = kinds_get(id(type(value)))
+                        if ck is None:
+                            ck = plan_for(type(value)).kind
                         if ck <= _SKIP:
+                            continue
+                        if type(name) is not str:  # possible through __dict__ tricks; never hash or repr it
+                            why = f"an attribute keyed by a {_TYPE_NAME(type(name))}"
+                            append((_TK_UNNAMED, why, value, ck, _W_NONE, None))
                             continue
                         if exclude is not None and name in exclude:
                             continue
-                        if type(name) is not str or not _nameable(name):
+                        ok = nameable.get(name)
+                        if ok is None:
+                            ok = nameable[name] = _nameable(name)
+                        if not ok:
                             append((_TK_UNNAMED, f"attribute {name!r} is not a path name", value, ck, _W_NONE, None))
                         elif name in shadow:
                             why = f"attribute {name!r} is shadowed by a data descriptor of {plan.name}"
@@ -569,10 +612,34 @@ class _Walk:
                     except AttributeError:
                         continue
                     _kid(kids, _TK_UNNAMED, why, value, _W_NONE, None)
-                if node == 0 and pk == _SKIP:
-                    pk = _OBJECT  # the layer itself: only its attributes
 
-            if pk in (_LIST, _TUPLE, _NTUPLE, _DEQUE):
+            if node == 0:
+                pk = _OBJECT  # the layer itself: only its attributes (paths start with a name)
+            if pk in (_DICT, _PROXY):
+                target: Any = obj
+                if pk == _PROXY:
+                    # A mappingproxy's mapping is reachable only through the GC protocol (C code, no user hooks).
+                    inner = gc.get_referents(obj)
+                    target = inner[0] if len(inner) == 1 and _kind_of(inner[0]) == _DICT else {}
+                    imode, ireason = _W_NONE, "inside a mappingproxy"
+                elif plan.item_caveat:
+                    imode, ireason = _W_UNRESOLVED, plan.item_caveat
+                else:
+                    imode, ireason = _W_INPLACE, None
+                for key, value in dict_items(target):
+                    ck = kinds_get(id(type(value)))
+                    if ck is None:
+                        ck = plan_for(type(value)).kind
+                    kt = type(key)
+                    if kt is str or kt is int:
+                        if ck > _SKIP:
+                            append((_TK_ITEM, key, value, ck, imode, ireason))
+                        continue
+                    kname = _TYPE_NAME(kt)
+                    _kid(kids, _TK_UNNAMED, f"a dict key of type {kname}", key, _W_NONE, None)
+                    if ck > _SKIP:
+                        append((_TK_UNNAMED, f"the value under a {kname} dict key", value, ck, _W_NONE, None))
+            elif pk in (_LIST, _TUPLE, _NTUPLE, _DEQUE):
                 if pk == _LIST:
                     items: Iterator[Any] = obj.__iter__() if type(obj) is list else _LIST_ITER(obj)
                     imode, ireason = _W_INPLACE, None
@@ -585,42 +652,16 @@ class _Walk:
                 if plan.item_caveat:
                     imode, ireason = _W_UNRESOLVED, plan.item_caveat
                 fields = plan.fields
-                i = -1
-                for value in items:
-                    i += 1
-                    vplan = plans_get(id(type(value))) or plan_for(type(value))
-                    ck = vplan.kind
+                for i, value in enumerate(items):
+                    ck = kinds_get(id(type(value)))
+                    if ck is None:
+                        ck = plan_for(type(value)).kind
                     if ck <= _SKIP:
                         continue
                     if fields and i < len(fields) and fields[i][1] is not None:
                         append((_TK_ATTR, fields[i][1], value, ck, imode, ireason))
                     else:
                         append((_TK_ITEM, i, value, ck, imode, ireason))
-            elif pk in (_DICT, _PROXY):
-                target: Any = obj
-                if pk == _PROXY:
-                    # A mappingproxy's mapping is reachable only through the GC protocol (C code, no user hooks).
-                    inner = gc.get_referents(obj)
-                    if len(inner) != 1 or _kind_of(inner[0]) != _DICT:
-                        continue
-                    target = inner[0]
-                    imode, ireason = _W_NONE, "inside a mappingproxy"
-                elif plan.item_caveat:
-                    imode, ireason = _W_UNRESOLVED, plan.item_caveat
-                else:
-                    imode, ireason = _W_INPLACE, None
-                for key, value in dict_items(target):
-                    vplan = plans_get(id(type(value))) or plan_for(type(value))
-                    ck = vplan.kind
-                    kt = type(key)
-                    if kt is str or kt is int:
-                        if ck > _SKIP:
-                            append((_TK_ITEM, key, value, ck, imode, ireason))
-                        continue
-                    kname = _TYPE_NAME(kt)
-                    _kid(kids, _TK_UNNAMED, f"a dict key of type {kname}", key, _W_NONE, None)
-                    if ck > _SKIP:
-                        append((_TK_UNNAMED, f"the value under a {kname} dict key", value, ck, _W_NONE, None))
             elif pk == _FUNCTION:
                 closure = _FUNC_CLOSURE(obj)
                 if closure is not None:
@@ -653,12 +694,16 @@ class _Walk:
                     _kid(kids, _TK_UNNAMED, what, value, _W_NONE, None)
 
             # Link the children: new ones become nodes (unless too deep), known ones just gain an edge.
-            out: list[_Edge] = []
-            edges[node] = out
-            child_depth = depth[node] + 1
+            estart[node] = len(e_child)
+            child_depth = level + 1
             for tk, key, child, ck, mode, reason in kids:
                 if ck == _TENSOR:
-                    dev = device_of(child)
+                    try:
+                        dev = device_of(child)
+                    except Exception as exc:  # an exotic tensor subclass: say so rather than fail the walk
+                        where = self.path_of(node, (tk, key))
+                        self.notes[f"{where}: cannot read the device of a {_TYPE_NAME(type(child))} ({exc})"] = None
+                        continue
                     if dev.type == "meta" or not (everything or dev in exact or dev.type in any_index):
                         continue
                 cid = id(child)
@@ -671,120 +716,138 @@ class _Walk:
                     index[cid] = idx
                     objs.append(child)
                     kinds.append(ck)
-                    depth.append(child_depth)
-                    parent.append((node, tk, key))
-                    edges.append(None)
+                    parent.append(node)
+                    estart.append(-1)
+                    eend.append(-1)
                 elif idx in extra_in:
                     extra_in[idx].append(node)
                 else:
                     extra_in[idx] = [node]
-                out.append((tk, key, idx, mode, reason))
+                e_tk.append(tk)
+                e_key.append(key)
+                e_child.append(idx)
+                e_mode.append(mode)
+                e_reason.append(reason)
+            eend[node] = len(e_child)
+        self.objects_visited = visited
 
     # -- phases 2 and 3 ----------------------------------------------------------------------------------------
 
     def useful(self) -> bytearray:
         """1 for every node from which some tensor node can be reached (tensors included)."""
         marks = bytearray(len(self.objs))
-        stack = [i for i, kind in enumerate(self.kinds) if kind == _TENSOR]
         parent, extra_in = self.parent, self.extra_in
+        stack = [i for i, kind in enumerate(self.kinds) if kind == _TENSOR]
         while stack:
             node = stack.pop()
-            if marks[node]:
-                continue
-            marks[node] = 1
-            if node > 0:
-                stack.append(parent[node][0])
+            # Climb the discovery tree until a marked node; shared nodes queue their other parents.
+            while not marks[node]:
+                marks[node] = 1
+                if node == 0:
+                    break
                 more = extra_in.get(node)
                 if more:
                     stack.extend(more)
+                node = parent[node]
         return marks
 
     def enumerate_paths(self) -> list[TensorRef]:
         marks = self.useful()
         refs: list[TensorRef] = []
-        if not marks[0] or self.edges[0] is None:
+        if not marks[0] or self.estart[0] < 0:
             return refs
-        edges, kinds, objs = self.edges, self.kinds, self.objs
+        kinds, objs, estart, eend = self.kinds, self.objs, self.estart, self.eend
+        e_tk, e_key, e_child, e_mode = self.e_tk, self.e_key, self.e_child, self.e_mode
         max_depth, budget = self.max_depth, self.max_objects
-        prints: dict[int, Fingerprint | None] = {}
-        frames: list[Iterator[_Edge]] = [iter(self.edges[0])]
-        trail: list[_Edge] = []  # the edges of the current path
+        prints: dict[int, Fingerprint | None] = {}  # per tensor node: one fingerprint however many paths
+        pos, ends = [estart[0]], [eend[0]]  # per level of the current path: next edge, end of the node's edges
+        trail: list[int] = []  # the edges of the current path
         texts = [""]  # texts[k]: the path text of the first k edges of the trail
+        clean = [True]  # clean[k]: no edge among the first k makes resolution run user code
         on_trail = {0}
         steps = 0
-        while frames:
-            edge = next(frames[-1], None)
-            if edge is None:
-                frames.pop()
+        while pos:
+            e = pos[-1]
+            if e >= ends[-1]:
+                pos.pop()
+                ends.pop()
                 if trail:
-                    on_trail.discard(trail.pop()[2])
+                    on_trail.discard(e_child[trail.pop()])
                     texts.pop()
+                    clean.pop()
                 continue
-            tk, key, child, _, _ = edge
+            pos[-1] = e + 1
+            child = e_child[e]
             if not marks[child] or child in on_trail:
                 continue
-            steps += 1
-            if steps > budget:
-                where = _render([(e[0], e[1]) for e in [*trail, edge]])
-                self.paths_cut = f"max_objects={budget} reached while enumerating alias paths at {where!r}"
-                break
-            if tk == _TK_UNNAMED:
+            tk, key, mode = e_tk[e], e_key[e], e_mode[e]
+            if tk == _TK_UNNAMED:  # not a path step: no slot path goes through it
                 where = texts[-1] or "<layer>"
                 self.notes[f"{where}: {key} leads to device tensors that no slot path can name"] = None
                 continue
+            steps += 1
+            if steps > budget:
+                where = self.render([*trail, e])
+                self.paths_cut = f"max_objects={budget} reached while enumerating alias paths at {where!r}"
+                break
             if len(trail) >= max_depth:
-                self.cut_depth(lambda e=edge: _render([(x[0], x[1]) for x in [*trail, e]]))  # type: ignore[misc]
+                self.cut_depth(lambda e=e: self.render([*trail, e]))  # type: ignore[misc]
                 continue
-            text = texts[-1] + _segment(tk, key, not trail)
+            if tk == _TK_ATTR:
+                text = texts[-1] + "." + key if trail else key
+            else:
+                text = texts[-1] + _segment(tk, key, not trail)
             if kinds[child] == _TENSOR:
-                ref = self._emit(text, trail, texts, edge, objs[child], child, prints)
-                if ref is not None:
-                    refs.append(ref)
+                tensor = objs[child]
+                print_ = prints.get(child, _UNSEEN)
+                if print_ is _UNSEEN:
+                    print_ = self._fingerprint(child, tensor, text, prints)
+                if print_ is None:
+                    continue
+                if mode == _W_INPLACE and clean[-1]:  # the common case: written in place, plainly resolved
+                    refs.append(TensorRef(text, tensor, print_, True, None))
+                else:
+                    restorable, reason = self.restorability([*trail, e], texts)
+                    refs.append(TensorRef(text, tensor, print_, restorable, reason))
                 continue
-            child_edges = edges[child]
-            if child_edges is None:
+            if estart[child] < 0:  # not read: cut by a budget
                 continue
-            trail.append(edge)
+            trail.append(e)
             texts.append(text)
+            clean.append(clean[-1] and mode != _W_UNRESOLVED)
             on_trail.add(child)
-            frames.append(iter(child_edges))
+            pos.append(estart[child])
+            ends.append(eend[child])
         return refs
 
-    def _emit(
-        self,
-        path: str,
-        trail: list[_Edge],
-        texts: list[str],
-        last: _Edge,
-        tensor: torch.Tensor,
-        node: int,
-        prints: dict[int, Fingerprint | None],
-    ) -> TensorRef | None:
-        if node not in prints:
-            try:
-                prints[node] = fingerprint(tensor)
-            except Exception as exc:  # sparse, or a wrapper subclass without storage
-                prints[node] = None
-                self.notes[f"{path}: cannot fingerprint a {_TYPE_NAME(type(tensor))} ({exc})"] = None
-        print_ = prints[node]
-        if print_ is None:
-            return None
-        steps = [*trail, last]
-        restorable, reason = True, None
-        for i, edge in enumerate(steps):
-            if edge[3] == _W_UNRESOLVED:  # resolving the path runs user code: no guarantee it finds this tensor
-                restorable, reason = False, f"{edge[4]} at {texts[i] or '<layer>'!r}"
-                break
-        else:
-            # assign writes the last step; immutable containers are rebuilt into their parents, upwards.
-            for i in range(len(steps) - 1, -1, -1):
-                mode = steps[i][3]
-                if mode == _W_INPLACE:
-                    break
-                if mode == _W_NONE:
-                    restorable, reason = False, f"{steps[i][4]} at {texts[i] or '<layer>'!r}"
-                    break
-        return TensorRef(path=path, tensor=tensor, fingerprint=print_, restorable=restorable, reason=reason)
+    def render(self, steps: list[int]) -> str:
+        return _render([(self.e_tk[e], self.e_key[e]) for e in steps])
+
+    def restorability(self, steps: list[int], texts: list[str]) -> tuple[bool, str | None]:
+        """Whether assign can write a tensor at the end of ``steps`` (edges; ``texts[i]``: the path before i)."""
+        modes, reasons = self.e_mode, self.e_reason
+        for i, e in enumerate(steps):
+            if modes[e] == _W_UNRESOLVED:  # resolving the path runs user code: no guarantee it finds this tensor
+                return False, f"{reasons[e]} at {texts[i] or '<layer>'!r}"
+        # assign writes the last step; immutable containers are rebuilt into their parents, upwards.
+        for i in range(len(steps) - 1, -1, -1):
+            mode = modes[steps[i]]
+            if mode == _W_INPLACE:
+                return True, None
+            if mode == _W_NONE:
+                return False, f"{reasons[steps[i]]} at {texts[i] or '<layer>'!r}"
+        return True, None  # unreachable: the layer's own attributes are written in place
+
+    def _fingerprint(
+        self, node: int, tensor: torch.Tensor, path: str, prints: dict[int, Fingerprint | None]
+    ) -> Fingerprint | None:
+        try:
+            print_: Fingerprint | None = fingerprint(tensor)
+        except Exception as exc:  # sparse, or a wrapper subclass without storage
+            print_ = None
+            self.notes[f"{path}: cannot fingerprint a {_TYPE_NAME(type(tensor))} ({exc})"] = None
+        prints[node] = print_
+        return print_
 
     def exhausted(self) -> str | None:
         parts: list[str] = []
@@ -825,6 +888,8 @@ def walk(
     """
     if max_depth < 0 or max_objects < 0:
         raise ValueError("max_depth and max_objects must be >= 0")
+    if isinstance(devices, (str, torch.device)):  # one device, not a collection of characters
+        devices = (devices,)
     with torch._C.DisableTorchFunctionSubclass():
         if devices is None:
             found = _layer_devices(layer)

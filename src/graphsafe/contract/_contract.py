@@ -255,7 +255,9 @@ class GraphContract:
                         alias_of=alias_of,
                     )
                 )
-        if not slots and exhausted is None:
+        if not slots and exhausted is None and self.detect != "every-reload":
+            # Nothing to track now; with every-reload the layer stays, so tensors it allocates later (scratch on a
+            # first forward) are still walked at each reload.
             return None
         return SealedLayer(
             weakref.ref(layer), qualname, type(layer).__name__, slots, store.generation if store else 0, exhausted
@@ -287,6 +289,29 @@ class GraphContract:
     def _layer_entries(self, layer: nn.Module) -> list[SealedLayer]:
         members = {id(m) for m in layer.modules()}
         return [s for s in self._layers if id(s.layer_ref()) in members]
+
+    def _adopt_late_declarations(self, sealed: SealedLayer, layer: nn.Module) -> None:
+        """Declarations made after the seal (``register_derived`` on a first forward) join the seal as declared."""
+        store = layer_store(layer, create=False)
+        if store is None or store.generation == sealed.declared_generation:
+            return
+        by_path = {slot.path.text: index for index, slot in enumerate(sealed.slots)}
+        for text, declaration in list(store.slots.items()):
+            index = by_path.get(text)
+            if index is not None and sealed.slots[index].origin is Origin.DECLARED:
+                continue
+            value = declaration.path.resolve_or(layer, None)
+            if not isinstance(value, torch.Tensor):
+                continue  # verified at the next seal, which raises DeclarationError for it
+            slot = SealedSlot(declaration.path, fingerprint(value), weakref.ref(value), Origin.DECLARED, declaration)
+            if index is not None:
+                # Known to the walker since the seal: keep the sealed fingerprint, now as a declared slot.
+                old = sealed.slots[index]
+                slot = SealedSlot(old.path, old.fp, old.tensor_ref, Origin.DECLARED, declaration)
+                sealed.slots[index] = slot
+            else:
+                sealed.slots.append(slot)
+        sealed.declared_generation = store.generation
 
     def _walker_extras(self, sealed: SealedLayer, layer: nn.Module) -> tuple[list[SealedSlot], str | None]:
         """Tensors the walker finds now but the seal did not know (``every-reload`` only)."""
@@ -367,8 +392,8 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
         # This rank's own reload would have stood: name the ranks that failed the group (agreement findings).
         ranks = ", ".join(str(r) for r in sorted({f.rank for f in remote if f.rank is not None}))
         return RankAgreementError(
-            f"graphsafe: rank(s) {ranks} did not commit the reload, so every rank of the group fails it; "
-            f"the contract is not serving-safe until reseal().\n{body}",
+            f"graphsafe: the group's reload failed because of rank(s) {ranks}, so every rank of the group fails "
+            f"it; the contract is not serving-safe until reseal().\n{body}",
             outcome,
         )
     if any(not f.kind.recapture_fixes for f in problems):
@@ -378,10 +403,17 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
         try:
             from graphsafe.collectors import migration_report
 
-            report = migration_report(outcome)
+            report = migration_report(contract)  # the contract names the PWAL owners; last_outcome is set
         except Exception:  # the report is an aid; the error must still be raised
             report = None
-        advice = "\nDeclare them with @graph_visible(...) or register_derived(...); `graphsafe report` shows how."
+        advice = ""
+        if any(f.path for f in undeclared):
+            advice += "\nDeclare them with @graph_visible(...) or register_derived(...); `graphsafe report` shows how."
+        if any(not f.path for f in undeclared):
+            advice += (
+                "\nCaptured storage no layer holds (a module-level cache or a library's internal buffer) cannot be "
+                "declared: write it in place in PWAL, or keep it reachable from the layer and declare that path."
+            )
         return UndeclaredDriftError(f"{header}\n{body}{advice}", outcome, report)
     return DeclaredDriftError(f"{header}\n{body}", outcome)
 
@@ -478,7 +510,11 @@ class ReloadTransaction:
                     if snapshot is not None and not snapshot.done:
                         self._restore(snapshot)
                 if contract.manifest is not None:
-                    self._findings.extend(contract.manifest.check(contract))
+                    # The walker and the manifest can see the same slot: report each (layer, path) once.
+                    flagged = {(f.layer, f.path) for f in self._findings if f.kind.is_problem and f.path}
+                    self._findings.extend(
+                        f for f in contract.manifest.check(contract) if not f.path or (f.layer, f.path) not in flagged
+                    )
             else:
                 for snapshot in self._snapshots.values():
                     contract._quarantine.extend(t for t in snapshot.captured if t is not None)
@@ -526,6 +562,7 @@ class ReloadTransaction:
                     sealed.finding(FindingKind.VANISHED, slot, detail="the layer itself was replaced or removed")
                 )
             return None
+        contract._adopt_late_declarations(sealed, layer)
         extras, exhausted = contract._walker_extras(sealed, layer)
         snapshot = LayerSnapshot.take(sealed, layer, extras)
         if exhausted or sealed.walk_exhausted:

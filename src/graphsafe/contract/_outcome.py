@@ -84,7 +84,8 @@ class Finding:
         """One line naming the layer, the path, what changed and (when known) the old and new fingerprints."""
         who = "declared" if self.declared else "undeclared"
         rank = f"[rank {self.rank}] " if self.rank is not None else ""
-        text = f"{rank}{self.kind.value}: {who} slot {self.path!r} of {self.layer or '<model>'} ({self.layer_class})"
+        owner = f"{self.layer or '<model>'} ({self.layer_class})"
+        text = f"{rank}{self.kind.value}: " + (f"{who} slot {self.path!r} of {owner}" if self.path else owner)
         if self.detail:
             text += f": {self.detail}"
         if self.before is not None:

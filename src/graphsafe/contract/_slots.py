@@ -296,7 +296,6 @@ class LayerSnapshot:
 
     def _check_fresh(self, index: int, slot: SealedSlot, current: torch.Tensor) -> None:
         """Flag a declared slot PWAL neither rebuilt nor wrote in place although its inputs changed."""
-        return
         before = self.freshness.get(index)
         if before is None or current is not before.tensor or current._version != before.version:
             return

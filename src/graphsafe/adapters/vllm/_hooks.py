@@ -1,0 +1,504 @@
+"""Wrap vLLM 0.33's layerwise reload so a :class:`~graphsafe.GraphContract` runs inside it.
+
+vLLM reloads a model layer by layer: ``initialize_layerwise_reload(model)`` moves each layer's parameters to the
+meta device (``restore_layer_on_meta``), every layer is processed as soon as its weights are in
+(``_layerwise_process``: materialise, load, ``process_weights_after_loading``, copy parameters and buffers back
+into the captured storage), and ``finalize_layerwise_processing`` processes what is left (attention layers,
+partially loaded ones). Both routes reach it: ``reload_weights`` (``collective_rpc("reload_weights")``) and the
+weight-transfer engines' ``start_weight_update`` / ``finish_weight_update``.
+
+The wrappers map that onto one contract transaction per reload:
+
+* ``initialize_layerwise_reload`` opens the transaction (sealing a contract first if the model has none),
+* ``restore_layer_on_meta`` snapshots the layer (``txn.before_layer``) before it goes to meta,
+* ``_layerwise_process`` restores and verifies the layer (``txn.after_layer``) right after its PWAL and vLLM's
+  own copy-back, so the layer's new derived tensors can be freed before the next layer loads,
+* ``finalize_layerwise_processing`` finishes it (``txn.finish``): commit, recapture, or raise through vLLM,
+* ``_copy_and_restore_kernel_tensors`` optionally gives derived non-persistent buffers their new values,
+* any error on the way finishes the transaction as failed before it propagates.
+
+vLLM's model runner and worker are wrapped to bind a model to the runner that captures its graphs (for
+recapture), to seal after load and reseal after capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphsafe.adapters.vllm._guard import ResolvedHook, vllm_module
+from graphsafe.adapters.vllm._state import AdapterState, Session
+from graphsafe.contract._contract import GraphContract
+from graphsafe.contract._outcome import ReloadOutcome
+from graphsafe.errors import ContractViolation, GraphSafeError
+
+__all__ = ["HookSet", "install"]
+
+log = logging.getLogger("graphsafe.vllm")
+
+ORIGINAL_ATTR = "__graphsafe_original__"
+_INHERITED: Any = object()
+Wrapper = Callable[..., Any]
+
+
+class HookSet:
+    """The patches one ``install`` made, so they can be undone (tests, ``GRAPHSAFE_MODE=off``)."""
+
+    def __init__(self) -> None:
+        self._patches: list[tuple[Any, str, Any]] = []
+
+    def patch(self, owner: Any, name: str, value: Any) -> None:
+        # A class attribute is read from the class's own __dict__: an inherited one is removed again on uninstall.
+        original = owner.__dict__.get(name, _INHERITED) if isinstance(owner, type) else getattr(owner, name)
+        self._patches.append((owner, name, original))
+        setattr(owner, name, value)
+
+    @property
+    def count(self) -> int:
+        """How many attributes were replaced."""
+        return len(self._patches)
+
+    def uninstall(self) -> None:
+        """Put every original back (last patched first)."""
+        while self._patches:
+            owner, name, original = self._patches.pop()
+            if original is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+def _mark(wrapper: Wrapper, original: Callable[..., Any]) -> Wrapper:
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, ORIGINAL_ATTR, original)
+    return wrapper
+
+
+def _patch_function(hooks: HookSet, resolved: ResolvedHook, make: Callable[[Callable[..., Any]], Wrapper]) -> None:
+    """Replace a module-level function everywhere vLLM imported it by name (``from .layerwise import f``)."""
+    original = resolved.value
+    if hasattr(original, ORIGINAL_ATTR):
+        return  # already wrapped (idempotent register)
+    wrapper = _mark(make(original), original)
+    hooks.patch(resolved.owner, resolved.name, wrapper)
+    for module_name, module in list(sys.modules.items()):
+        if module is None or module is resolved.owner or not module_name.startswith("vllm"):
+            continue
+        if getattr(module, resolved.name, None) is original:
+            hooks.patch(module, resolved.name, wrapper)
+
+
+def _patch_method(hooks: HookSet, resolved: ResolvedHook, make: Callable[[Callable[..., Any]], Wrapper]) -> None:
+    original = resolved.owner.__dict__.get(resolved.name, resolved.value)
+    if hasattr(original, ORIGINAL_ATTR):
+        return
+    hooks.patch(resolved.owner, resolved.name, _mark(make(original), original))
+
+
+# -- sessions ------------------------------------------------------------------------------------------------------
+def _tp_group() -> Any:
+    """vLLM's tensor-parallel CPU group when TP > 1 (ranks then agree on one outcome), else ``None``."""
+    try:
+        parallel_state = vllm_module("vllm.distributed.parallel_state")
+    except ImportError:
+        return None
+    try:
+        group = parallel_state.get_tp_group()
+    except AssertionError:  # model parallel not initialised: a single process
+        return None
+    if group.world_size <= 1:
+        return None
+    return group.cpu_group
+
+
+def ensure_contract(state: AdapterState, model: nn.Module) -> GraphContract:
+    """The contract of ``model``, created and sealed now if it has none."""
+    contract = state.contracts.get(model)
+    if contract is not None:
+        return contract
+    from graphsafe.adapters.vllm._recapture import recapture_callback
+
+    mode = state.config.mode
+    assert mode != "off"
+    contract = GraphContract(model, mode=mode, detect=state.config.detect)
+    contract.on_recapture(recapture_callback(state, model))
+    contract.seal()
+    state.contracts[model] = contract
+    log.info("graphsafe: sealed %s (%d slots, mode=%s)", type(model).__name__, sum(1 for _ in contract.slots()), mode)
+    return contract
+
+
+def begin(state: AdapterState, model: nn.Module) -> Session:
+    """Open the reload transaction of ``model`` (closing a stale one, which fails it)."""
+    stale = state.sessions.get(model)
+    if stale is not None:
+        abort(
+            state,
+            stale,
+            GraphSafeError("a new reload began before the previous one was finalized (it was abandoned midway)"),
+        )
+    contract = ensure_contract(state, model)
+    txn = contract.reload(layerwise=True, group=_tp_group())
+    txn.begin()  # NotServingSafeError propagates: fail closed until reseal/recapture
+    session = Session(weakref.ref(model), contract, txn)
+    state.sessions[model] = session
+    return session
+
+
+def _close(state: AdapterState, session: Session) -> None:
+    model = session.model_ref()
+    if model is not None and state.sessions.get(model) is session:
+        del state.sessions[model]
+    for layer, owner in list(state.layer_sessions.items()):
+        if owner is session:
+            del state.layer_sessions[layer]
+    if state.initializing is session:
+        state.initializing = None
+
+
+def abort(state: AdapterState, session: Session, error: BaseException) -> None:
+    """Finish ``session`` as failed because the reload raised ``error`` (the caller re-raises it)."""
+    _close(state, session)
+    outcome: ReloadOutcome | None
+    try:
+        outcome = session.txn.finish(error=error)
+    except ContractViolation as violation:  # e.g. rank agreement failed on top
+        outcome = violation.outcome
+    if outcome is not None:
+        _record(state, session, outcome)
+
+
+def finish(state: AdapterState, session: Session) -> ReloadOutcome:
+    """Finish ``session``: restore what is left, verify, agree, then commit, recapture or raise."""
+    _close(state, session)
+    try:
+        outcome = session.txn.finish()
+    except ContractViolation as violation:
+        if violation.outcome is not None:
+            _record(state, session, violation.outcome)
+        raise
+    _record(state, session, outcome)
+    return outcome
+
+
+def _record(state: AdapterState, session: Session, outcome: ReloadOutcome) -> None:
+    from graphsafe.adapters.vllm._report import build_report, write_report
+
+    state.last_outcome = outcome
+    report = build_report(state, session, outcome)
+    state.last_report = report
+    if state.config.report_path:
+        try:
+            write_report(state.config.report_path, report)
+        except OSError as exc:  # the report is an aid; never mask the reload's own result
+            log.warning("graphsafe: could not write the reload report to %s: %s", state.config.report_path, exc)
+    log.info("graphsafe: %s", outcome.summary().splitlines()[0])
+
+
+def _before_layer(session: Session, layer: nn.Module, state: AdapterState) -> None:
+    if id(layer) in session.seen:
+        return
+    session.txn.before_layer(layer)
+    for module in layer.modules():
+        session.seen.add(id(module))
+        state.layer_sessions[module] = session
+
+
+def _pending_below(layer: nn.Module, get_info: Callable[[nn.Module], Any]) -> bool:
+    """Whether a module under ``layer`` still waits for weights (its PWAL has not run yet)."""
+    return any(module is not layer and get_info(module).can_load() for module in layer.modules())
+
+
+# -- wrappers ------------------------------------------------------------------------------------------------------
+def _wrap_initialize(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
+    def make(original: Callable[..., Any]) -> Wrapper:
+        def initialize_layerwise_reload(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            session = begin(state, model)
+            state.initializing = session
+            try:
+                return original(model, *args, **kwargs)
+            except BaseException as exc:
+                abort(state, session, exc)
+                raise
+            finally:
+                if state.initializing is session:
+                    state.initializing = None
+
+        return initialize_layerwise_reload
+
+    return make
+
+
+def _wrap_restore_on_meta(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
+    def make(original: Callable[..., Any]) -> Wrapper:
+        def restore_layer_on_meta(layer: nn.Module, info: Any, *args: Any, **kwargs: Any) -> Any:
+            session = state.initializing
+            if session is not None:
+                _before_layer(session, layer, state)
+            return original(layer, info, *args, **kwargs)
+
+        return restore_layer_on_meta
+
+    return make
+
+
+def _wrap_layerwise_process(state: AdapterState, get_info: Callable[[nn.Module], Any]) -> Callable[..., Wrapper]:
+    def make(original: Callable[..., Any]) -> Wrapper:
+        def _layerwise_process(layer: nn.Module, info: Any, *args: Any, **kwargs: Any) -> Any:
+            session = state.layer_sessions.get(layer)
+            if session is None:  # a first load (online quantization), or a model without a session
+                return original(layer, info, *args, **kwargs)
+            try:
+                result = original(layer, info, *args, **kwargs)
+            except BaseException as exc:
+                abort(state, session, exc)
+                raise
+            session.layers_processed += 1
+            if _pending_below(layer, get_info):
+                # Restoring now would mark the children done before their own PWAL: leave it to finalize.
+                session.deferred.append(type(layer).__name__)
+            else:
+                session.txn.after_layer(layer)
+            return result
+
+        return _layerwise_process
+
+    return make
+
+
+def _nonpersistent_targets(layer: nn.Module, info: Any) -> dict[str, torch.Tensor]:
+    """Derived non-persistent buffers vLLM will put back without copying: name -> the value PWAL just made."""
+    if info.kernel_tensors is None:
+        return {}
+    params, buffers = info.kernel_tensors
+    loaded = {name for name, _ in info.loaded_weights}
+    param_storages = {p.untyped_storage().data_ptr() for p in params.values() if not p.is_meta}
+    targets: dict[str, torch.Tensor] = {}
+    for name, kept in buffers.items():
+        if name not in info.kernel_non_persistent_buffers or name in loaded:
+            continue
+        new = layer._buffers.get(name)
+        if new is None or new is kept or kept.is_meta:
+            continue
+        if kept.untyped_storage().data_ptr() in param_storages:
+            continue  # an alias of a parameter: the parameter's copy-back already updated it
+        targets[name] = new
+    return targets
+
+
+def _wrap_copy_back(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
+    def make(original: Callable[..., Any]) -> Wrapper:
+        def _copy_and_restore_kernel_tensors(layer: nn.Module, info: Any, *args: Any, **kwargs: Any) -> Any:
+            if not state.config.fix_nonpersistent:
+                return original(layer, info, *args, **kwargs)
+            targets = _nonpersistent_targets(layer, info)
+            kept = dict(info.kernel_tensors[1]) if targets else {}
+            result = original(layer, info, *args, **kwargs)
+            session = state.layer_sessions.get(layer)
+            for name, new in targets.items():
+                old = kept[name]
+                where = f"{type(layer).__name__}.{name}"
+                if old.shape != new.shape or old.dtype != new.dtype:
+                    why = f"{where}: PWAL made {new.dtype}{list(new.shape)}, captured {old.dtype}{list(old.shape)}"
+                    log.warning("graphsafe: cannot refresh non-persistent buffer %s", why)
+                    if session is not None:
+                        session.nonpersistent_skipped.append(why)
+                    continue
+                with torch.no_grad():
+                    old.copy_(new)
+                if session is not None:
+                    session.nonpersistent_fixed.append(where)
+            return result
+
+        return _copy_and_restore_kernel_tensors
+
+    return make
+
+
+def _wrap_finalize(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
+    def make(original: Callable[..., Any]) -> Wrapper:
+        def finalize_layerwise_processing(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            session = state.sessions.get(model)
+            if session is None:  # a first load, or a model whose reload graphsafe did not open
+                return original(model, *args, **kwargs)
+            try:
+                result = original(model, *args, **kwargs)
+            except BaseException as exc:
+                abort(state, session, exc)
+                raise
+            finish(state, session)
+            return result
+
+        return finalize_layerwise_processing
+
+    return make
+
+
+def _wrap_reload_weights(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
+    def make(original: Callable[..., Any]) -> Wrapper:
+        def reload_weights(vllm_config: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(vllm_config, model, *args, **kwargs)
+            except BaseException as exc:
+                session = state.sessions.get(model)
+                if session is not None:  # raised between initialize and finalize (e.g. in load_weights)
+                    abort(state, session, exc)
+                raise
+
+        return reload_weights
+
+    return make
+
+
+# -- runner and worker ---------------------------------------------------------------------------------------------
+def bind(state: AdapterState, model: nn.Module, runner: Any = None, worker: Any = None) -> None:
+    """Bind ``model`` to the vLLM model runner (and worker) that capture its graphs."""
+    if runner is not None:
+        state.runners[model] = weakref.ref(runner)
+    if worker is not None:
+        state.workers[model] = weakref.ref(worker)
+
+
+def _runner_model(runner: Any) -> nn.Module | None:
+    try:
+        model = runner.get_model()
+    except Exception:
+        return None
+    return model if isinstance(model, nn.Module) else None
+
+
+def _wrap_runner_load(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
+    def make(original: Callable[..., Any]) -> Wrapper:
+        def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            model = _runner_model(self)
+            if model is not None:
+                bind(state, model, runner=self)
+                ensure_contract(state, model)
+            return result
+
+        return load_model
+
+    return make
+
+
+@contextlib.contextmanager
+def _maybe_record(state: AdapterState, contract: GraphContract | None) -> Iterator[None]:
+    """Record the capture into the contract's manifest when ``GRAPHSAFE_MANIFEST=1``."""
+    if contract is None or not state.config.record_manifest:
+        yield
+        return
+    from graphsafe.collectors._manifest import record_capture
+
+    with record_capture(contract, name="vllm", reindex=False):
+        yield
+
+
+def _wrap_capture(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
+    def make(original: Callable[..., Any]) -> Wrapper:
+        def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+            model = _runner_model(self)
+            contract = state.contracts.get(model) if model is not None else None
+            if kwargs.get("profile_only", False):  # graphs thrown away after measuring memory
+                return original(self, *args, **kwargs)
+            with _maybe_record(state, contract):
+                result = original(self, *args, **kwargs)
+            if model is not None:
+                bind(state, model, runner=self)
+            if contract is not None and not state.recapturing and contract.sealed:
+                contract.reseal()  # seal what the graphs captured: lazy scratch from warm-up included
+            return result
+
+        return capture_model
+
+    return make
+
+
+def _worker_models(worker: Any) -> list[nn.Module]:
+    runner = getattr(worker, "model_runner", None)
+    models = []
+    for getter in ("get_model", "get_draft_model"):
+        fn = getattr(runner, getter, None)
+        try:
+            model = fn() if fn is not None else None
+        except Exception:
+            model = None
+        if isinstance(model, nn.Module):
+            models.append(model)
+    return models
+
+
+def _wrap_worker_load(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
+    def make(original: Callable[..., Any]) -> Wrapper:
+        def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            for model in _worker_models(self):
+                bind(state, model, runner=getattr(self, "model_runner", None), worker=self)
+            return result
+
+        return load_model
+
+    return make
+
+
+def _wrap_worker_abort_on_error(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
+    """Worker RPCs of the weight-transfer route: an error there ends the open reload as failed."""
+
+    def make(original: Callable[..., Any]) -> Wrapper:
+        def worker_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            for model in _worker_models(self):
+                bind(state, model, runner=getattr(self, "model_runner", None), worker=self)
+            try:
+                return original(self, *args, **kwargs)
+            except BaseException as exc:
+                for model in _worker_models(self):
+                    session = state.sessions.get(model)
+                    if session is not None:
+                        abort(state, session, exc)
+                raise
+
+        return worker_call
+
+    return make
+
+
+# -- installation --------------------------------------------------------------------------------------------------
+def install(state: AdapterState, resolved: dict[str, ResolvedHook]) -> HookSet:
+    """Wrap every resolved hook point; returns the :class:`HookSet` that undoes it."""
+    from graphsafe.adapters.vllm import _guard
+
+    hooks = HookSet()
+    layerwise = _guard.LAYERWISE
+    get_info = resolved[f"{layerwise}:get_layerwise_info"].value
+    makers: dict[str, Callable[[Callable[..., Any]], Wrapper]] = {
+        f"{layerwise}:initialize_layerwise_reload": _wrap_initialize(state),
+        f"{layerwise}:restore_layer_on_meta": _wrap_restore_on_meta(state),
+        f"{layerwise}:_layerwise_process": _wrap_layerwise_process(state, get_info),
+        f"{layerwise}:_copy_and_restore_kernel_tensors": _wrap_copy_back(state),
+        f"{layerwise}:finalize_layerwise_processing": _wrap_finalize(state),
+        f"{_guard.INPLACE}:reload_weights": _wrap_reload_weights(state),
+    }
+    for name, make in makers.items():
+        _patch_function(hooks, resolved[name], make)
+    methods: dict[str, Callable[[Callable[..., Any]], Wrapper]] = {
+        f"{_guard.RUNNER_V2}:GPUModelRunner.load_model": _wrap_runner_load(state),
+        f"{_guard.RUNNER_V2}:GPUModelRunner.capture_model": _wrap_capture(state),
+        f"{_guard.RUNNER_V1}:GPUModelRunner.load_model": _wrap_runner_load(state),
+        f"{_guard.RUNNER_V1}:GPUModelRunner.capture_model": _wrap_capture(state),
+        f"{_guard.WORKER}:Worker.load_model": _wrap_worker_load(state),
+        f"{_guard.WORKER}:Worker.reload_weights": _wrap_worker_abort_on_error(state),
+        f"{_guard.WORKER}:Worker.update_weights": _wrap_worker_abort_on_error(state),
+        f"{_guard.WORKER}:Worker.finish_weight_update": _wrap_worker_abort_on_error(state),
+    }
+    for name, make in methods.items():
+        if name in resolved:
+            _patch_method(hooks, resolved[name], make)
+    return hooks

@@ -1,0 +1,248 @@
+"""The declarations pack: graph-visible paths of vLLM's own quant methods, applied without editing vLLM.
+
+Each :class:`PackEntry` names a class by qualified name, the method that creates graph-visible tensors (its
+``process_weights_after_loading``) and the slot paths, relative to the layer, that the method assigns. At plugin
+load the method is wrapped: after it returns, every listed path that resolves to a tensor on that layer is
+declared (as ``@graph_visible`` would), so the contract restores those slots in every mode, strict included.
+
+Entries are checked against the installed vLLM: an entry whose module, class or method is missing is reported in
+:attr:`PackResult.stale`, never dropped silently. Paths are conditional in vLLM (a backend, an activation scheme
+or a checkpoint flag decides which exist), so a path that does not resolve on a given layer is counted, not an
+error; :attr:`PackResult.usage` shows which paths were ever declared.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphsafe.registry._declarations import GRAPH_VISIBLE_ATTR, GraphVisibleSpec
+from graphsafe.registry._paths import SlotPath
+from graphsafe.registry._store import Declaration, layer_store
+
+__all__ = ["PACK", "PackEntry", "PackResult", "StaleEntry", "apply_pack", "validate_pack"]
+
+PACK_ATTR = "__graphsafe_pack__"
+_PWAL = "process_weights_after_loading"
+
+# Where vLLM 0.33's modular MoE kernel keeps its experts object: layer.quant_method.moe_kernel.impl.fused_experts
+_EXPERTS = "quant_method.moe_kernel.impl.fused_experts"
+#: CUTLASS grouped-GEMM stride tables (CutlassExpertsFp8Base, CutlassExpertsW4A8Fp8): device int64 tensors the
+#: experts object allocates when PWAL builds the kernel, read by every grouped GEMM launch.
+_CUTLASS_STRIDES = tuple(
+    f"{_EXPERTS}.{name}"
+    for name in (
+        "ab_strides1", "ab_strides2", "c_strides1", "c_strides2",
+        "a_strides1", "a_strides2", "b_strides1", "b_strides2", "s_strides1", "s_strides2",
+    )
+)
+#: FlashInfer / TRT-LLM MoE constants the experts object allocates (activation alpha/beta/clamp, input scales).
+_FLASHINFER_CONSTANTS = tuple(
+    f"{_EXPERTS}.{name}"
+    for name in (
+        "gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit", "fake_input_scale", "_fc2_input_scale",
+        "per_token_global_scale",
+    )
+)
+_MOE_PATHS = _CUTLASS_STRIDES + _FLASHINFER_CONSTANTS
+
+
+@dataclass(frozen=True, slots=True)
+class PackEntry:
+    """Declarations for one vLLM class: ``target`` is ``"module:Class"``, ``paths`` are relative to the layer."""
+
+    target: str
+    paths: tuple[str, ...]
+    site: str
+    method: str = _PWAL
+
+    def __post_init__(self) -> None:
+        if ":" not in self.target:
+            raise ValueError(f"pack entry {self.target!r}: target must be 'module:Class'")
+        for path in self.paths:
+            SlotPath(path)  # a syntax error is a bug in the pack: fail at import
+
+    @property
+    def name(self) -> str:
+        """``module:Class.method``."""
+        return f"{self.target}.{self.method}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly rendering."""
+        return {"target": self.target, "method": self.method, "paths": list(self.paths), "site": self.site}
+
+
+@dataclass(frozen=True, slots=True)
+class StaleEntry:
+    """A pack entry the installed vLLM does not have, and why."""
+
+    entry: PackEntry
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly rendering."""
+        return {**self.entry.to_dict(), "reason": self.reason}
+
+
+@dataclass(slots=True)
+class PackResult:
+    """What applying the pack did: entries applied, entries stale, and per-path declaration counts."""
+
+    applied: list[PackEntry] = field(default_factory=list)
+    stale: list[StaleEntry] = field(default_factory=list)
+    #: ``entry name -> path -> [declared, not resolved]`` since the pack was applied.
+    usage: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly rendering."""
+        return {
+            "applied": [e.name for e in self.applied],
+            "stale": [s.to_dict() for s in self.stale],
+            "usage": self.usage,
+        }
+
+
+#: The pack for vLLM 0.33: sites whose PWAL leaves graph-visible tensors outside ``_parameters``/``_buffers``
+#: (or, for MLA, parameters that are worth verifying because every decode step reads them).
+PACK: tuple[PackEntry, ...] = (
+    PackEntry(
+        "vllm.model_executor.layers.quantization.fp8:Fp8MoEMethod",
+        _MOE_PATHS,
+        "FP8 MoE: PWAL rebuilds self.moe_kernel; CUTLASS stride tables / FlashInfer constants are new tensors",
+    ),
+    PackEntry(
+        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+        "compressed_tensors_moe_w8a8_fp8:CompressedTensorsW8A8Fp8MoEMethod",
+        _MOE_PATHS,
+        "compressed-tensors W8A8 FP8 MoE: same kernel rebuild as Fp8MoEMethod",
+    ),
+    PackEntry(
+        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+        "compressed_tensors_moe_w4a8_fp8:CompressedTensorsW4A8Fp8MoEMethod",
+        ("quant_method.b_strides1", "quant_method.b_strides2", *_CUTLASS_STRIDES),
+        "W4A8 CUTLASS MoE: PWAL re-derives b_strides1/2 on the quant method and rebuilds the experts' strides",
+    ),
+    PackEntry(
+        "vllm.model_executor.layers.quantization.modelopt:ModelOptFp8MoEMethod",
+        _MOE_PATHS,
+        "ModelOpt FP8 MoE: kernel rebuild in PWAL",
+    ),
+    PackEntry(
+        "vllm.model_executor.layers.quantization.modelopt:ModelOptNvFp4FusedMoE",
+        _MOE_PATHS,
+        "ModelOpt NVFP4 MoE (FlashInfer CUTLASS / TRT-LLM): kernel rebuild allocates scale constants",
+    ),
+    PackEntry(
+        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+        "compressed_tensors_moe_w4a4_nvfp4:CompressedTensorsW4A4Nvfp4MoEMethod",
+        _MOE_PATHS,
+        "compressed-tensors NVFP4 MoE: FlashInfer kernel constants",
+    ),
+    PackEntry(
+        "vllm.model_executor.layers.quantization.mxfp4:Mxfp4MoEMethod",
+        _MOE_PATHS,
+        "MXFP4 MoE (TRT-LLM): gemm1_alpha/beta/clamp_limit tensors on the experts object",
+    ),
+    PackEntry(
+        "vllm.model_executor.layers.attention.mla_attention:MLAAttention",
+        ("W_UV", "W_UK_T", "W_UK_T_dcp_qrep", "W_K", "W_K_scale", "W_V", "W_V_scale"),
+        "MLA absorbed projections split from kv_b_proj in PWAL (0.33 keeps them as parameters via "
+        "replace_parameter; declared so every reload verifies their addresses)",
+    ),
+)
+
+
+def _layer_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module | None:
+    """The layer a PWAL works on: ``(self, layer)`` of a quant method, or ``self`` of a layer's own PWAL."""
+    layer = kwargs.get("layer")
+    if isinstance(layer, nn.Module):
+        return layer
+    if len(args) >= 2 and isinstance(args[1], nn.Module):
+        return args[1]
+    if args and isinstance(args[0], nn.Module):
+        return args[0]
+    return None
+
+
+def _declare_resolved(
+    entry: PackEntry, parsed: Sequence[SlotPath], layer: nn.Module, usage: dict[str, list[int]]
+) -> None:
+    store = layer_store(layer)
+    assert store is not None
+    source = f"graphsafe vLLM pack: {entry.name}"
+    for path in parsed:
+        counts = usage.setdefault(path.text, [0, 0])
+        if isinstance(path.resolve_or(layer, None), torch.Tensor):
+            store.put(Declaration(path=path, source=source))
+            counts[0] += 1
+        else:
+            counts[1] += 1
+
+
+def _wrap(entry: PackEntry, original: Callable[..., Any], usage: dict[str, list[int]]) -> Callable[..., Any]:
+    parsed = tuple(SlotPath(p) for p in entry.paths)
+
+    @functools.wraps(original)
+    def declared(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        layer = _layer_of(args, kwargs)
+        if layer is not None:
+            _declare_resolved(entry, parsed, layer, usage)
+        return result
+
+    setattr(declared, GRAPH_VISIBLE_ATTR, GraphVisibleSpec(entry.paths, None, False, None))
+    setattr(declared, PACK_ATTR, entry)
+    return declared
+
+
+def _find(entry: PackEntry) -> tuple[type | None, str | None]:
+    """``(class, None)`` if the entry matches the installed vLLM, else ``(None, why)``."""
+    module_name, _, class_name = entry.target.partition(":")
+    try:
+        importlib.import_module("vllm.config")  # see _guard._import: vLLM's own import order
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        return None, f"module {module_name} cannot be imported: {exc}"
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        return None, f"{module_name} has no class {class_name!r}"
+    if not callable(getattr(cls, entry.method, None)):
+        return None, f"{class_name} has no method {entry.method!r}"
+    return cls, None
+
+
+def validate_pack(entries: Sequence[PackEntry] = PACK) -> PackResult:
+    """Check every entry against the installed vLLM without applying anything."""
+    result = PackResult()
+    for entry in entries:
+        cls, why = _find(entry)
+        if cls is None:
+            result.stale.append(StaleEntry(entry, why or "not found"))
+        else:
+            result.applied.append(entry)
+    return result
+
+
+def apply_pack(entries: Sequence[PackEntry], patch: Callable[[Any, str, Any], None]) -> PackResult:
+    """Wrap each entry's method with its declarations (``patch(owner, name, value)`` does the assignment, so the
+    caller can undo it); stale entries are reported. Applying an entry twice is a no-op."""
+    result = PackResult()
+    for entry in entries:
+        cls, why = _find(entry)
+        if cls is None:
+            result.stale.append(StaleEntry(entry, why or "not found"))
+            continue
+        current = cls.__dict__.get(entry.method, getattr(cls, entry.method))
+        if getattr(current, PACK_ATTR, None) == entry:
+            result.applied.append(entry)
+            continue
+        usage = result.usage.setdefault(entry.name, {})
+        patch(cls, entry.method, _wrap(entry, current, usage))
+        result.applied.append(entry)
+    return result

@@ -1,0 +1,407 @@
+"""``assert_reload_stable``: a CPU unit test that a layer's PWAL keeps every graph-visible tensor in place.
+
+The check is differential. One layer (the *subject*) is loaded with weights A, sealed under a
+:class:`~graphsafe.GraphContract` and, given an example input, run once under the capture manifest, as an engine
+would capture it. It is then reloaded B, A, B, A... under the contract. After every reload:
+
+* **addresses**: the contract must commit, and, independently of its verdict, every sealed slot, every parameter
+  and buffer and every storage the forward read must still be where it was sealed;
+* **values**: after A -> B every tracked derived tensor (and the forward output) must equal those of a second
+  layer built cold on B; after B -> A they must equal what the subject held after its first load of A.
+
+A failure raises ``AssertionError`` whose message is the migration report of the subject plus the reload's
+outcome and the address or value checks that failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from graphsafe.collectors._manifest import Manifest, record_capture
+from graphsafe.collectors._report import migration_report
+from graphsafe.contract._contract import MODES, GraphContract, Mode, SlotInfo
+from graphsafe.contract._outcome import ReloadOutcome, Status
+from graphsafe.errors import ContractViolation
+from graphsafe.registry._fingerprint import Fingerprint, fingerprint
+from graphsafe.registry._paths import SlotPath
+from graphsafe.registry._store import declarations_of
+
+__all__ = ["ExampleInput", "LoadWeights", "MakeLayer", "StabilityResult", "assert_reload_stable"]
+
+#: Builds one layer (or model) with its parameters allocated but not loaded; called once per layer the check needs.
+MakeLayer = Callable[[], nn.Module]
+#: Fills every parameter of the layer from the generator (deterministically), then runs the layer's PWAL.
+LoadWeights = Callable[[nn.Module, torch.Generator], None]
+#: A forward input, or a function of the loaded layer that returns one.
+ExampleInput = torch.Tensor | Callable[[nn.Module], torch.Tensor]
+
+_CAPTURE = "assert_reload_stable"
+
+
+@dataclass(frozen=True, slots=True)
+class StabilityResult:
+    """What a passing :func:`assert_reload_stable` checked (so a test can tell it did not check nothing)."""
+
+    #: One outcome per reload, in order (``2 * reloads`` of them, all committed).
+    outcomes: tuple[ReloadOutcome, ...]
+    #: ``layer:path`` of every sealed slot whose address was checked (declared, aliases and walker-found).
+    slots: tuple[str, ...]
+    #: ``layer:path`` of the derived tensors compared by value with the cold-built layer.
+    compared: tuple[str, ...]
+    #: Parameters and buffers whose addresses were checked.
+    state_tensors: int
+    #: Storages the example forward read (the capture manifest), whose addresses were checked.
+    manifest_storages: int
+    #: Whether the forward output was compared too.
+    output_compared: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Tracked:
+    """A sealed slot plus whether its contents are compared by value (not for static scratch)."""
+
+    info: SlotInfo
+    compare: bool
+
+    @property
+    def where(self) -> str:
+        return f"{self.info.layer or '<model>'}:{self.info.path}"
+
+
+def assert_reload_stable(
+    make_layer: MakeLayer,
+    load_weights: LoadWeights,
+    *,
+    mode: Mode = "strict",
+    reloads: int = 2,
+    seed: int = 0,
+    example_input: ExampleInput | None = None,
+) -> StabilityResult:
+    """Assert that reloading weights keeps every graph-visible tensor of a layer at its address, with new values.
+
+    Args:
+        make_layer: ``() -> nn.Module``: a new layer (or a whole model) with parameters allocated, not loaded.
+            Called two or three times; every call must build the same structure.
+        load_weights: ``(layer, generator) -> None``: fill every parameter from ``generator`` (same generator
+            state, same values; a different seed must give different values) and run the layer's
+            ``process_weights_after_loading``, the way the serving engine loads. It runs under ``torch.no_grad()``.
+        mode: the contract's mode. ``"strict"``: every graph-visible tensor must be declared or kept in place;
+            ``"migrate"`` also accepts undeclared tensors the contract can restore itself.
+        reloads: how many A -> B -> A cycles to run (at least 1).
+        seed: weights A come from ``torch.Generator().manual_seed(seed)``, weights B from ``seed + 1``.
+        example_input: a tensor, or ``layer -> tensor``. When given, a warm-up forward runs before the seal
+            (allocating lazy scratch), one forward runs under the capture manifest (so the storages it reads
+            are checked too) and the output after every reload is compared.
+
+    Returns:
+        What was checked; the assertion passed.
+
+    Raises:
+        AssertionError: an address moved, the contract did not commit, or a value differs from the cold-built
+            reference. The message is the migration report plus the outcome and the failed checks.
+        ValueError: ``load_weights`` gave the same parameters for both seeds (a same-weights reload would hide
+            stale derived tensors), or an argument is invalid.
+    """
+    __tracebackhide__ = True  # pytest shows the caller's line and the report, not this module's frames
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+    if reloads < 1:
+        raise ValueError(f"reloads must be at least 1, got {reloads}")
+    with torch.no_grad():
+        return _Check(make_layer, load_weights, mode, seed, example_input).run(reloads)
+
+
+class _Check:
+    """The state of one :func:`assert_reload_stable` call."""
+
+    def __init__(
+        self,
+        make_layer: MakeLayer,
+        load_weights: LoadWeights,
+        mode: Mode,
+        seed: int,
+        example_input: ExampleInput | None,
+    ) -> None:
+        self.make_layer = make_layer
+        self.load_weights = load_weights
+        self.mode: Mode = mode
+        self.seeds = {"A": seed, "B": seed + 1}
+        self.example_input = example_input
+        self.outcomes: list[ReloadOutcome] = []
+        self.name = "layer"  # the subject's class name, once built
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+    def _build(self, weights: str) -> nn.Module:
+        layer = self.make_layer()
+        if not isinstance(layer, nn.Module):
+            raise TypeError(f"make_layer() must return an nn.Module, got {type(layer).__name__}")
+        self.load_weights(layer, torch.Generator().manual_seed(self.seeds[weights]))
+        return layer
+
+    def _input(self, layer: nn.Module) -> torch.Tensor | None:
+        given = self.example_input
+        if given is None or isinstance(given, torch.Tensor):
+            return given
+        made = given(layer)
+        if not isinstance(made, torch.Tensor):
+            raise TypeError(f"example_input(layer) must return a tensor, got {type(made).__name__}")
+        return made
+
+    def run(self, reloads: int) -> StabilityResult:
+        __tracebackhide__ = True
+        subject = self._build("A")
+        self.name = type(subject).__name__
+        x = self._input(subject)
+        if x is not None:
+            subject(x)  # warm-up: lazily allocated scratch exists before the seal, as in an engine
+        contract = GraphContract(subject, self.mode, detect="every-reload").seal()
+        first_output: torch.Tensor | None = None
+        if x is not None:
+            with record_capture(contract, name=_CAPTURE, ignore=[x]):
+                first_output = _output(subject(x))
+        tracked = [_Tracked(info, _compare_by_value(contract, info)) for info in contract.slots()]
+        state = _state_fingerprints(subject)
+        first_values: dict[str, torch.Tensor | None] = {
+            t.where: _resolve(contract, t.info).clone() for t in tracked if t.compare
+        }
+
+        reference = self._build("B")
+        _require_different_weights(subject, reference, self.seeds)
+        reference_output: torch.Tensor | None = None
+        if x is not None:
+            reference(x)  # the same warm-up the subject had
+            reference_output = _output(reference(x))
+        expected_b: dict[str, torch.Tensor | None] = {
+            t.where: _resolve_on(reference, t.info) for t in tracked if t.compare
+        }
+
+        count = 0
+        for _ in range(reloads):
+            for weights, values, output in (("B", expected_b, reference_output), ("A", first_values, first_output)):
+                count += 1
+                step = f"reload {count} of {2 * reloads} (weights -> {weights}, seed {self.seeds[weights]})"
+                outcome = self._reload(contract, subject, weights, step)
+                moved = _address_problems(contract, tracked, subject, state)
+                if outcome.status is not Status.COMMITTED or moved:
+                    raise AssertionError(self._message(contract, step, outcome, moved, []))
+                mismatches = _value_problems(contract, tracked, values, weights)
+                if x is not None and output is not None:
+                    mismatches += _compare("forward output", _output(subject(x)), output, weights)
+                if mismatches:
+                    raise AssertionError(self._message(contract, step, outcome, [], mismatches))
+        manifest = contract.manifest
+        return StabilityResult(
+            outcomes=tuple(self.outcomes),
+            slots=tuple(t.where for t in tracked),
+            compared=tuple(t.where for t in tracked if t.compare),
+            state_tensors=len(state),
+            manifest_storages=len(manifest.storages()) if isinstance(manifest, Manifest) else 0,
+            output_compared=x is not None,
+        )
+
+    # -- one reload ----------------------------------------------------------------------------------------------
+    def _reload(self, contract: GraphContract, subject: nn.Module, weights: str, step: str) -> ReloadOutcome:
+        generator = torch.Generator().manual_seed(self.seeds[weights])
+        txn = contract.reload()
+        try:
+            with txn:
+                self.load_weights(subject, generator)
+        except ContractViolation:  # strict mode raises on any finding; the outcome is the verdict
+            if txn.outcome is None:
+                raise
+        except Exception as exc:
+            exc.add_note(f"graphsafe: raised by load_weights during {step} under the contract")
+            raise
+        outcome = txn.outcome
+        assert outcome is not None  # a finished transaction always records one
+        self.outcomes.append(outcome)
+        return outcome
+
+    # -- the failure message -------------------------------------------------------------------------------------
+    def _message(
+        self, contract: GraphContract, step: str, outcome: ReloadOutcome, moved: list[_Moved], mismatches: list[str]
+    ) -> str:
+        if mismatches:
+            what = "kept the addresses, but the values differ from a layer built cold on the same weights"
+        else:
+            what = "did not keep every graph-visible tensor at its captured address"
+        lines = [f"assert_reload_stable({self.name}, mode={self.mode!r}): {step} {what}.", ""]
+        lines.append(migration_report(contract).render("text").rstrip("\n"))
+        lines += ["", "Outcome of the reload:", outcome.summary()]
+        # The outcome already lists what the contract found; show only what the independent checks add.
+        reported = {(f.layer, f.path) for f in outcome.problems}
+        extra = [m for m in moved if (m.layer, m.path) not in reported]
+        if extra:
+            lines += ["", "Address checks that failed beyond the contract's findings:"]
+            lines += [f"  - {m.text}" for m in extra]
+            if outcome.status is Status.COMMITTED:
+                lines.append(
+                    "  The contract committed this reload: it does not track parameters and buffers, so load new "
+                    "weights into them in place (copy_) rather than replacing them. Any other line above is a "
+                    "graphsafe bug: please report it."
+                )
+        if mismatches:
+            lines += ["", "Value checks that failed:"]
+            lines += [f"  - {line}" for line in mismatches]
+            lines += [
+                "",
+                "A derived tensor that keeps its address but not its value was not rebuilt from the new weights "
+                "(PWAL skipped it, or wrote it somewhere the graph does not read). Rebuild it in PWAL; declare "
+                "scratch whose contents do not depend on the weights with stable_empty(...) or static=True.",
+            ]
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers.
+
+
+def _output(value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"the layer's forward must return a tensor to be compared, got {type(value).__name__}")
+    return value.clone()
+
+
+def _layer_of(model: nn.Module, qualname: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(qualname) if qualname else model
+    except AttributeError:
+        return None
+
+
+def _compare_by_value(contract: GraphContract, info: SlotInfo) -> bool:
+    """Static declared slots (``stable_empty`` scratch) hold contents no reload defines: address-checked only."""
+    layer = _layer_of(contract.model, info.layer)
+    declaration = declarations_of(layer).get(info.path) if layer is not None else None
+    return declaration is None or not declaration.static
+
+
+def _resolve(contract: GraphContract, info: SlotInfo) -> torch.Tensor:
+    value = _resolve_on(contract.model, info)
+    if value is None:
+        raise AssertionError(f"{info.layer or '<model>'}:{info.path} was sealed but does not resolve right after")
+    return value
+
+
+def _resolve_on(model: nn.Module, info: SlotInfo) -> torch.Tensor | None:
+    layer = _layer_of(model, info.layer)
+    value = SlotPath(info.path).resolve_or(layer, None) if layer is not None else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by name (graph-visible too: a loader that replaces one moves it)."""
+    return dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
+
+
+def _state_fingerprints(model: nn.Module) -> dict[str, Fingerprint]:
+    return {name: fingerprint(tensor) for name, tensor in _state(model).items() if tensor.device.type != "meta"}
+
+
+def _require_different_weights(subject: nn.Module, reference: nn.Module, seeds: dict[str, int]) -> None:
+    ours = dict(subject.named_parameters())
+    theirs = dict(reference.named_parameters())
+    if ours.keys() != theirs.keys():
+        raise ValueError(
+            f"make_layer() built different structures on two calls (parameters {sorted(ours)} vs {sorted(theirs)})"
+        )
+    if ours and all(torch.equal(ours[name], theirs[name]) for name in ours):
+        raise ValueError(
+            f"load_weights gave identical parameters for seeds {seeds['A']} and {seeds['B']}: fill them from the "
+            "generator it is given (a same-weights reload cannot reveal a derived tensor that was not rebuilt)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Moved:
+    """One failed address check: the slot (``layer``, ``path``) and what happened to it."""
+
+    layer: str
+    path: str
+    text: str
+
+
+def _moved(before: Fingerprint, now: torch.Tensor | None) -> str | None:
+    if now is None:
+        return f"no longer resolves to a tensor (sealed {before.describe()})"
+    after = fingerprint(now)
+    if not before.same_storage(after) or after.data_ptr != before.data_ptr:
+        return f"moved from {before.describe()} to {after.describe()}"
+    if after.key != before.key:
+        return f"same storage, new layout: {before.describe()} -> {after.describe()}"
+    return None
+
+
+def _address_problems(
+    contract: GraphContract, tracked: list[_Tracked], subject: nn.Module, state: dict[str, Fingerprint]
+) -> list[_Moved]:
+    problems: list[_Moved] = []
+    for t in tracked:
+        problem = _moved(t.info.fingerprint, _resolve_on(subject, t.info))
+        if problem is not None:
+            problems.append(_Moved(t.info.layer, t.info.path, f"{t.where} ({t.info.origin}): {problem}"))
+    now = _state(subject)
+    for name, before in state.items():
+        problem = _moved(before, now.get(name))
+        if problem is not None:
+            layer, _, path = name.rpartition(".")
+            problems.append(_Moved(layer, path, f"{name} (parameter/buffer): {problem}"))
+    manifest = contract.manifest
+    if isinstance(manifest, Manifest):
+        problems.extend(_manifest_problems(manifest, subject))
+    return problems
+
+
+def _manifest_problems(manifest: Manifest, subject: nn.Module) -> list[_Moved]:
+    problems: list[_Moved] = []
+    for entry in manifest.storages():
+        storage = entry.storage_ref()
+        first = entry.holders[0] if entry.holders else None
+        if storage is None:
+            problem = "freed: the graph would read freed memory"
+        elif storage.data_ptr() != entry.data_ptr:
+            problem = f"now at @0x{storage.data_ptr():x}"
+        elif entry.holders and not any(_holds(subject, h.layer, h.slot, storage) for h in entry.holders):
+            problem = "no longer held at any of those paths"
+        else:
+            continue
+        problems.append(
+            _Moved(first.layer if first else "", first.path if first else "", f"{entry.describe()}: {problem}")
+        )
+    return problems
+
+
+def _holds(subject: nn.Module, qualname: str, slot: SlotPath, storage: object) -> bool:
+    layer = _layer_of(subject, qualname)
+    value = slot.resolve_or(layer, None) if layer is not None else None
+    return isinstance(value, torch.Tensor) and value.untyped_storage() is storage
+
+
+def _value_problems(
+    contract: GraphContract, tracked: list[_Tracked], expected: dict[str, torch.Tensor | None], weights: str
+) -> list[str]:
+    problems: list[str] = []
+    for t in tracked:
+        if not t.compare:
+            continue
+        want = expected.get(t.where)
+        if want is None:
+            problems.append(f"{t.where}: the layer built cold on weights {weights} has no tensor at this path")
+            continue
+        problems += _compare(t.where, _resolve(contract, t.info), want, weights)
+    return problems
+
+
+def _compare(what: str, actual: torch.Tensor, expected: torch.Tensor, weights: str) -> list[str]:
+    """Exact for integers; floats within torch's default dtype tolerances (kernels may round differently when
+    the same values sit at another alignment), far tighter than the gap between two seeds' weights."""
+    try:
+        torch.testing.assert_close(actual, expected, equal_nan=True, check_device=True)
+    except AssertionError as exc:
+        detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        return [f"{what}: differs from weights {weights}: {detail}"]
+    return []

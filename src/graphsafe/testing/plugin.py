@@ -1,0 +1,300 @@
+"""pytest plugin: a contract fixture, a marker that fails a test on any reload finding, and a JSON report.
+
+Loaded in every pytest session of an environment where graphsafe is installed (entry point ``pytest11``); turn it
+off with ``-p no:graphsafe``. This module imports only pytest and the standard library; the contract subclass,
+the collectors and the report load when a test first uses the fixture or the marker. Its hooks do nothing for a
+test that uses neither.
+
+``graphsafe_contract``
+    A factory: ``graphsafe_contract(model, mode="strict", **options)`` returns a sealed
+    :class:`~graphsafe.GraphContract` (``options`` go to its constructor: ``detect``, ``max_depth``...). The
+    fixture records the outcome of every reload run through it and keeps the model alive until the test ends.
+
+``@pytest.mark.graphsafe(mode="strict")``
+    Sets the mode of every contract the test creates through the fixture (a different explicit ``mode`` is an
+    error), and, once the test body has passed, fails the test if any of those contracts saw a finding in any
+    reload (problems, and ``auto-restored`` repairs too: an undeclared tensor that needed repair is a finding) or
+    was left not serving-safe. A marked test that created no contract through the fixture fails as well: the
+    marker would otherwise check nothing. The marker reads only what the fixture recorded; it patches nothing.
+
+``--graphsafe-report=PATH``
+    Writes one JSON document at the end of the run: for every layer that a fixture-made contract tracked, or that
+    a reload found something on, its test, the reload statuses, its findings and its migration report (the
+    :class:`~graphsafe.collectors.MigrationReport` of the contract restricted to that layer). A relative
+    ``PATH`` is taken from the directory pytest was invoked in; under pytest-xdist each worker writes
+    ``PATH`` with its worker id before the suffix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from graphsafe.contract import GraphContract, ReloadOutcome, ReloadTransaction
+    from graphsafe.contract._contract import Mode
+
+__all__ = ["REPORT_SCHEMA", "ContractFactory"]
+
+#: The ``schema`` field of the ``--graphsafe-report`` document.
+REPORT_SCHEMA = "graphsafe.pytest-report/1"
+_MARKER = "graphsafe"
+_MARKER_HELP = (
+    "graphsafe(mode='strict'): contracts made by the graphsafe_contract fixture use this mode, and the test fails "
+    "if any of their reloads has a finding"
+)
+
+
+class _Tracked:
+    """One contract made through the fixture: the model (kept alive until teardown) and its transactions."""
+
+    def __init__(self, contract: GraphContract, model: nn.Module, transactions: list[ReloadTransaction]) -> None:
+        self.contract = contract
+        self.model = model
+        self.transactions = transactions
+
+    @property
+    def outcomes(self) -> list[ReloadOutcome]:
+        return [t.outcome for t in self.transactions if t.outcome is not None]
+
+
+_TRACKED = pytest.StashKey[list[_Tracked]]()
+_REPORT = pytest.StashKey["_ReportSink"]()
+_OBSERVED: list[Callable[..., GraphContract]] = []  # the subclass below, built on first use
+
+
+def _observed_contract() -> Callable[..., GraphContract]:
+    """A ``GraphContract`` subclass that records each transaction it opens (built lazily: it imports torch)."""
+    if not _OBSERVED:
+        from graphsafe.contract import GraphContract
+
+        class ObservedContract(GraphContract):
+            """A :class:`~graphsafe.GraphContract` whose reload transactions the pytest plugin reads back."""
+
+            def __init__(
+                self, model: nn.Module, mode: Mode, *, transactions: list[ReloadTransaction], **options: Any
+            ) -> None:
+                super().__init__(model, mode, **options)
+                self._graphsafe_transactions = transactions
+
+            def reload(self, *args: Any, **kwargs: Any) -> ReloadTransaction:
+                transaction = super().reload(*args, **kwargs)
+                self._graphsafe_transactions.append(transaction)
+                return transaction
+
+        _OBSERVED.append(ObservedContract)
+    return _OBSERVED[0]
+
+
+def _marker_mode(item: pytest.Item) -> str | None:
+    """The mode ``@pytest.mark.graphsafe`` asks for, ``None`` when the test is not marked."""
+    marker = item.get_closest_marker(_MARKER)
+    if marker is None:
+        return None
+    unknown = set(marker.kwargs) - {"mode"}
+    if unknown or len(marker.args) > 1 or (marker.args and "mode" in marker.kwargs):
+        raise ValueError(
+            f"{item.nodeid}: @pytest.mark.graphsafe takes one argument, mode (got args={marker.args!r}, "
+            f"kwargs={sorted(marker.kwargs)!r})"
+        )
+    mode = marker.args[0] if marker.args else marker.kwargs.get("mode", "strict")
+    from graphsafe.contract._contract import MODES
+
+    if mode not in MODES:
+        raise ValueError(f"{item.nodeid}: @pytest.mark.graphsafe(mode={mode!r}): choose one of {', '.join(MODES)}")
+    return str(mode)
+
+
+class ContractFactory:
+    """The ``graphsafe_contract`` fixture's value: call it with a loaded model to get a sealed contract."""
+
+    def __init__(self, item: pytest.Item) -> None:
+        self._item = item
+        self._marker_mode = _marker_mode(item)
+        self._tracked: list[_Tracked] = item.stash.setdefault(_TRACKED, [])
+
+    def __call__(self, model: nn.Module, mode: str | None = None, **options: Any) -> GraphContract:
+        """Create and seal a contract on ``model`` (loaded, PWAL run); ``options`` go to ``GraphContract``."""
+        wanted = self._marker_mode
+        if mode is not None and wanted is not None and mode != wanted:
+            raise ValueError(
+                f"graphsafe_contract(mode={mode!r}) conflicts with @pytest.mark.graphsafe(mode={wanted!r}) on "
+                f"{self._item.nodeid}: drop one of them"
+            )
+        transactions: list[ReloadTransaction] = []
+        contract = _observed_contract()(model, mode or wanted or "strict", transactions=transactions, **options)
+        contract.seal()
+        self._tracked.append(_Tracked(contract, model, transactions))
+        return contract
+
+    @property
+    def contracts(self) -> list[GraphContract]:
+        """The contracts made so far in this test."""
+        return [t.contract for t in self._tracked]
+
+    def outcomes(self, contract: GraphContract) -> list[ReloadOutcome]:
+        """Every reload outcome ``contract`` produced so far, in order."""
+        for tracked in self._tracked:
+            if tracked.contract is contract:
+                return tracked.outcomes
+        raise ValueError("this contract was not made by the graphsafe_contract fixture")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hooks.
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("graphsafe", "graphsafe reload contracts")
+    group.addoption(
+        "--graphsafe-report",
+        metavar="PATH",
+        default=None,
+        help="write a JSON migration report for every layer that graphsafe_contract contracts exercised",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", _MARKER_HELP)
+    option = config.getoption("graphsafe_report", None)
+    if option:
+        path = config.invocation_params.dir / Path(option)
+        worker = getattr(config, "workerinput", {}).get("workerid")
+        if worker:  # pytest-xdist: one document per worker, instead of workers overwriting each other's
+            path = path.with_name(f"{path.stem}.{worker}{path.suffix}")
+        config.stash[_REPORT] = _ReportSink(path)
+
+
+@pytest.fixture
+def graphsafe_contract(request: pytest.FixtureRequest) -> Iterator[ContractFactory]:
+    """A factory of sealed, recorded contracts: ``contract = graphsafe_contract(model, mode="strict")``."""
+    factory = ContractFactory(request.node)
+    yield factory
+    tracked = request.node.stash.get(_TRACKED, [])
+    sink = request.config.stash.get(_REPORT, None)
+    try:
+        if sink is not None:
+            for entry in tracked:
+                try:
+                    sink.add(request.node.nodeid, entry)
+                except Exception as exc:  # the report must not turn a passing test into an error
+                    sink.errors.append({"test": request.node.nodeid, "error": repr(exc)})
+    finally:
+        # Drop the strong references (models, transactions) so nothing outlives the test.
+        tracked.clear()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    # trylast: runs after the runner's own pytest_runtest_call ran the body, and only if the body passed (a
+    # failing body raises out of the hook call first), so a failure of the body always stands as it is.
+    mode = _marker_mode(item)
+    if mode is not None:
+        message = _marker_verdict(item, mode)
+        if message is not None:
+            pytest.fail(message, pytrace=False)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    sink = session.config.stash.get(_REPORT, None)
+    if sink is not None:
+        sink.write()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The marker's verdict.
+
+
+def _marker_verdict(item: pytest.Item, mode: str) -> str | None:
+    tracked = item.stash.get(_TRACKED, [])
+    if not tracked:
+        return (
+            f"@pytest.mark.graphsafe(mode={mode!r}): the test created no contract through the graphsafe_contract "
+            "fixture, so nothing was checked; use contract = graphsafe_contract(model)"
+        )
+    from graphsafe.collectors import migration_report
+
+    parts: list[str] = []
+    for number, entry in enumerate(tracked, 1):
+        contract = entry.contract
+        bad = [(index, o) for index, o in enumerate(entry.outcomes, 1) if o.findings]
+        if not bad and contract.serving_safe:
+            continue
+        name = type(entry.model).__name__
+        lines = [f"contract #{number} on {name} (mode={contract.mode}):"]
+        for index, outcome in bad:
+            lines.append(f"reload {index}: " + outcome.summary())
+            lines += [f"  - {f.describe()}" for f in outcome.auto_restored]
+        if not contract.serving_safe:
+            lines.append(f"not serving-safe at the end of the test: {contract.unsafe_reason}")
+        lines += ["", migration_report(contract).render("text").rstrip("\n")]
+        parts.append("\n".join(lines))
+    if not parts:
+        return None
+    header = f"@pytest.mark.graphsafe(mode={mode!r}): a reload under the contract had findings"
+    return "\n\n".join([header, *parts])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --graphsafe-report.
+
+
+class _ReportSink:
+    """Per-layer records gathered at each test's teardown, written once at the end of the session."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.layers: list[dict[str, Any]] = []
+        self.tests: set[str] = set()
+        self.errors: list[dict[str, str]] = []
+
+    def add(self, nodeid: str, tracked: _Tracked) -> None:
+        from graphsafe.collectors import migration_report
+
+        contract = tracked.contract
+        outcomes = tracked.outcomes
+        report = migration_report(contract)
+        self.tests.add(nodeid)
+        counts: dict[str, dict[str, int]] = {}
+        classes: dict[str, str] = {}
+        for slot in contract.slots():
+            counts.setdefault(slot.layer, {"declared": 0, "alias": 0, "walker": 0})[slot.origin] += 1
+            classes[slot.layer] = slot.layer_class
+        for outcome in outcomes:
+            for finding in outcome.findings:
+                counts.setdefault(finding.layer, {"declared": 0, "alias": 0, "walker": 0})
+                classes.setdefault(finding.layer, finding.layer_class)
+        if report.unowned:
+            counts.setdefault("", {"declared": 0, "alias": 0, "walker": 0})
+            classes.setdefault("", type(tracked.model).__name__)
+        for layer, slots in counts.items():
+            entries = tuple(e for e in report.entries if e.layer == layer)
+            fixes = tuple(f for f in report.fixes if layer in f.layers)
+            # Unowned storage belongs to no layer: it goes with the model's root.
+            unowned = report.unowned if layer == "" else ()
+            own = dataclasses.replace(report, entries=entries, fixes=fixes, unowned=unowned)
+            self.layers.append(
+                {
+                    "test": nodeid,
+                    "layer": layer,
+                    "layer_class": classes.get(layer, ""),
+                    "mode": contract.mode,
+                    "reloads": [o.status.value for o in outcomes],
+                    "serving_safe": contract.serving_safe,
+                    "slots": slots,
+                    "findings": [f.to_dict() for o in outcomes for f in o.findings if f.layer == layer],
+                    "report": own.to_dict(),
+                }
+            )
+
+    def write(self) -> None:
+        document = {"schema": REPORT_SCHEMA, "tests": sorted(self.tests), "layers": self.layers, "errors": self.errors}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(document, indent=2) + "\n")

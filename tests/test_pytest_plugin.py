@@ -1,0 +1,294 @@
+"""The pytest plugin (``graphsafe.testing.plugin``), exercised in inner pytest sessions through ``pytester``.
+
+Inner sessions load the plugin the way users get it: from the installed ``pytest11`` entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+import graphsafe.testing.plugin as plugin_module
+
+pytest_plugins = ["pytester"]
+
+SCHEMA = Path(plugin_module.__file__).resolve().parents[1] / "collectors" / "report_schema.json"
+
+# Inner test modules build zoo models: act_order (legacy: one undeclared tensor per layer; migrated: declared).
+HEADER = textwrap.dedent(
+    """
+    import pytest
+    from graphsafe import ContractViolation
+    from graphsafe.examples import EXAMPLES
+
+    EX = EXAMPLES["act_order"]
+
+    def reload(model, contract, seed=1):
+        with contract.reload():
+            EX.load_weights(model, EX.make_weights(model, seed))
+    """
+)
+
+
+def write(pytester: pytest.Pytester, body: str) -> None:
+    pytester.makepyfile(test_inner=HEADER + textwrap.dedent(body))
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:randomly", *args)
+
+
+def test_the_plugin_is_loaded_from_the_entry_point(request: pytest.FixtureRequest) -> None:
+    assert request.config.pluginmanager.get_plugin("graphsafe") is plugin_module
+
+
+def test_marker_fails_a_test_with_drift_and_passes_a_clean_one(pytester: pytest.Pytester) -> None:
+    write(
+        pytester,
+        """
+        @pytest.mark.graphsafe(mode="recapture")
+        def test_drift(graphsafe_contract):
+            model = EX.build("legacy")
+            contract = graphsafe_contract(model)
+            reload(model, contract)  # recapture mode: no exception, only a finding
+
+        @pytest.mark.graphsafe(mode="recapture")
+        def test_clean(graphsafe_contract):
+            model = EX.build("migrated")
+            reload(model, graphsafe_contract(model))
+        """,
+    )
+    result = run(pytester, "--strict-markers")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_drift*",
+            "@pytest.mark.graphsafe(mode='recapture'): a reload under the contract had findings",
+            "*reload 1: reload needs_recapture*",
+            "*moved: undeclared slot 'g_idx_sort_indices' of layers.0 (ActOrderLinear)*",
+            '*@graph_visible("g_idx_sort_indices")*',
+        ]
+    )
+    assert "test_clean FAILED" not in result.stdout.str()
+
+
+def test_marker_fails_a_test_that_swallows_a_strict_violation(pytester: pytest.Pytester) -> None:
+    write(
+        pytester,
+        """
+        @pytest.mark.graphsafe
+        def test_swallowed(graphsafe_contract):
+            model = EX.build("legacy")
+            contract = graphsafe_contract(model)
+            with pytest.raises(ContractViolation):
+                reload(model, contract)
+        """,
+    )
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*mode='strict'*had findings*", "*not serving-safe at the end of the test*"])
+
+
+def test_marker_counts_auto_restored_repairs_as_findings(pytester: pytest.Pytester) -> None:
+    write(
+        pytester,
+        """
+        @pytest.mark.graphsafe(mode="migrate")
+        def test_repaired(graphsafe_contract):
+            model = EX.build("legacy")
+            contract = graphsafe_contract(model)
+            reload(model, contract)
+            assert contract.last_outcome.committed  # the reload itself was safe...
+        """,
+    )
+    result = run(pytester)
+    result.assert_outcomes(failed=1)  # ...but the kernel relied on a repair
+    result.stdout.fnmatch_lines(["*auto-restored: undeclared slot 'g_idx_sort_indices'*"])
+
+
+def test_marker_sees_every_reload_not_only_the_last(pytester: pytest.Pytester) -> None:
+    write(
+        pytester,
+        """
+        @pytest.mark.graphsafe(mode="recapture")
+        def test_bad_then_good(graphsafe_contract):
+            model = EX.build("legacy")
+            contract = graphsafe_contract(model)
+            contract.on_recapture(lambda outcome: None)  # "recapture", then the contract reseals itself
+            reload(model, contract, seed=1)
+            reload(model, contract, seed=2)
+            assert contract.last_outcome.status.value == "needs_recapture"
+            contract.reseal()
+        """,
+    )
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*reload 1: reload needs_recapture*", "*reload 2: reload needs_recapture*"])
+
+
+def test_marker_without_a_contract_fails_instead_of_checking_nothing(pytester: pytest.Pytester) -> None:
+    write(
+        pytester,
+        """
+        @pytest.mark.graphsafe
+        def test_unused():
+            EX.build("legacy")
+        """,
+    )
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*created no contract through the graphsafe_contract fixture*"])
+
+
+def test_marker_mode_conflicts_and_bad_modes_are_errors(pytester: pytest.Pytester) -> None:
+    write(
+        pytester,
+        """
+        @pytest.mark.graphsafe(mode="strict")
+        def test_conflict(graphsafe_contract):
+            graphsafe_contract(EX.build("migrated"), mode="migrate")
+
+        @pytest.mark.graphsafe(mode="lenient")
+        def test_bad_mode(graphsafe_contract):
+            graphsafe_contract(EX.build("migrated"))
+        """,
+    )
+    result = run(pytester)
+    result.assert_outcomes(failed=1, errors=1)  # a bad marker is caught when the fixture is set up
+    result.stdout.fnmatch_lines(
+        ["*graphsafe_contract(mode='migrate') conflicts with @pytest.mark.graphsafe(mode='strict')*"]
+    )
+    result.stdout.fnmatch_lines(["*@pytest.mark.graphsafe(mode='lenient'): choose one of strict, recapture, migrate*"])
+
+
+def test_fixture_gives_sealed_recorded_contracts_and_releases_them(pytester: pytest.Pytester) -> None:
+    write(
+        pytester,
+        """
+        import gc
+        import weakref
+
+        REFS = []
+
+        def test_fixture(graphsafe_contract):
+            model = EX.build("legacy")
+            contract = graphsafe_contract(model, mode="recapture", detect="sealed-paths")
+            assert contract.sealed and contract.serving_safe
+            assert (contract.mode, contract.detect) == ("recapture", "sealed-paths")
+            assert {s.path for s in contract.slots()} == {"g_idx_sort_indices"}
+            reload(model, contract)  # unmarked: the fixture records, it does not judge
+            outcomes = graphsafe_contract.outcomes(contract)
+            assert [o.status.value for o in outcomes] == ["needs_recapture"]
+            assert graphsafe_contract.contracts == [contract]
+            REFS.extend([weakref.ref(model), weakref.ref(contract)])
+
+        def test_released_after_teardown():
+            gc.collect()
+            assert len(REFS) == 2 and all(ref() is None for ref in REFS)
+        """,
+    )
+    result = run(pytester, "-p", "no:randomly")
+    result.assert_outcomes(passed=2)
+
+
+def test_report_option_writes_one_entry_per_layer(pytester: pytest.Pytester) -> None:
+    write(
+        pytester,
+        """
+        def test_drift(graphsafe_contract):
+            model = EX.build("legacy")
+            reload(model, graphsafe_contract(model, mode="recapture"))
+
+        def test_clean(graphsafe_contract):
+            model = EX.build("migrated")
+            reload(model, graphsafe_contract(model))
+
+        def test_plain():
+            assert True
+        """,
+    )
+    result = run(pytester, "--graphsafe-report=out/report.json")
+    result.assert_outcomes(passed=3)
+    document = json.loads((pytester.path / "out" / "report.json").read_text())
+    assert document["schema"] == plugin_module.REPORT_SCHEMA and document["errors"] == []
+    assert document["tests"] == ["test_inner.py::test_clean", "test_inner.py::test_drift"]
+    layers = {(entry["test"].split("::")[1], entry["layer"]): entry for entry in document["layers"]}
+    assert set(layers) == {(t, f"layers.{i}") for t in ("test_drift", "test_clean") for i in (0, 1)}
+    schema = json.loads(SCHEMA.read_text())
+    for entry in document["layers"]:
+        jsonschema.validate(entry["report"], schema)
+        assert entry["layer_class"] == "ActOrderLinear"
+    drift = layers[("test_drift", "layers.1")]
+    assert drift["reloads"] == ["needs_recapture"] and not drift["serving_safe"]
+    assert drift["slots"] == {"declared": 0, "alias": 0, "walker": 1}
+    assert {f["kind"] for f in drift["findings"]} == {"moved"}
+    assert {f["layer"] for f in drift["findings"]} == {"layers.1"}
+    assert [e["path"] for e in drift["report"]["entries"]] == ["g_idx_sort_indices"]
+    assert {e["layer"] for e in drift["report"]["entries"]} == {"layers.1"}
+    clean = layers[("test_clean", "layers.0")]
+    assert clean["reloads"] == ["committed"] and clean["findings"] == []
+    assert clean["slots"] == {"declared": 1, "alias": 0, "walker": 0}
+    assert clean["report"]["entries"] == []
+
+
+def test_without_the_option_no_report_is_written(pytester: pytest.Pytester) -> None:
+    write(pytester, "def test_one(graphsafe_contract):\n    graphsafe_contract(EX.build('migrated'))\n")
+    run(pytester).assert_outcomes(passed=1)
+    assert not list(pytester.path.rglob("*.json"))
+
+
+def test_opting_out_removes_marker_fixture_and_option(pytester: pytest.Pytester) -> None:
+    # Plain pytest tests (no graphsafe import), so the subprocess below stays quick.
+    pytester.makepyfile(
+        test_inner="""
+        import pytest
+
+        @pytest.mark.graphsafe
+        def test_marked():
+            pass
+
+        def test_fixture(graphsafe_contract):
+            pass
+
+        def test_plain():
+            pass
+        """
+    )
+    # In a subprocess: an in-process run would reuse this session's cache of known marker names.
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:graphsafe", "--strict-markers")
+    result.assert_outcomes(errors=1)  # --strict-markers: the unknown marker fails collection
+    result.stdout.fnmatch_lines(["*'graphsafe' not found in `markers` configuration option*"])
+
+    result = run(pytester, "-p", "no:graphsafe")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*fixture 'graphsafe_contract' not found*"])
+
+    result = run(pytester, "-p", "no:graphsafe", "--graphsafe-report=r.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_importing_the_plugin_loads_nothing_beyond_the_package(pytester: pytest.Pytester) -> None:
+    # pytest imports the plugin in every session; what it needs (the contract subclass, the report, torch-heavy
+    # collectors) loads on first use. The parent package `graphsafe` is imported either way.
+    script = pytester.makepyfile(
+        probe="""
+        import sys
+        import graphsafe
+        before = set(sys.modules)
+        import graphsafe.testing.plugin
+        print(sorted(m for m in set(sys.modules) - before if m.startswith("graphsafe")))
+        """
+    )
+    result = pytester.run(sys.executable, str(script))
+    assert result.ret == 0, result.stderr.str()
+    assert result.stdout.lines[-1] == "['graphsafe.testing', 'graphsafe.testing.plugin']"
+
+
+def test_marker_is_registered_for_strict_markers(pytester: pytest.Pytester) -> None:
+    result = run(pytester, "--markers")
+    result.stdout.fnmatch_lines(["@pytest.mark.graphsafe(mode='strict'): *"])
