@@ -498,9 +498,7 @@ def test_strict_commits_when_a_pack_entry_declares_an_unedited_class(
         assert result.usage[entry.name]["w_t"][0] >= 6  # 3 layers x (first load + reload)
     finally:
         hooks.uninstall()
-    assert "process_weights_after_loading" not in DerivedLinearMethod.__dict__ or not hasattr(
-        DerivedLinearMethod.__dict__["process_weights_after_loading"], _pack.PACK_ATTR
-    )
+    assert not hasattr(DerivedLinearMethod.process_weights_after_loading, _pack.PACK_ATTR), "uninstalled"
 
 
 def test_a_reload_that_raises_midway_fails_closed(vllm_config: VllmConfig, plugin: Callable[..., Any]) -> None:
@@ -647,6 +645,31 @@ def test_runner_hooks_bind_seal_and_record_what_the_capture_read(
     reload_inplace(vllm_config, model, seed=21)
     assert state.last_outcome.committed
     assert not [f for f in state.last_outcome.problems if f.kind.value == "orphaned"]
+
+
+def test_the_recorded_manifest_catches_drift_the_slots_do_not_track(
+    vllm_config: VllmConfig, plugin: Callable[..., Any]
+) -> None:
+    """With the walker off (declared-only) nothing tracks w_t, but the capture read it: the manifest fails it."""
+    from graphsafe.adapters.vllm import _hooks
+    from graphsafe.errors import ContractViolation
+
+    state = plugin("strict", manifest="1", detect="declared-only")
+    model = build(vllm_config, seed=0)
+    runner = StubRunner(vllm_config, model)
+    _hooks._wrap_runner_load(state)(lambda self: None)(runner)
+
+    def capture(self: Any) -> int:
+        with torch.no_grad():
+            self.get_model()(x_input())
+        return 0
+
+    _hooks._wrap_capture(state)(capture)(runner)
+    with pytest.raises(ContractViolation) as info:
+        reload_inplace(vllm_config, model, seed=22)
+    # nothing else held the old w_t, so its storage was freed: the graph would read freed memory
+    lost = [f for f in info.value.outcome.problems if f.kind.value in ("dead", "orphaned")]
+    assert any(f.path == "w_t" and f.layer == "qkv" for f in lost), [f.describe() for f in lost]
 
 
 # -- the worker extension ------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 from torch import nn
 
-from graphsafe.contract._copy import copy_pairs
+from graphsafe.contract._copy import CopyBatch
 from graphsafe.contract._outcome import Finding, FindingKind, ReloadOutcome, Status
 from graphsafe.contract._slots import LayerSnapshot, Origin, SealedLayer, SealedSlot, WalkSettings
 from graphsafe.errors import (
@@ -95,6 +95,27 @@ def _walk(layer: nn.Module, settings: WalkSettings) -> WalkResult:
     return walk(layer, max_depth=settings.max_depth, max_objects=settings.max_objects, devices=settings.devices)
 
 
+def _walker_slots(result: WalkResult, known: set[str], declared_storages: dict[int, str]) -> list[SealedSlot]:
+    """Walker finds not already tracked: an alias of a declared slot's storage, or an undeclared walker slot."""
+    slots = []
+    for ref in result.refs:
+        if ref.path in known:
+            continue
+        alias_of = declared_storages.get(id(ref.tensor.untyped_storage()))
+        slots.append(
+            SealedSlot(
+                SlotPath(ref.path),
+                ref.fingerprint,
+                weakref.ref(ref.tensor),
+                Origin.ALIAS if alias_of is not None else Origin.WALKER,
+                restorable=ref.restorable,
+                reason=ref.reason,
+                alias_of=alias_of,
+            )
+        )
+    return slots
+
+
 class GraphContract:
     """Keeps every graph-visible tensor of ``model`` at its captured storage across weight reloads.
 
@@ -136,6 +157,7 @@ class GraphContract:
             detect, max_depth, max_objects, tuple(torch.device(d) for d in devices) if devices else None
         )
         self._layers: list[SealedLayer] = []
+        self._by_layer: dict[int, list[int]] = {}  # id(layer) -> indices into _layers (for before/after_layer)
         self._sealed = False
         self._unsafe_reason: str | None = "not sealed yet: call seal() after the first load, before capture"
         self._callbacks: list[Callable[[ReloadOutcome], Any]] = []
@@ -208,12 +230,25 @@ class GraphContract:
             if sealed is not None:
                 layers.append(sealed)
         self._layers = layers
+        self._index_layers()
         self._quarantine.clear()
         self._sealed = True
         self._unsafe_reason = None
         if self.manifest is not None:
             self.manifest.reindex(self)
         return self
+
+    def _index_layers(self) -> None:
+        """Precompute what per-reload lookups need: entries by layer, and storages shared across layers."""
+        by_layer: dict[int, list[int]] = {}
+        owner: dict[int, SealedLayer] = {}
+        for position, sealed in enumerate(self._layers):
+            by_layer.setdefault(id(sealed.layer_ref()), []).append(position)
+            for slot in sealed.slots:  # every storage is alive at seal, so ids are distinct
+                first = owner.setdefault(id(slot.fp.storage_ref()), sealed)
+                if first is not sealed:
+                    first.shared_across_layers = sealed.shared_across_layers = True
+        self._by_layer = by_layer
 
     def reseal(self) -> GraphContract:
         """Seal again after a recapture or a full reload; makes the contract serving-safe again."""
@@ -240,21 +275,7 @@ class GraphContract:
         if self.detect != "declared-only":
             result = _walk(layer, self._walk_settings)
             exhausted = result.exhausted
-            for ref in result.refs:
-                if ref.path in declarations:
-                    continue
-                alias_of = storages.get(id(ref.tensor.untyped_storage()))
-                slots.append(
-                    SealedSlot(
-                        SlotPath(ref.path),
-                        ref.fingerprint,
-                        weakref.ref(ref.tensor),
-                        Origin.ALIAS if alias_of is not None else Origin.WALKER,
-                        restorable=ref.restorable,
-                        reason=ref.reason,
-                        alias_of=alias_of,
-                    )
-                )
+            slots.extend(_walker_slots(result, set(declarations), storages))
         if not slots and exhausted is None and self.detect != "every-reload":
             # Nothing to track now; with every-reload the layer stays, so tensors it allocates later (scratch on a
             # first forward) are still walked at each reload.
@@ -287,8 +308,15 @@ class GraphContract:
 
     # -- internals used by the transaction --------------------------------------------------------------------
     def _layer_entries(self, layer: nn.Module) -> list[SealedLayer]:
-        members = {id(m) for m in layer.modules()}
-        return [s for s in self._layers if id(s.layer_ref()) in members]
+        """The sealed entries of ``layer`` and the modules under it, in seal order."""
+        positions: list[int] = []
+        for module in layer.modules():
+            for position in self._by_layer.get(id(module), ()):
+                if self._layers[position].layer_ref() is module:
+                    positions.append(position)
+        if len(positions) > 1:
+            positions = sorted(set(positions))
+        return [self._layers[p] for p in positions]
 
     def _adopt_late_declarations(self, sealed: SealedLayer, layer: nn.Module) -> None:
         """Declarations made after the seal (``register_derived`` on a first forward) join the seal as declared."""
@@ -318,25 +346,9 @@ class GraphContract:
         if self.detect != "every-reload":
             return [], None
         result = _walk(layer, self._walk_settings)
-        known = {slot.path.text for slot in sealed.slots}
+        known = sealed.known_paths
         storages = {id(s.fp.storage_ref()): s.path.text for s in sealed.slots if s.origin is Origin.DECLARED}
-        extras = []
-        for ref in result.refs:
-            if ref.path in known:
-                continue
-            alias_of = storages.get(id(ref.tensor.untyped_storage()))
-            extras.append(
-                SealedSlot(
-                    SlotPath(ref.path),
-                    ref.fingerprint,
-                    weakref.ref(ref.tensor),
-                    Origin.ALIAS if alias_of is not None else Origin.WALKER,
-                    restorable=ref.restorable,
-                    reason=ref.reason,
-                    alias_of=alias_of,
-                )
-            )
-        return extras, result.exhausted
+        return _walker_slots(result, known, storages), result.exhausted
 
     def _decide(self, findings: list[Finding], error: BaseException | None) -> Status:
         problems = [f for f in findings if f.kind.is_problem]
@@ -485,12 +497,18 @@ class ReloadTransaction:
     def after_layer(self, layer: nn.Module) -> None:
         """Restore and verify ``layer`` right after its PWAL, so its new derived tensors can be freed now."""
         start = time.perf_counter()
-        for sealed in self.contract._layer_entries(layer):
-            snapshot = self._snapshots.get(id(sealed))
-            if snapshot is None:
-                snapshot = self._snapshot(sealed)
-            if snapshot is not None and not snapshot.done:
-                self._restore(snapshot)
+        batch = CopyBatch()
+        try:
+            for sealed in self.contract._layer_entries(layer):
+                snapshot = self._snapshots.get(id(sealed))
+                if snapshot is None:
+                    batch.flush()  # a snapshot reads input values
+                    snapshot = self._snapshot(sealed)
+                if snapshot is not None and not snapshot.done:
+                    self._restore(snapshot, batch)
+        finally:
+            batch.flush()
+            self._bytes += batch.written
         self._seconds += time.perf_counter() - start
 
     def finish(self, error: BaseException | None = None) -> ReloadOutcome:
@@ -503,12 +521,19 @@ class ReloadTransaction:
         start = time.perf_counter()
         try:
             if error is None:
-                for sealed in contract._layers:
-                    snapshot = self._snapshots.get(id(sealed))
-                    if snapshot is None:
-                        snapshot = self._snapshot(sealed)
-                    if snapshot is not None and not snapshot.done:
-                        self._restore(snapshot)
+                # One batch for the whole model: small copies of every layer share one _foreach_copy_ per group.
+                batch = CopyBatch()
+                try:
+                    for sealed in contract._layers:
+                        snapshot = self._snapshots.get(id(sealed))
+                        if snapshot is None:
+                            batch.flush()  # a snapshot reads input values
+                            snapshot = self._snapshot(sealed)
+                        if snapshot is not None and not snapshot.done:
+                            self._restore(snapshot, batch)
+                finally:
+                    batch.flush()  # also when a layer raised: rebound slots must not keep old values
+                    self._bytes += batch.written
                 if contract.manifest is not None:
                     # The walker and the manifest can see the same slot: report each (layer, path) once.
                     flagged = {(f.layer, f.path) for f in self._findings if f.kind.is_problem and f.path}
@@ -588,8 +613,8 @@ class ReloadTransaction:
         except AttributeError:
             return False
 
-    def _restore(self, snapshot: LayerSnapshot) -> None:
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    def _restore(self, snapshot: LayerSnapshot, batch: CopyBatch) -> None:
+        """Restore one layer. Its copies join ``batch`` and are launched with later layers' (or by the caller)."""
         rebinds: list[tuple[int, torch.Tensor]] = []
         if not self._still_in_model(snapshot.sealed, snapshot.layer):
             # Replaced after the snapshot: the loader filled the new layer, so restoring the orphaned one would
@@ -599,10 +624,16 @@ class ReloadTransaction:
                 for slot in snapshot.slots
             )
         else:
-            rebinds = snapshot.restore(auto_restore=self.contract.mode == "migrate", pairs=pairs)
-            if pairs:
-                self._bytes += copy_pairs(pairs)
-                snapshot.check_aliases(pairs, rebinds)
+            # A layer whose captured storage another layer also tracks keeps the one-layer-at-a-time order of
+            # copies; so does one with walker extras (their storages are not known ahead).
+            isolate = snapshot.sealed.shared_across_layers or snapshot.shared
+            if isolate:
+                batch.flush()
+            rebinds = snapshot.restore(auto_restore=self.contract.mode == "migrate", batch=batch)
+            if snapshot.pairs:
+                if isolate:
+                    batch.flush()
+                snapshot.check_aliases(rebinds)
             snapshot.rebind(rebinds)
             snapshot.verify()
         snapshot.done = True
@@ -612,4 +643,5 @@ class ReloadTransaction:
             self.contract._quarantine.extend(t for t in snapshot.captured if t is not None)
         # Drop the strong references now: the new derived tensors of this layer can be freed before the next.
         snapshot.captured = [None] * len(snapshot.captured)
-        del pairs, rebinds
+        snapshot.pairs = []
+        del rebinds

@@ -1,17 +1,21 @@
 """Copying new values into captured storage, batched.
 
-Small tensors are grouped by (device, dtype) and copied with one ``torch._foreach_copy_`` per group (a per-tensor
-``copy_`` costs several microseconds of launch on a GPU); large tensors use ``copy_``, which reaches the copy
-bandwidth. Mixing dtypes in one foreach call falls back to a slow path, hence the grouping.
+Copies are grouped by (device, dtype, layout). Small tensors go through one ``torch._foreach_copy_`` per group: a
+per-tensor ``copy_`` costs ~7.5 us of launch on a GPU, the grouped call ~0.5 us per tensor. Large tensors use
+``copy_``, which reaches the copy bandwidth where ``_foreach_copy_`` does not. Mixing dtypes in one foreach call
+falls back to a slow path (15x slower on an H200), hence the grouping.
+
+The threshold (:data:`FOREACH_MAX_BYTES`) was measured on an NVIDIA H200: see ``benchmarks/RESULTS.md``
+("copy threshold"). Nothing here synchronises the device.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from typing import Any
 
 import torch
 
-__all__ = ["FOREACH_MAX_BYTES", "copy_pairs"]
+__all__ = ["FOREACH_MAX_BYTES", "CopyBatch", "copy_group", "copy_pairs"]
 
 #: Tensors at most this large go through the grouped ``_foreach_copy_`` path (see benchmarks/RESULTS.md).
 FOREACH_MAX_BYTES = 1 << 20
@@ -19,30 +23,69 @@ FOREACH_MAX_BYTES = 1 << 20
 _HAS_FOREACH_COPY = hasattr(torch, "_foreach_copy_")
 
 
+def copy_group(dst: torch.Tensor) -> tuple[Any, ...]:
+    """The batch group of a destination tensor: copies into one group may share a ``_foreach_copy_`` call."""
+    return (dst.device, dst.dtype, dst.layout)
+
+
+class CopyBatch:
+    """Copies collected across slots (and layers): ``add`` plans one, ``flush`` launches all that are pending.
+
+    ``written`` counts the bytes of every copy added so far. Callers flush before anything reads the values
+    (an alias check, an input signature) and before returning, so deferring a copy is never observable.
+    """
+
+    __slots__ = ("_groups", "_large", "pending", "written")
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._large: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pending = 0
+        self.written = 0
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor, group: tuple[Any, ...], nbytes: int) -> None:
+        """Plan ``dst.copy_(src)``; the caller vouches that ``src`` has ``dst``'s shape, dtype and device.
+
+        ``group`` is :func:`copy_group` of ``dst`` and ``nbytes`` its size, both known ahead (at seal).
+        """
+        self.written += nbytes
+        self.pending += 1
+        if nbytes > FOREACH_MAX_BYTES or not _HAS_FOREACH_COPY:
+            self._large.append((dst, src))
+            return
+        lists = self._groups.get(group)
+        if lists is None:
+            lists = self._groups[group] = ([], [])
+        lists[0].append(dst)
+        lists[1].append(src)
+
+    def flush(self) -> None:
+        """Launch every pending copy: large ones one by one, then one ``_foreach_copy_`` per group."""
+        if not self.pending:
+            return
+        large, groups = self._large, self._groups
+        self._large, self._groups, self.pending = [], {}, 0
+        with torch.no_grad():
+            for dst, src in large:
+                dst.copy_(src)
+            for dsts, srcs in groups.values():
+                if len(dsts) == 1:
+                    dsts[0].copy_(srcs[0])
+                else:
+                    torch._foreach_copy_(dsts, srcs)
+
+
 def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
     """Copy each ``src`` into its ``dst`` (``dst.copy_(src)`` semantics); return the bytes written."""
+    batch = CopyBatch()
     written = 0
-    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(
-        lambda: ([], [])
-    )
     with torch.no_grad():
         for dst, src in pairs:
             nbytes = dst.numel() * dst.element_size()
-            written += nbytes
-            if (
-                _HAS_FOREACH_COPY
-                and nbytes <= FOREACH_MAX_BYTES
-                and src.dtype == dst.dtype
-                and src.device == dst.device
-            ):
-                dsts, srcs = groups[(dst.device, dst.dtype)]
-                dsts.append(dst)
-                srcs.append(src)
-            else:
+            if src.dtype == dst.dtype and src.device == dst.device:
+                batch.add(dst, src, copy_group(dst), nbytes)
+            else:  # a casting or cross-device copy: never in a foreach group
                 dst.copy_(src)
-        for dsts, srcs in groups.values():
-            if len(dsts) == 1:
-                dsts[0].copy_(srcs[0])
-            else:
-                torch._foreach_copy_(dsts, srcs)
-    return written
+                written += nbytes
+    batch.flush()
+    return written + batch.written

@@ -1,6 +1,10 @@
 """What a seal records per layer, and the per-reload work on one layer: snapshot, restore, verify.
 
 This is the only code that mutates a model during reload (copies into captured storage, rebinds paths).
+
+Per reload the work is a compiled plan: at seal every slot gets its path compiled into a getter and a setter
+(:mod:`graphsafe.contract._access`), its expected layout as one comparable tuple and its copy group; a reload
+then compares cheap fields first and falls back to the full geometry comparison only when they differ.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphsafe.contract._access import MISSING, Getter, Setter, compile_getter, compile_setter
+from graphsafe.contract._copy import CopyBatch
 from graphsafe.contract._outcome import Finding, FindingKind
 from graphsafe.registry._fingerprint import Fingerprint, fingerprint, geometry_key
 from graphsafe.registry._paths import SlotPath
@@ -21,7 +27,7 @@ from graphsafe.registry._store import Declaration
 
 __all__ = ["LayerSnapshot", "Origin", "SealedLayer", "SealedSlot", "WalkSettings"]
 
-_MISSING: Any = object()
+_MISSING: Any = MISSING
 
 
 class Origin(enum.Enum):
@@ -49,9 +55,25 @@ class SealedSlot:
     reason: str | None = None
     alias_of: str | None = None
     key: tuple[Any, ...] = field(init=False)
+    # The compiled plan (derived from the fields above at construction):
+    get: Getter = field(init=False, repr=False)
+    set: Setter = field(init=False, repr=False)
+    layout: tuple[Any, ...] = field(init=False, repr=False)  # (shape, stride, dtype, device) as sealed
+    group: tuple[Any, ...] = field(init=False, repr=False)  # the copy group of the captured tensor
+    nbytes: int = field(init=False, repr=False)
+    tracks_freshness: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.key = self.fp.key
+        fp = self.fp
+        self.key = fp.key
+        self.get = compile_getter(self.path)
+        self.set = compile_setter(self.path)
+        self.layout = (fp.shape, fp.stride, fp.dtype, fp.device)
+        tensor = self.tensor_ref()
+        self.group = (fp.device, fp.dtype, tensor.layout if tensor is not None else torch.strided)
+        self.nbytes = fp.nbytes
+        declaration = self.declaration
+        self.tracks_freshness = self.origin is Origin.DECLARED and declaration is not None and not declaration.static
 
     def captured(self) -> torch.Tensor | None:
         """The captured tensor: the original object, or a new view on the captured storage, or ``None`` if freed."""
@@ -86,6 +108,16 @@ class SealedLayer:
     slots: list[SealedSlot]
     declared_generation: int
     walk_exhausted: str | None = None
+    #: Whether two slots share a captured storage (only then can an alias break, or a copy pair repeat).
+    shares_storage: bool = field(init=False)
+    #: Whether a captured storage of this layer is also tracked by another layer (set by the contract).
+    shared_across_layers: bool = field(init=False, default=False)
+    known_paths: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        storages = {id(slot.fp.storage_ref()) for slot in self.slots}  # all alive at seal: ids are distinct
+        self.shares_storage = len(storages) < len(self.slots)
+        self.known_paths = frozenset(slot.path.text for slot in self.slots)
 
     def finding(self, kind: FindingKind, slot: SealedSlot, **extra: Any) -> Finding:
         detail = extra.pop("detail", "")
@@ -180,26 +212,30 @@ class LayerSnapshot:
     layer: nn.Module
     slots: list[SealedSlot]
     captured: list[torch.Tensor | None]
-    versions: list[int]
     findings: list[Finding] = field(default_factory=list)
     freshness: dict[int, _Freshness] = field(default_factory=dict)
     restored: int = 0
     bytes_copied: int = 0
     done: bool = False
+    #: Copies ``(captured, new)`` planned by :meth:`restore` (read by :meth:`check_aliases`).
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: Whether slots may share captured storage (sealed so, or walker extras whose storage is unknown ahead).
+    shared: bool = False
 
     @classmethod
     def take(cls, sealed: SealedLayer, layer: nn.Module, extra: Iterable[SealedSlot] = ()) -> LayerSnapshot:
         slots = list(sealed.slots)
         slots.extend(extra)
         captured: list[torch.Tensor | None] = []
-        versions: list[int] = []
         findings: list[Finding] = []
         freshness: dict[int, _Freshness] = {}
         input_cache: dict[tuple[str, ...] | None, _InputState] = {}
+        tensor_type = torch.Tensor
         for index, slot in enumerate(slots):
-            tensor = slot.captured()
+            tensor = slot.tensor_ref()
+            if tensor is None:
+                tensor = slot.captured()  # a new view on the captured storage, if it is still alive
             captured.append(tensor)
-            versions.append(tensor._version if tensor is not None else -1)
             if tensor is None:
                 findings.append(
                     sealed.finding(
@@ -209,32 +245,41 @@ class LayerSnapshot:
                     )
                 )
                 continue
-            declaration = slot.declaration
-            if slot.origin is Origin.DECLARED and declaration is not None and not declaration.static:
-                current = slot.path.resolve_or(layer, None)
-                if isinstance(current, torch.Tensor):
-                    sources = declaration.derived_from
-                    if sources not in input_cache:
-                        input_cache[sources] = _input_state(layer, sources)
-                    freshness[index] = _Freshness(current, current._version, sources, input_cache[sources])
-        return cls(sealed, layer, slots, captured, versions, findings, freshness)
+            if slot.tracks_freshness:
+                current = slot.get(layer)
+                if isinstance(current, tensor_type):
+                    sources = slot.declaration.derived_from  # type: ignore[union-attr]
+                    inputs = input_cache.get(sources)
+                    if inputs is None:
+                        inputs = input_cache[sources] = _input_state(layer, sources)
+                    freshness[index] = _Freshness(current, current._version, sources, inputs)
+        shared = sealed.shares_storage or len(slots) > len(sealed.slots)
+        return cls(sealed, layer, slots, captured, findings, freshness, shared=shared)
 
-    def restore(
-        self, *, auto_restore: bool, pairs: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> list[tuple[int, torch.Tensor]]:
-        """Plan copies (appended to ``pairs``) and return the rebinds ``(slot index, captured)`` to apply.
+    def restore(self, *, auto_restore: bool, batch: CopyBatch) -> list[tuple[int, torch.Tensor]]:
+        """Plan copies (added to ``batch`` and to :attr:`pairs`) and return the rebinds ``(slot index, captured)``.
 
-        Problems become findings; nothing here raises for a bad slot.
+        Problems become findings; nothing here raises for a bad slot. ``batch`` is flushed before anything here
+        reads tensor values, so copies of earlier layers are never observed half-done.
         """
         sealed = self.sealed
+        layer = self.layer
         rebinds: list[tuple[int, torch.Tensor]] = []
-        seen_pairs: set[tuple[int, int]] = set()
+        pairs = self.pairs
+        seen_pairs: set[tuple[int, int]] | None = set() if self.shared else None
+        after_inputs: dict[tuple[str, ...] | None, bool] = {}
+        tensor_type = torch.Tensor
+        captured_list = self.captured
         for index, slot in enumerate(self.slots):
-            captured = self.captured[index]
+            captured = captured_list[index]
             if captured is None:
                 continue
-            current = slot.path.resolve_or(self.layer, _MISSING)
-            if current is _MISSING or not isinstance(current, torch.Tensor):
+            current = slot.get(layer)
+            if current is captured:
+                if index in self.freshness:
+                    self._check_fresh(index, slot, current, batch, after_inputs)
+                continue  # in place
+            if current is _MISSING or not isinstance(current, tensor_type):
                 what = (
                     "the path no longer resolves"
                     if current is _MISSING
@@ -242,14 +287,10 @@ class LayerSnapshot:
                 )
                 self.findings.append(sealed.finding(FindingKind.VANISHED, slot, detail=what))
                 continue
-            if current is captured or (
-                current.untyped_storage() is captured.untyped_storage()
-                and current.data_ptr() == slot.fp.data_ptr
-                and geometry_key(current) == geometry_key(captured)
-            ):
-                self._check_fresh(index, slot, current)
-                continue  # in place (possibly through another Python object)
             if current.untyped_storage() is captured.untyped_storage():
+                if current.data_ptr() == slot.fp.data_ptr and geometry_key(current) == geometry_key(captured):
+                    self._check_fresh(index, slot, current, batch, after_inputs)
+                    continue  # in place, through another Python object
                 self.findings.append(
                     sealed.finding(
                         FindingKind.RESPECIFIED,
@@ -259,7 +300,17 @@ class LayerSnapshot:
                     )
                 )
                 continue
-            if geometry_key(current) != geometry_key(captured) or (current.storage_offset() != slot.fp.storage_offset):
+            # Cheap fields first: both tensors exactly as sealed (the common case) settles it; anything else gets
+            # the full comparison (size-1 dimensions may carry any stride).
+            layout = slot.layout
+            exact = (
+                (current.shape, current.stride(), current.dtype, current.device) == layout
+                and current.storage_offset() == slot.fp.storage_offset
+                and (captured.shape, captured.stride(), captured.dtype, captured.device) == layout
+            )
+            if not exact and (
+                geometry_key(current) != geometry_key(captured) or current.storage_offset() != slot.fp.storage_offset
+            ):
                 self.findings.append(
                     sealed.finding(
                         FindingKind.RESPECIFIED,
@@ -287,19 +338,39 @@ class LayerSnapshot:
                         detail="copied into the captured storage and rebound (migrate mode); declare it",
                     )
                 )
-            pair_key = (id(captured), id(current))
-            if pair_key not in seen_pairs:
-                seen_pairs.add(pair_key)
-                pairs.append((captured, current))
             rebinds.append((index, captured))
+            if seen_pairs is not None:
+                pair_key = (id(captured), id(current))
+                if pair_key in seen_pairs:
+                    continue
+                seen_pairs.add(pair_key)
+            pairs.append((captured, current))
+            if exact:
+                batch.add(captured, current, slot.group, slot.nbytes)
+            else:  # the captured tensor is not laid out as sealed: size and group from what it is now
+                nbytes = captured.numel() * captured.element_size()
+                batch.add(captured, current, (captured.device, captured.dtype, captured.layout), nbytes)
         return rebinds
 
-    def _check_fresh(self, index: int, slot: SealedSlot, current: torch.Tensor) -> None:
+    def _check_fresh(
+        self,
+        index: int,
+        slot: SealedSlot,
+        current: torch.Tensor,
+        batch: CopyBatch,
+        after_inputs: dict[tuple[str, ...] | None, bool],
+    ) -> None:
         """Flag a declared slot PWAL neither rebuilt nor wrote in place although its inputs changed."""
         before = self.freshness.get(index)
         if before is None or current is not before.tensor or current._version != before.version:
             return
-        if _input_state(self.layer, before.sources).same_as(before.inputs):
+        unchanged = after_inputs.get(before.sources)  # the inputs do not change during restore: once per layer
+        if unchanged is None:
+            batch.flush()  # the signature reads values: pending copies (of other layers) land first
+            unchanged = after_inputs[before.sources] = _input_state(self.layer, before.sources).same_as(
+                before.inputs
+            )
+        if unchanged:
             return  # a partial reload that did not touch this slot's inputs
         inputs = ", ".join(before.sources) if before.sources else "the layer's parameters"
         self.findings.append(
@@ -313,10 +384,14 @@ class LayerSnapshot:
             )
         )
 
-    def check_aliases(
-        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], rebinds: list[tuple[int, torch.Tensor]]
-    ) -> None:
-        """After copying: slots sharing a captured storage must all read their new values (else alias-broken)."""
+    def check_aliases(self, rebinds: list[tuple[int, torch.Tensor]]) -> None:
+        """After copying: slots sharing a captured storage must all read their new values (else alias-broken).
+
+        Call with the copies of :attr:`pairs` done (the batch flushed).
+        """
+        if not self.shared:
+            return  # every captured storage is tracked by one slot: no two slots can disagree
+        pairs = self.pairs
         by_storage: dict[int, list[int]] = {}
         for index, captured in rebinds:
             by_storage.setdefault(id(captured.untyped_storage()), []).append(index)
@@ -327,7 +402,7 @@ class LayerSnapshot:
             for index in indices:
                 held = self.captured[index]
                 assert held is not None
-                source: Any = self.slots[index].path.resolve_or(self.layer, None)
+                source: Any = self.slots[index].get(self.layer)
                 if not isinstance(source, torch.Tensor):
                     source = new_of.get(id(held))
                 if isinstance(source, torch.Tensor) and not torch.equal(held, source):
@@ -346,13 +421,14 @@ class LayerSnapshot:
         """Put the captured tensors back at their paths."""
         # A slot whose alias broke keeps its new tensor: the shared captured storage now holds another slot's
         # values, and rebinding would hand this path (and any recapture) the wrong ones.
-        broken = {f.path for f in self.findings if f.kind is FindingKind.ALIAS_BROKEN}
+        broken = {f.path for f in self.findings if f.kind is FindingKind.ALIAS_BROKEN} if self.findings else ()
+        layer = self.layer
         for index, captured in rebinds:
             slot = self.slots[index]
-            if slot.path.text in broken:
+            if broken and slot.path.text in broken:
                 continue
             try:
-                slot.path.assign(self.layer, captured)
+                slot.set(layer, captured)
             except Exception as exc:  # a container that no longer takes assignment
                 self.findings.append(
                     self.sealed.finding(FindingKind.MOVED, slot, detail=f"could not rebind the captured tensor: {exc}")
@@ -362,22 +438,25 @@ class LayerSnapshot:
 
     def verify(self) -> None:
         """Every slot must again have its sealed fingerprint; anything else is a finding (once per slot)."""
-        flagged = {f.path for f in self.findings if f.kind.is_problem}
+        flagged = {f.path for f in self.findings if f.kind.is_problem} if self.findings else ()
+        layer = self.layer
+        captured = self.captured
+        tensor_type = torch.Tensor
         for index, slot in enumerate(self.slots):
-            if slot.path.text in flagged:
+            if flagged and slot.path.text in flagged:
                 continue
-            if not slot.fp.alive:
+            if slot.fp.storage_ref() is None:
                 self.findings.append(
                     self.sealed.finding(FindingKind.DEAD, slot, detail="the captured storage was freed")
                 )
                 continue
-            current = slot.path.resolve_or(self.layer, _MISSING)
-            if not isinstance(current, torch.Tensor):
+            current = slot.get(layer)
+            if not isinstance(current, tensor_type):
                 self.findings.append(
                     self.sealed.finding(FindingKind.VANISHED, slot, detail="the path no longer resolves")
                 )
                 continue
-            if current is self.captured[index]:
+            if current is captured[index]:
                 continue
             after = fingerprint(current)
             if after.key != slot.key or not after.same_storage(slot.fp):

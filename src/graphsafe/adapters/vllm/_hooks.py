@@ -27,18 +27,16 @@ import contextlib
 import functools
 import logging
 import sys
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from graphsafe.adapters.vllm._guard import ResolvedHook, vllm_module
+from graphsafe.adapters.vllm._guard import ResolvedHook
+from graphsafe.adapters.vllm._session import abort, begin, bind, ensure_contract, finish
 from graphsafe.adapters.vllm._state import AdapterState, Session
 from graphsafe.contract._contract import GraphContract
-from graphsafe.contract._outcome import ReloadOutcome
-from graphsafe.errors import ContractViolation, GraphSafeError
 
 __all__ = ["HookSet", "install"]
 
@@ -101,106 +99,6 @@ def _patch_method(hooks: HookSet, resolved: ResolvedHook, make: Callable[[Callab
     if hasattr(original, ORIGINAL_ATTR):
         return
     hooks.patch(resolved.owner, resolved.name, _mark(make(original), original))
-
-
-# -- sessions ------------------------------------------------------------------------------------------------------
-def _tp_group() -> Any:
-    """vLLM's tensor-parallel CPU group when TP > 1 (ranks then agree on one outcome), else ``None``."""
-    try:
-        parallel_state = vllm_module("vllm.distributed.parallel_state")
-    except ImportError:
-        return None
-    try:
-        group = parallel_state.get_tp_group()
-    except AssertionError:  # model parallel not initialised: a single process
-        return None
-    if group.world_size <= 1:
-        return None
-    return group.cpu_group
-
-
-def ensure_contract(state: AdapterState, model: nn.Module) -> GraphContract:
-    """The contract of ``model``, created and sealed now if it has none."""
-    contract = state.contracts.get(model)
-    if contract is not None:
-        return contract
-    from graphsafe.adapters.vllm._recapture import recapture_callback
-
-    mode = state.config.mode
-    assert mode != "off"
-    contract = GraphContract(model, mode=mode, detect=state.config.detect)
-    contract.on_recapture(recapture_callback(state, model))
-    contract.seal()
-    state.contracts[model] = contract
-    log.info("graphsafe: sealed %s (%d slots, mode=%s)", type(model).__name__, sum(1 for _ in contract.slots()), mode)
-    return contract
-
-
-def begin(state: AdapterState, model: nn.Module) -> Session:
-    """Open the reload transaction of ``model`` (closing a stale one, which fails it)."""
-    stale = state.sessions.get(model)
-    if stale is not None:
-        abort(
-            state,
-            stale,
-            GraphSafeError("a new reload began before the previous one was finalized (it was abandoned midway)"),
-        )
-    contract = ensure_contract(state, model)
-    txn = contract.reload(layerwise=True, group=_tp_group())
-    txn.begin()  # NotServingSafeError propagates: fail closed until reseal/recapture
-    session = Session(weakref.ref(model), contract, txn)
-    state.sessions[model] = session
-    return session
-
-
-def _close(state: AdapterState, session: Session) -> None:
-    model = session.model_ref()
-    if model is not None and state.sessions.get(model) is session:
-        del state.sessions[model]
-    for layer, owner in list(state.layer_sessions.items()):
-        if owner is session:
-            del state.layer_sessions[layer]
-    if state.initializing is session:
-        state.initializing = None
-
-
-def abort(state: AdapterState, session: Session, error: BaseException) -> None:
-    """Finish ``session`` as failed because the reload raised ``error`` (the caller re-raises it)."""
-    _close(state, session)
-    outcome: ReloadOutcome | None
-    try:
-        outcome = session.txn.finish(error=error)
-    except ContractViolation as violation:  # e.g. rank agreement failed on top
-        outcome = violation.outcome
-    if outcome is not None:
-        _record(state, session, outcome)
-
-
-def finish(state: AdapterState, session: Session) -> ReloadOutcome:
-    """Finish ``session``: restore what is left, verify, agree, then commit, recapture or raise."""
-    _close(state, session)
-    try:
-        outcome = session.txn.finish()
-    except ContractViolation as violation:
-        if violation.outcome is not None:
-            _record(state, session, violation.outcome)
-        raise
-    _record(state, session, outcome)
-    return outcome
-
-
-def _record(state: AdapterState, session: Session, outcome: ReloadOutcome) -> None:
-    from graphsafe.adapters.vllm._report import build_report, write_report
-
-    state.last_outcome = outcome
-    report = build_report(state, session, outcome)
-    state.last_report = report
-    if state.config.report_path:
-        try:
-            write_report(state.config.report_path, report)
-        except OSError as exc:  # the report is an aid; never mask the reload's own result
-            log.warning("graphsafe: could not write the reload report to %s: %s", state.config.report_path, exc)
-    log.info("graphsafe: %s", outcome.summary().splitlines()[0])
 
 
 def _before_layer(session: Session, layer: nn.Module, state: AdapterState) -> None:
@@ -359,14 +257,6 @@ def _wrap_reload_weights(state: AdapterState) -> Callable[[Callable[..., Any]], 
 
 
 # -- runner and worker ---------------------------------------------------------------------------------------------
-def bind(state: AdapterState, model: nn.Module, runner: Any = None, worker: Any = None) -> None:
-    """Bind ``model`` to the vLLM model runner (and worker) that capture its graphs."""
-    if runner is not None:
-        state.runners[model] = weakref.ref(runner)
-    if worker is not None:
-        state.workers[model] = weakref.ref(worker)
-
-
 def _runner_model(runner: Any) -> nn.Module | None:
     try:
         model = runner.get_model()

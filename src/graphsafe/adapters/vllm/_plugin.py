@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from graphsafe.adapters.vllm import _hooks
+from graphsafe.adapters.vllm import _session
 from graphsafe.adapters.vllm._hooks import HookSet
 from graphsafe.adapters.vllm._state import AdapterConfig, AdapterState
 
@@ -89,4 +89,4 @@ def bind(model: nn.Module, runner: Any = None, worker: Any = None) -> None:
     state = current_state()
     if state is None:
         raise RuntimeError("graphsafe's vLLM plugin is not registered in this process (GRAPHSAFE_MODE=off?)")
-    _hooks.bind(state, model, runner=runner, worker=worker)
+    _session.bind(state, model, runner=runner, worker=worker)
