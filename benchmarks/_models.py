@@ -34,6 +34,10 @@ class Shape:
     cols: int
     workspace: int = 256  # int32 elements
     strides: int = 8  # int64 elements
+    kinds: tuple[str, ...] = KINDS  # the derived tensors, cycled
+
+    def kind(self, i: int) -> str:
+        return self.kinds[i % len(self.kinds)]
 
     @property
     def slots(self) -> int:
@@ -57,12 +61,13 @@ class SynthLayer(nn.Module):
         self.shape = shape
         self.args = KernelArgs()
         self.kernel: dict[str, Any] = {"variant": "synthetic"}
-        self.paths = [_path(i) for i in range(shape.k)]
+        self.names = [f"{shape.kind(i)}_{i}" for i in range(shape.k)]
+        self.paths = [_path(i, name) for i, name in enumerate(self.names)]
 
     def derive(self, i: int) -> torch.Tensor:
         """Derived tensor ``i`` of the current weight (a NEW tensor every call)."""
         w, s = self.weight, self.shape
-        kind = KINDS[i % len(KINDS)]
+        kind = s.kind(i)
         if kind == "workspace":
             return torch.zeros(s.workspace, dtype=torch.int32, device=w.device)
         if kind == "strides":
@@ -74,41 +79,40 @@ class SynthLayer(nn.Module):
     def process_weights_after_loading(self, declare: bool) -> None:
         for i, path in enumerate(self.paths):
             tensor = self.derive(i)
-            _assign(self, i, tensor)
+            assign_derived(self, i, tensor)
             if declare:
-                register_derived(self, path, tensor, static=KINDS[i % len(KINDS)] in ("workspace", "strides"))
+                register_derived(self, path, tensor, static=self.shape.kind(i) in ("workspace", "strides"))
 
     def derived(self) -> Iterator[tuple[int, torch.Tensor]]:
         """``(index, tensor)`` for every derived tensor as the layer now holds it."""
         for i in range(self.shape.k):
-            yield i, _read(self, i)
+            yield i, read_derived(self, i)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Reads every derived tensor (so a captured graph depends on all of them); output shape of ``x``."""
         y = x
+        others: dict[torch.dtype, list[torch.Tensor]] = {}
         for i, tensor in self.derived():
-            kind = KINDS[i % len(KINDS)]
-            if kind == "transposed":
-                y = y + (x @ tensor)[:, : x.shape[1]] * 1e-3
-            elif kind == "scales":
-                y = y * (1.0 + 1e-6 * tensor[: x.shape[1]].to(y.dtype))
+            if self.shape.kind(i) == "transposed":
+                y = y + (x @ tensor) * 1e-3
             else:
-                y = y + 1e-9 * tensor[:1].to(y.dtype)
+                others.setdefault(tensor.dtype, []).append(tensor.reshape(-1)[:1])
+        for group in others.values():  # one small kernel per dtype reads every other derived tensor
+            y = y + 1e-9 * torch.cat(group).sum().to(y.dtype)
         return y
 
 
-def _path(i: int) -> str:
-    kind = KINDS[i % len(KINDS)]
+def _path(i: int, name: str) -> str:
     where = i % 3
     if where == 0:
-        return f"{kind}_{i}"
+        return name
     if where == 1:
-        return f"args.{kind}_{i}"
-    return f"kernel['{kind}_{i}']"
+        return f"args.{name}"
+    return f"kernel['{name}']"
 
 
-def _assign(layer: SynthLayer, i: int, tensor: torch.Tensor) -> None:
-    name = f"{KINDS[i % len(KINDS)]}_{i}"
+def assign_derived(layer: SynthLayer, i: int, tensor: torch.Tensor) -> None:
+    name = layer.names[i]
     where = i % 3
     if where == 0:
         setattr(layer, name, tensor)
@@ -118,8 +122,8 @@ def _assign(layer: SynthLayer, i: int, tensor: torch.Tensor) -> None:
         layer.kernel[name] = tensor
 
 
-def _read(layer: SynthLayer, i: int) -> torch.Tensor:
-    name = f"{KINDS[i % len(KINDS)]}_{i}"
+def read_derived(layer: SynthLayer, i: int) -> torch.Tensor:
+    name = layer.names[i]
     where = i % 3
     if where == 0:
         value: torch.Tensor = getattr(layer, name)

@@ -2,10 +2,13 @@
 
 Authors declare graph-visible derived tensors (:func:`graph_visible`, :func:`register_derived`,
 :func:`stable_empty`); a :class:`GraphContract` seals them before capture, restores them into the captured
-storage after every reload, verifies every address and fails closed.
+storage after every reload, verifies every address and fails closed. The collectors (:func:`collect`,
+:func:`record_capture`, :func:`migration_report`) find what nobody declared; :func:`capture` and :func:`reload`
+(the plain-PyTorch adapter, also :class:`GraphRunner`) capture ``torch.cuda.graph`` graphs under a contract and
+recapture them when a reload needs it.
 """
 
-from graphsafe.adapters.torch import CapturedGraph, GraphRunner
+from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, reload
 from graphsafe.collectors import Manifest, MigrationReport, TensorRef, collect, migration_report, record_capture
 from graphsafe.contract import Finding, FindingKind, GraphContract, ReloadOutcome, ReloadTransaction, Status
 from graphsafe.errors import (
@@ -58,11 +61,13 @@ __all__ = [
     "Status",
     "UndeclaredDriftError",
     "__version__",
+    "capture",
     "collect",
     "declared_paths",
     "graph_visible",
     "migration_report",
     "record_capture",
     "register_derived",
+    "reload",
     "stable_empty",
 ]

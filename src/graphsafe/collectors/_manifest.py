@@ -507,6 +507,12 @@ class Manifest:
             if storage is None:
                 findings.append(_finding(FindingKind.DEAD, entry, model, None))
                 continue
+            if entry.nbytes and storage.data_ptr() != entry.data_ptr:
+                # Same storage object, new memory (``storage.resize_``, an offload and back): the graph's address
+                # was freed, whoever holds the storage now.
+                moved = f"the storage was reallocated to @0x{storage.data_ptr():x}, so replay touches freed memory"
+                findings.append(_finding(FindingKind.DEAD, entry, model, None, what=moved))
+                continue
             if not entry.holders:
                 continue  # unowned and alive: nothing says who should update it (see unowned())
             if any(_holds(model, layers, holder, storage) for holder in entry.holders):
@@ -535,12 +541,14 @@ def _holds(model: nn.Module, cache: dict[str, nn.Module | None], holder: Holder,
     return isinstance(value, torch.Tensor) and value.layout is torch.strided and value.untyped_storage() is storage
 
 
-def _finding(kind: FindingKind, entry: CapturedStorage, model: nn.Module, now: object) -> Finding:
+def _finding(
+    kind: FindingKind, entry: CapturedStorage, model: nn.Module, now: object, what: str | None = None
+) -> Finding:
     touched = entry.touched()
     after = None
     if kind is FindingKind.DEAD:
-        what = "the storage was freed, so replay touches freed memory"
-    else:
+        what = what or "the storage was freed, so replay touches freed memory"
+    elif what is None:
         paths = ", ".join(repr(h.path) for h in entry.holders)
         what = f"the model no longer holds it at {paths}, so replay reads memory no reload updates"
         if isinstance(now, torch.Tensor) and now.layout is torch.strided:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 from torch import nn
 
+from graphsafe.contract._access import submodule_is
 from graphsafe.contract._copy import CopyBatch
 from graphsafe.contract._outcome import Finding, FindingKind, ReloadOutcome, Status
 from graphsafe.contract._slots import LayerSnapshot, Origin, SealedLayer, SealedSlot, WalkSettings
@@ -467,8 +468,15 @@ class ReloadTransaction:
         self._begun = True
         if not self.layerwise:
             start = time.perf_counter()
-            for sealed in contract._layers:
-                self._snapshot(sealed)
+            try:
+                for sealed in contract._layers:
+                    self._snapshot(sealed)
+            except BaseException:
+                # Nothing was loaded yet: leave the contract as it was, not stuck with an open transaction.
+                self._snapshots.clear()
+                contract._active = None
+                self._begun = False
+                raise
             self._seconds += time.perf_counter() - start
         return self
 
@@ -504,6 +512,20 @@ class ReloadTransaction:
                 if snapshot is None:
                     batch.flush()  # a snapshot reads input values
                     snapshot = self._snapshot(sealed)
+                    if snapshot is not None and self.layerwise:
+                        # Taken after the load: it sees PWAL's tensors as the captured ones, so neither stale
+                        # values nor tensors that appeared after the seal can be checked. Fail closed.
+                        snapshot.findings.append(
+                            Finding(
+                                FindingKind.RELOAD_ERROR,
+                                layer=sealed.qualname,
+                                layer_class=sealed.layer_class,
+                                path="",
+                                declared=True,
+                                detail="after_layer() without before_layer(): the layer's state before the load "
+                                "was never snapshotted, so stale values and moved late tensors go unchecked",
+                            )
+                        )
                 if snapshot is not None and not snapshot.done:
                     self._restore(snapshot, batch)
         finally:
@@ -554,6 +576,12 @@ class ReloadTransaction:
                         "and the weights may be half-loaded",
                     )
                 )
+        except BaseException as exc:
+            # The restore itself raised (a failed copy, an interrupt): some layers may be rebound, others not.
+            for snapshot in self._snapshots.values():
+                contract._quarantine.extend(t for t in snapshot.captured if t is not None)
+            contract.mark_unsafe(f"the reload's restore raised {exc!r}; slots may be half-restored")
+            raise
         finally:
             self._snapshots.clear()
             contract._active = None
@@ -572,7 +600,11 @@ class ReloadTransaction:
         if self.group is not None:
             from graphsafe.adapters.distributed import agree
 
-            outcome = agree(outcome, group=self.group, timeout=self.timeout)
+            try:
+                outcome = agree(outcome, group=self.group, timeout=self.timeout)
+            except BaseException as exc:
+                contract.mark_unsafe(f"rank agreement raised {exc!r}; the group's outcome is unknown")
+                raise
         self.outcome = outcome
         contract._apply(outcome, error)
         return outcome
@@ -608,6 +640,9 @@ class ReloadTransaction:
     def _still_in_model(self, sealed: SealedLayer, layer: nn.Module) -> bool:
         if not sealed.qualname:
             return layer is self.contract.model
+        known = submodule_is(self.contract.model, sealed.atoms, layer)
+        if known is not None:
+            return known
         try:
             return self.contract.model.get_submodule(sealed.qualname) is layer
         except AttributeError:

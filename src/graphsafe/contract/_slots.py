@@ -113,8 +113,10 @@ class SealedLayer:
     #: Whether a captured storage of this layer is also tracked by another layer (set by the contract).
     shared_across_layers: bool = field(init=False, default=False)
     known_paths: frozenset[str] = field(init=False)
+    atoms: tuple[str, ...] = field(init=False)  # the qualified name, split (to check the layer is still there)
 
     def __post_init__(self) -> None:
+        self.atoms = tuple(self.qualname.split(".")) if self.qualname else ()
         storages = {id(slot.fp.storage_ref()) for slot in self.slots}  # all alive at seal: ids are distinct
         self.shares_storage = len(storages) < len(self.slots)
         self.known_paths = frozenset(slot.path.text for slot in self.slots)
@@ -150,19 +152,31 @@ def _describe_geometry_change(slot: SealedSlot, tensor: torch.Tensor) -> str:
     return ", ".join(changes)
 
 
-@dataclass(slots=True)
-class _Freshness:
-    """What a declared slot and its inputs looked like before PWAL, to tell a skipped rebuild (``stale``)."""
+# What a declared slot and its inputs looked like before PWAL, to tell a skipped rebuild (``stale``):
+# (tensor at the path, its version, the declared sources, the inputs' state). A tuple: one is made per slot and
+# reload.
+_Freshness = tuple[torch.Tensor, int, "tuple[str, ...] | None", "_InputState"]
 
-    tensor: torch.Tensor
-    version: int
-    sources: tuple[str, ...] | None
-    inputs: _InputState
+
+def _own_parameters(layer: nn.Module) -> list[torch.Tensor]:
+    """``[p for _, p in layer.named_parameters(recurse=False)]``, read directly unless a class overrides it."""
+    cls = type(layer)
+    if cls.named_parameters is not _NAMED_PARAMETERS or cls._named_members is not _NAMED_MEMBERS:
+        return [p for _, p in layer.named_parameters(recurse=False)]
+    own: list[torch.Tensor] = []
+    for p in layer._parameters.values():
+        if p is not None and not any(p is q for q in own):  # named_parameters drops repeats
+            own.append(p)
+    return own
+
+
+_NAMED_PARAMETERS: Any = nn.Module.named_parameters
+_NAMED_MEMBERS: Any = nn.Module._named_members
 
 
 def _input_tensors(layer: nn.Module, sources: tuple[str, ...] | None) -> list[torch.Tensor]:
     if sources is None:
-        own: list[torch.Tensor] = [p for _, p in layer.named_parameters(recurse=False)]
+        own = _own_parameters(layer)
         return own if own else list(layer.parameters())
     found = []
     for source in sources:
@@ -181,7 +195,7 @@ def _signature(tensor: torch.Tensor) -> torch.Tensor:
     # kernel; a change confined to unsampled elements can escape it (documented in docs/fault-matrix.md).
     flat = tensor.detach().reshape(-1)
     step = max(1, flat.numel() // _SIGNATURE_ELEMENTS)
-    return flat[::step][:_SIGNATURE_ELEMENTS].clone()
+    return flat[: step * _SIGNATURE_ELEMENTS : step].clone()  # == flat[::step][:_SIGNATURE_ELEMENTS], one view
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +266,7 @@ class LayerSnapshot:
                     inputs = input_cache.get(sources)
                     if inputs is None:
                         inputs = input_cache[sources] = _input_state(layer, sources)
-                    freshness[index] = _Freshness(current, current._version, sources, inputs)
+                    freshness[index] = (current, current._version, sources, inputs)
         shared = sealed.shares_storage or len(slots) > len(sealed.slots)
         return cls(sealed, layer, slots, captured, findings, freshness, shared=shared)
 
@@ -362,17 +376,18 @@ class LayerSnapshot:
     ) -> None:
         """Flag a declared slot PWAL neither rebuilt nor wrote in place although its inputs changed."""
         before = self.freshness.get(index)
-        if before is None or current is not before.tensor or current._version != before.version:
+        if before is None:
             return
-        unchanged = after_inputs.get(before.sources)  # the inputs do not change during restore: once per layer
+        tensor, version, sources, inputs_before = before
+        if current is not tensor or current._version != version:
+            return
+        unchanged = after_inputs.get(sources)  # the inputs do not change during restore: once per layer
         if unchanged is None:
             batch.flush()  # the signature reads values: pending copies (of other layers) land first
-            unchanged = after_inputs[before.sources] = _input_state(self.layer, before.sources).same_as(
-                before.inputs
-            )
+            unchanged = after_inputs[sources] = _input_state(self.layer, sources).same_as(inputs_before)
         if unchanged:
             return  # a partial reload that did not touch this slot's inputs
-        inputs = ", ".join(before.sources) if before.sources else "the layer's parameters"
+        inputs = ", ".join(sources) if sources else "the layer's parameters"
         self.findings.append(
             self.sealed.finding(
                 FindingKind.STALE,
@@ -456,8 +471,13 @@ class LayerSnapshot:
                     self.sealed.finding(FindingKind.VANISHED, slot, detail="the path no longer resolves")
                 )
                 continue
-            if current is captured[index]:
-                continue
+            if (
+                current is captured[index]
+                and current.data_ptr() == slot.fp.data_ptr
+                and (current.shape, current.stride(), current.dtype, current.device) == slot.layout
+            ):
+                continue  # the captured object on its captured memory (``.data =``, ``set_`` or a storage
+                # ``resize_`` can move the same object elsewhere)
             after = fingerprint(current)
             if after.key != slot.key or not after.same_storage(slot.fp):
                 self.findings.append(
