@@ -35,6 +35,7 @@ class Shape:
     workspace: int = 256  # int32 elements
     strides: int = 8  # int64 elements
     kinds: tuple[str, ...] = KINDS  # the derived tensors, cycled
+    inplace: bool = False  # PWAL writes into the tensors it made last time (a kernel migrated to stable storage)
 
     def kind(self, i: int) -> str:
         return self.kinds[i % len(self.kinds)]
@@ -61,6 +62,7 @@ class SynthLayer(nn.Module):
         self.shape = shape
         self.args = KernelArgs()
         self.kernel: dict[str, Any] = {"variant": "synthetic"}
+        self.built = False
         self.names = [f"{shape.kind(i)}_{i}" for i in range(shape.k)]
         self.paths = [_path(i, name) for i, name in enumerate(self.names)]
 
@@ -79,9 +81,14 @@ class SynthLayer(nn.Module):
     def process_weights_after_loading(self, declare: bool) -> None:
         for i, path in enumerate(self.paths):
             tensor = self.derive(i)
-            assign_derived(self, i, tensor)
+            if self.shape.inplace and self.built:
+                with torch.no_grad():
+                    read_derived(self, i).copy_(tensor)  # into last time's storage: nothing for a contract to move
+            else:
+                assign_derived(self, i, tensor)
             if declare:
-                register_derived(self, path, tensor, static=self.shape.kind(i) in ("workspace", "strides"))
+                register_derived(self, path, static=self.shape.kind(i) in ("workspace", "strides"))
+        self.built = True
 
     def derived(self) -> Iterator[tuple[int, torch.Tensor]]:
         """``(index, tensor)`` for every derived tensor as the layer now holds it."""

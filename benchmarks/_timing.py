@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import statistics
 import time
@@ -48,9 +49,9 @@ def cpu_model() -> str:
 
 def machine(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu_model(),
-        "cpu_count": __import__("os").cpu_count(),
+        "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": str(device),
@@ -65,9 +66,7 @@ def flat_copy_time(nbytes: int, device: torch.device, repeats: int) -> float:
     """Seconds of one ``copy_`` of ``nbytes`` contiguous bytes (the bandwidth reference)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    t = median_time(lambda: dst.copy_(src), device, repeats, warmup=2)
-    del src, dst
-    return t
+    return median_time(lambda: dst.copy_(src), device, repeats, warmup=2)
 
 
 def copy_threshold(device: torch.device, repeats: int) -> list[dict[str, Any]]:
@@ -77,13 +76,8 @@ def copy_threshold(device: torch.device, repeats: int) -> list[dict[str, Any]]:
         count = max(4, min(256, (256 << 20) // size if device.type == "cuda" else (32 << 20) // size))
         dsts = [torch.empty(size // 2, dtype=torch.bfloat16, device=device) for _ in range(count)]
         srcs = [torch.empty_like(d) for d in dsts]
-
-        def loop() -> None:
-            for d, s in zip(dsts, srcs, strict=True):
-                d.copy_(s)
-
-        t_loop = median_time(loop, device, repeats)
-        t_each = median_time(lambda: torch._foreach_copy_(dsts, srcs), device, repeats)
+        t_loop = median_time(_copy_loop(dsts, srcs), device, repeats)
+        t_each = median_time(_foreach(dsts, srcs), device, repeats)
         rows.append(
             {
                 "bytes": size,
@@ -94,5 +88,16 @@ def copy_threshold(device: torch.device, repeats: int) -> list[dict[str, Any]]:
                 "foreach_GBps": size * count / t_each / 1e9,
             }
         )
-        del dsts, srcs
     return rows
+
+
+def _copy_loop(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        for d, s in zip(dsts, srcs, strict=True):
+            d.copy_(s)
+
+    return run
+
+
+def _foreach(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Callable[[], None]:
+    return lambda: torch._foreach_copy_(dsts, srcs)

@@ -751,7 +751,7 @@ class _Walk:
                 node = parent[node]
         return marks
 
-    def enumerate_paths(self) -> list[TensorRef]:
+    def enumerate_paths(self, skip: Collection[str] = ()) -> list[TensorRef]:
         marks = self.useful()
         refs: list[TensorRef] = []
         if not marks[0] or self.estart[0] < 0:
@@ -798,6 +798,8 @@ class _Walk:
             else:
                 text = texts[-1] + _segment(tk, key, not trail)
             if kinds[child] == _TENSOR:
+                if skip and text in skip:
+                    continue  # the caller knows this path: no ref, no fingerprint
                 tensor = objs[child]
                 print_ = prints.get(child, _UNSEEN)
                 if print_ is _UNSEEN:
@@ -868,6 +870,7 @@ def walk(
     max_depth: int = 8,
     max_objects: int = 100_000,
     devices: Collection[torch.device | str] | None = None,
+    skip_paths: Collection[str] = (),
 ) -> WalkResult:
     """Find every device tensor reachable from ``layer``'s own non-parameter, non-buffer attributes.
 
@@ -881,6 +884,8 @@ def walk(
         devices: report only tensors on these devices (``"cuda"`` matches every CUDA index). ``None``: the
             devices of the layer's (and its submodules') parameters and buffers, or every device if it has none.
             Meta tensors are never reported.
+        skip_paths: paths the caller already tracks (a set, for speed): no ref is made for them and their
+            tensors are not fingerprinted unless another path reaches them. The walk itself is unchanged.
 
     Returns:
         The refs (one per simple path to a tensor), how many objects were read, and ``exhausted``: ``None``, or a
@@ -898,7 +903,7 @@ def walk(
             dev_filter = _DeviceFilter(devices)
         state = _Walk(layer, max_depth, max_objects, dev_filter)
         state.read()
-        refs = state.enumerate_paths()
+        refs = state.enumerate_paths(skip_paths)
     return WalkResult(
         refs=tuple(refs),
         objects_visited=state.objects_visited,

@@ -28,7 +28,7 @@ Setter = Callable[[Any, torch.Tensor], None]
 
 _ITEM_MISS: Final = (KeyError, IndexError, TypeError)
 _REBUILT: Final = (functools.partial, tuple)  # assign rebuilds these into their parent instead of mutating them
-_MODULE_SETATTR: Final = nn.Module.__setattr__
+_MODULE_SETATTR: Final[Any] = nn.Module.__setattr__
 _OBJECT_SETATTR: Final = object.__setattr__
 _TENSOR: Final = torch.Tensor
 
@@ -160,7 +160,8 @@ def compile_setter(path: SlotPath) -> Setter:
         def set_attr(root: Any, value: torch.Tensor) -> None:
             parent = parent_of(root)
             # assign first resolves the whole path (and refuses if it no longer does), then writes the last step
-            if parent is not MISSING and not isinstance(parent, _REBUILT) and getattr(parent, name, MISSING) is not MISSING:
+            resolves = parent is not MISSING and getattr(parent, name, MISSING) is not MISSING
+            if resolves and not isinstance(parent, _REBUILT):
                 if isinstance(parent, nn.Module):
                     if _set_module_attr_fast(parent, name, value):
                         return
@@ -191,8 +192,8 @@ def compile_setter(path: SlotPath) -> Setter:
 
 
 _CLASS_NAMES: dict[int, tuple[type, frozenset[str]]] = {}  # by id(cls): every name the class (MRO) defines
-_MODULE_GETATTR: Final = nn.Module.__getattr__
-_OBJECT_GETATTRIBUTE: Final = object.__getattribute__
+_MODULE_GETATTR: Final[Any] = nn.Module.__getattr__
+_OBJECT_GETATTRIBUTE: Final[Any] = object.__getattribute__
 
 
 def _class_names(cls: type) -> frozenset[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -90,13 +91,19 @@ class RecaptureHandle:
             self._callbacks.remove(self._fn)
 
 
-def _walk(layer: nn.Module, settings: WalkSettings) -> WalkResult:
+def _walk(layer: nn.Module, settings: WalkSettings, skip_paths: Collection[str] = ()) -> WalkResult:
     from graphsafe.collectors._walker import walk
 
-    return walk(layer, max_depth=settings.max_depth, max_objects=settings.max_objects, devices=settings.devices)
+    return walk(
+        layer,
+        max_depth=settings.max_depth,
+        max_objects=settings.max_objects,
+        devices=settings.devices,
+        skip_paths=skip_paths,
+    )
 
 
-def _walker_slots(result: WalkResult, known: set[str], declared_storages: dict[int, str]) -> list[SealedSlot]:
+def _walker_slots(result: WalkResult, known: AbstractSet[str], declared_storages: dict[int, str]) -> list[SealedSlot]:
     """Walker finds not already tracked: an alias of a declared slot's storage, or an undeclared walker slot."""
     slots = []
     for ref in result.refs:
@@ -346,8 +353,8 @@ class GraphContract:
         """Tensors the walker finds now but the seal did not know (``every-reload`` only)."""
         if self.detect != "every-reload":
             return [], None
-        result = _walk(layer, self._walk_settings)
         known = sealed.known_paths
+        result = _walk(layer, self._walk_settings, known)  # known paths are neither reported nor fingerprinted
         storages = {id(s.fp.storage_ref()): s.path.text for s in sealed.slots if s.origin is Origin.DECLARED}
         return _walker_slots(result, known, storages), result.exhausted
 
