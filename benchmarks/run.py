@@ -108,7 +108,7 @@ class Loop(Method):
         sync(self.device)
         t3 = time.perf_counter()
         if split:
-            return {"restore": t3 - t1, "restore_host": t2 - t1}
+            return {"restore": t3 - t1, "restore_host": t2 - t1, "begin": 0.0, "finish": t3 - t1}
         return {"cycle": t3 - t0}
 
 
@@ -157,7 +157,12 @@ class Contract(Method):
             return {"cycle": t4 - t0}
         if self.layerwise:  # restores ran inside the loop: the transaction's own time is the best split
             return {"restore": outcome.seconds, "restore_host": outcome.seconds}
-        return {"restore": (t1 - t0) + (t4 - t2), "restore_host": (t1 - t0) + (t3 - t2)}
+        return {
+            "restore": (t1 - t0) + (t4 - t2),
+            "restore_host": (t1 - t0) + (t3 - t2),
+            "begin": t1 - t0,  # snapshot, before the load
+            "finish": t4 - t2,  # restore, copies and verification, to the end of the copies
+        }
 
 
 def run_methods(
@@ -230,6 +235,8 @@ def section_small(args: argparse.Namespace, device: torch.device) -> dict[str, A
             "vs_loop": loop_restore / t["restore"] if t["restore"] else None,
             "GBps": loop_bytes / t["restore"] / 1e9 if t["restore"] else None,
             "vs_flat_copy": flat / t["restore"] if t["restore"] else None,
+            "begin_us_per_slot": t["begin"] / shape.slots * 1e6 if "begin" in t else None,
+            "finish_us_per_slot": t["finish"] / shape.slots * 1e6 if "finish" in t else None,
         }
         for key in ("peak_extra_bytes", "kept_bytes"):
             if key in t:
@@ -268,8 +275,9 @@ def section_large(args: argparse.Namespace, device: torch.device) -> dict[str, A
     flat = flat_copy_time(nbytes, device, args.repeats)
     rows = []
     for m in methods[1:]:
-        t = times[m.name]["restore"]
-        rows.append({"method": m.name, "restore_ms": t * 1e3, "GBps": nbytes / t / 1e9, "vs_flat_copy": flat / t})
+        t, finish = times[m.name]["restore"], times[m.name]["finish"]
+        rows.append({"method": m.name, "restore_ms": t * 1e3, "GBps": nbytes / t / 1e9, "vs_flat_copy": flat / t,
+                     "finish_ms": finish * 1e3, "finish_vs_flat_copy": flat / finish})
     return {"shape": shape.__dict__, "bytes": nbytes, "flat_copy_ms": flat * 1e3,
             "flat_GBps": nbytes / flat / 1e9, "rows": rows}
 
@@ -327,10 +335,9 @@ def section_recapture(args: argparse.Namespace, device: torch.device) -> dict[st
         model = method.model
         width = shape.cols
         sizes = (1, 2, 4, 8, 16, 32, 64, 128)
-        pool = torch.cuda.graph_pool_handle()
         inputs = {b: torch.randn(b, width, device=device, dtype=torch.bfloat16) for b in sizes}
         graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        capture = _capture_all(model, inputs, graphs, pool, device)
+        capture = _capture_all(model, inputs, graphs, device)
         samples = []
         for _ in range(max(2, args.repeats // 4) + 1):
             t0 = time.perf_counter()
@@ -367,13 +374,17 @@ def _capture_all(
     model: SynthModel,
     inputs: dict[int, torch.Tensor],
     graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]],
-    pool: Any,
     device: torch.device,
 ) -> Callable[[], None]:
-    """A function that (re)captures one graph per batch size, as an engine does after a reload it cannot keep."""
+    """A function that (re)captures one graph per batch size, as an engine does after a reload it cannot keep.
+
+    Each recapture gets a fresh memory pool shared by its graphs: re-using the handle of graphs already freed
+    trips an allocator assertion in torch 2.11 (``use_count > 0``, CUDACachingAllocator.cpp).
+    """
 
     def capture() -> None:
         graphs.clear()
+        pool = torch.cuda.graph_pool_handle()
         with torch.no_grad():
             for b, x in inputs.items():
                 model(x)  # warm-up, as engines do before each capture
@@ -461,6 +472,10 @@ def render(report: dict[str, Any]) -> str:
                  ("GBps", "GB/s"), ("vs_flat_copy", "vs flat copy_")],
             ),
             "",
+            table([r for r in s["rows"] if r.get("begin_us_per_slot") is not None],
+                  [("method", "method"), ("begin_us_per_slot", "begin (snapshot) us/slot"),
+                   ("finish_us_per_slot", "finish (restore + verify) us/slot")]),
+            "",
             f"Values after a graphsafe reload equal the baseline's: {fmt(s['values_equal'])}. One flat `copy_` of "
             f"the same bytes: {s['flat_copy_ms']:.3f} ms. Re-declaring in PWAL (`register_derived`, part of the "
             f"graphsafe cycles above): {s['redeclare_us_per_slot']:.2f} us/slot.",
@@ -483,7 +498,8 @@ def render(report: dict[str, Any]) -> str:
             f"(one flat copy_: {s['flat_copy_ms']:.3f} ms, {s['flat_GBps']:.0f} GB/s)",
             "",
             table(s["rows"], [("method", "method"), ("restore_ms", "restore ms"), ("GBps", "GB/s"),
-                              ("vs_flat_copy", "fraction of flat copy_")]),
+                              ("vs_flat_copy", "fraction of flat copy_"), ("finish_ms", "finish ms"),
+                              ("finish_vs_flat_copy", "finish: fraction of flat copy_")]),
             "",
         ]
     s = report.get("cycle")

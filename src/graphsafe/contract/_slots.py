@@ -273,13 +273,15 @@ class LayerSnapshot:
     def restore(self, *, auto_restore: bool, batch: CopyBatch) -> list[tuple[int, torch.Tensor]]:
         """Plan copies (added to ``batch`` and to :attr:`pairs`) and return the rebinds ``(slot index, captured)``.
 
-        Problems become findings; nothing here raises for a bad slot. ``batch`` is flushed before anything here
-        reads tensor values, so copies of earlier layers are never observed half-done.
+        Problems become findings; nothing here raises for a bad slot. As when layers were restored one at a time,
+        the values read here (input signatures) see every earlier layer's copies and none of this layer's: the
+        batch is flushed before such a read, and this layer's copies join it only once planning is done.
         """
         sealed = self.sealed
         layer = self.layer
         rebinds: list[tuple[int, torch.Tensor]] = []
         pairs = self.pairs
+        sizes: list[tuple[tuple[Any, ...], int]] = []  # (copy group, bytes) of each pair
         seen_pairs: set[tuple[int, int]] | None = set() if self.shared else None
         after_inputs: dict[tuple[str, ...] | None, bool] = {}
         tensor_type = torch.Tensor
@@ -360,10 +362,14 @@ class LayerSnapshot:
                 seen_pairs.add(pair_key)
             pairs.append((captured, current))
             if exact:
-                batch.add(captured, current, slot.group, slot.nbytes)
+                sizes.append((slot.group, slot.nbytes))
             else:  # the captured tensor is not laid out as sealed: size and group from what it is now
-                nbytes = captured.numel() * captured.element_size()
-                batch.add(captured, current, (captured.device, captured.dtype, captured.layout), nbytes)
+                sizes.append(
+                    ((captured.device, captured.dtype, captured.layout), captured.numel() * captured.element_size())
+                )
+        add = batch.add
+        for (dst, src), (group, nbytes) in zip(pairs, sizes, strict=True):
+            add(dst, src, group, nbytes)
         return rebinds
 
     def _check_fresh(
@@ -383,7 +389,7 @@ class LayerSnapshot:
             return
         unchanged = after_inputs.get(sources)  # the inputs do not change during restore: once per layer
         if unchanged is None:
-            batch.flush()  # the signature reads values: pending copies (of other layers) land first
+            batch.flush()  # the signature reads values: earlier layers' copies land first (this layer's wait)
             unchanged = after_inputs[sources] = _input_state(self.layer, sources).same_as(inputs_before)
         if unchanged:
             return  # a partial reload that did not touch this slot's inputs
