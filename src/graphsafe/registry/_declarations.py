@@ -156,9 +156,17 @@ def _declare(
             f"{where}: register_derived({path.text!r}, tensor) on {type(layer).__name__}: the path resolves to a "
             "different tensor (storage, offset, shape or stride differ) than the one passed"
         )
-    declaration = Declaration(path=path, source=source, derived_from=derived_from, static=static)
     store = layer_store(layer)
     assert store is not None
+    existing = store.slots.get(path.text)
+    if (
+        existing is not None
+        and existing.source == source
+        and existing.derived_from == derived_from
+        and existing.static == static
+    ):
+        return existing  # the common case: PWAL re-declaring the same slot on every reload
+    declaration = Declaration(path=path, source=source, derived_from=derived_from, static=static)
     store.put(declaration)
     return declaration
 
@@ -228,6 +236,12 @@ def _caller() -> str:
         del frame
 
 
+@functools.lru_cache(maxsize=65536)
+def _slot_path(text: str) -> SlotPath:
+    # SlotPath is immutable: one object per path text spares re-parsing and re-formatting on every reload.
+    return SlotPath(text)
+
+
 def register_derived(
     layer: nn.Module,
     path: str,
@@ -245,7 +259,7 @@ def register_derived(
     if not isinstance(layer, nn.Module):
         raise DeclarationError(f"register_derived needs an nn.Module layer, got {type(layer).__name__}")
     try:
-        slot = SlotPath(path)
+        slot = _slot_path(path)
     except PathSyntaxError as exc:
         raise DeclarationError(f"register_derived on {type(layer).__name__}: {exc}") from exc
     source = _caller()
