@@ -43,6 +43,15 @@ def _ptrs(tiny: Tiny, model: nn.Module) -> dict[tuple[str, str], int]:
     return {key: t.data_ptr() for key, t in tiny.declared(model).items()}
 
 
+def _tracked_ptrs(tiny: Tiny, model: nn.Module) -> dict[tuple[str, str], int]:
+    """Declared slots plus every layer's own parameters and buffers: what a seal tracks with ``declared-only``."""
+    found = _ptrs(tiny, model)
+    for qualname, layer in model.named_modules():
+        for name, tensor in [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]:
+            found.setdefault((qualname, name), tensor.data_ptr())
+    return found
+
+
 def _assert_matches_cold(tiny: Tiny, model: nn.Module, seed: int, quant: Callable[[], Any] | None = None) -> None:
     cold = tiny.declared(tiny.build(seed, quant or tiny.Derived))
     warm = tiny.declared(model)
@@ -63,8 +72,15 @@ def test_seal_fingerprints_every_declared_slot(tiny: Tiny) -> None:
     contract.seal()
     assert contract.serving_safe
     declared = tiny.declared(model)
-    sealed = {(s.layer, s.path): s for s in contract.slots()}
+    sealed = {(s.layer, s.path): s for s in contract.slots() if s.origin == "declared"}
     assert sealed.keys() == declared.keys()
+    # The layers' parameters are tracked too, as what the loader writes, not as undeclared finds.
+    parameters = {(s.layer, s.path): s for s in contract.slots() if s.origin == "parameter"}
+    assert parameters.keys() == _tracked_ptrs(tiny, model).keys() - declared.keys()
+    assert {path for _, path in parameters} == {"weight"}
+    for (layer, path), info in parameters.items():
+        assert info.fingerprint.data_ptr == model.get_submodule(layer).get_parameter(path).data_ptr()
+    assert len(list(contract.slots())) == len(sealed) + len(parameters)
     assert {layer for layer, _ in sealed} == {"layers.0", "layers.1"}
     for key, info in sealed.items():
         assert info.origin == "declared"
@@ -338,7 +354,7 @@ def test_recapture_modes_run_callbacks_and_reseal(tiny: Tiny, mode: str, name: s
     assert calls[0][1] is False  # not serving-safe while the graphs are being captured again
     assert contract.serving_safe  # resealed itself after the callback
     # The resealed fingerprints are what the model holds now, and the next reload commits in place.
-    assert {(s.layer, s.path): s.fingerprint.data_ptr for s in contract.slots()} == _ptrs(tiny, model)
+    assert {(s.layer, s.path): s.fingerprint.data_ptr for s in contract.slots()} == _tracked_ptrs(tiny, model)
     before = _ptrs(tiny, model)
     with contract.reload() as next_txn:
         tiny.reload(model, 2)

@@ -359,17 +359,28 @@ def test_every_way_a_loader_writes_the_inputs_is_seen(loader: Loader) -> None:
     weight = model.layers[0].weight
     version, storage = weight._version, weight.untyped_storage()
     model.layers[0].policy["w_t"] = "skip"
+    loaded: list[nn.Parameter] = []  # what the loader left, before the contract restores anything
+
+    def load_and_look(model: nn.Module, new: Mapping[str, torch.Tensor]) -> None:
+        loader(model, new)
+        loaded.append(model.layers[0].weight)
+
+    new = weights(model, 1)
     with pytest.raises(ReloadFailedError):
-        reload(contract, model, weights(model, 1), loader)
+        reload(contract, model, new, load_and_look)
     assert stale(contract.last_outcome) == {("layers.0", "w_t")}
     # The premise of each case: what the loader did (or did not) leave as evidence besides the values.
-    now = model.layers[0].weight
+    now = loaded[0]
     if loader is load_data_copy:
         assert now is weight and now._version == version  # only the values witness the change
     elif loader is load_param_copy:
         assert now is weight and now._version > version
     else:
         assert now is not weight and now.untyped_storage() is not storage
+        # The contract put the captured parameter back, holding the new values (the parameter is not the fault).
+        assert model.layers[0].weight is weight and weight.untyped_storage() is storage
+        assert torch.equal(weight, new["layers.0.weight"])
+        assert {f.kind for f in contract.last_outcome.problems} == {FindingKind.STALE}  # type: ignore[union-attr]
 
 
 def test_a_replaced_parameter_is_fresh_when_pwal_rebuilds() -> None:

@@ -424,8 +424,15 @@ def test_replaced_layer_orphans_its_storage() -> None:
     assert outcome is not None
     kinds = {f.where: f.kind for f in outcome.findings}
     assert kinds["layers.0:kernel.w_t"] is FindingKind.ORPHANED
-    assert kinds["layers.0:offset"] is FindingKind.ORPHANED
+    # The contract tracks the old layer's parameters and buffers itself: its own finding stands for them.
+    assert kinds["layers.0:offset"] is FindingKind.VANISHED
     assert "layers.1:kernel.w_t" not in kinds
+    # The manifest alone sees the buffer's captured storage orphaned too.
+    assert contract.manifest is not None
+    manifest = {f.where: f.kind for f in contract.manifest.check(contract)}
+    assert manifest["layers.0:offset"] is FindingKind.ORPHANED
+    assert manifest["layers.0:kernel.w_t"] is FindingKind.ORPHANED
+    assert not any(where.startswith("layers.1:") for where in manifest)
     del old
 
 

@@ -180,7 +180,9 @@ def test_fixture_gives_sealed_recorded_contracts_and_releases_them(pytester: pyt
             contract = graphsafe_contract(model, mode="recapture", detect="sealed-paths")
             assert contract.sealed and contract.serving_safe
             assert (contract.mode, contract.detect) == ("recapture", "sealed-paths")
-            assert {s.path for s in contract.slots()} == {"g_idx_sort_indices"}
+            assert {(s.origin, s.path) for s in contract.slots()} == {
+                ("walker", "g_idx_sort_indices"), ("parameter", "weight"), ("parameter", "g_idx")
+            }
             reload(model, contract)  # unmarked: the fixture records, it does not judge
             outcomes = graphsafe_contract.outcomes(contract)
             assert [o.status.value for o in outcomes] == ["needs_recapture"]
@@ -225,14 +227,14 @@ def test_report_option_writes_one_entry_per_layer(pytester: pytest.Pytester) -> 
         assert entry["layer_class"] == "ActOrderLinear"
     drift = layers[("test_drift", "layers.1")]
     assert drift["reloads"] == ["needs_recapture"] and not drift["serving_safe"]
-    assert drift["slots"] == {"declared": 0, "alias": 0, "walker": 1}
+    assert drift["slots"] == {"declared": 0, "parameter": 2, "alias": 0, "walker": 1}  # weight, g_idx
     assert {f["kind"] for f in drift["findings"]} == {"moved"}
     assert {f["layer"] for f in drift["findings"]} == {"layers.1"}
     assert [e["path"] for e in drift["report"]["entries"]] == ["g_idx_sort_indices"]
     assert {e["layer"] for e in drift["report"]["entries"]} == {"layers.1"}
     clean = layers[("test_clean", "layers.0")]
     assert clean["reloads"] == ["committed"] and clean["findings"] == []
-    assert clean["slots"] == {"declared": 1, "alias": 0, "walker": 0}
+    assert clean["slots"] == {"declared": 1, "parameter": 2, "alias": 0, "walker": 0}
     assert clean["report"]["entries"] == []
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from graphsafe.contract._access import submodule_is
 from graphsafe.contract._copy import CopyBatch
@@ -124,6 +125,36 @@ def _walker_slots(result: WalkResult, known: AbstractSet[str], declared_storages
     return slots
 
 
+def _parameter_slots(
+    layer: nn.Module, declared: AbstractSet[str], storages: dict[int, str], devices: tuple[torch.device, ...] | None
+) -> list[SealedSlot]:
+    """The layer's own parameters and buffers not already declared under their name, as ``parameter`` slots.
+
+    A loader that binds a new tensor (``layer.weight = nn.Parameter(new)``) instead of copying into the old one
+    leaves the graph reading the old storage; tracking them turns that into a restore (or a finding) like any
+    declared slot. Their storages join ``storages``, so a walker path to a parameter is its alias.
+    """
+    slots = []
+    for registry in (layer._parameters, layer._buffers):
+        for name, tensor in registry.items():
+            if (
+                name in declared
+                or not isinstance(tensor, torch.Tensor)
+                or is_lazy(tensor)  # an uninitialised lazy parameter: no storage yet
+                or tensor.layout is not torch.strided  # no storage to fingerprint (sparse, ...)
+                or tensor.device.type == "meta"
+                or (devices is not None and not _on_devices(tensor.device, devices))
+            ):
+                continue
+            slots.append(SealedSlot(SlotPath(name), fingerprint(tensor), weakref.ref(tensor), Origin.PARAMETER))
+            storages.setdefault(id(tensor.untyped_storage()), name)
+    return slots
+
+
+def _on_devices(device: torch.device, devices: tuple[torch.device, ...]) -> bool:
+    return any(device == d or (d.index is None and device.type == d.type) for d in devices)
+
+
 class GraphContract:
     """Keeps every graph-visible tensor of ``model`` at its captured storage across weight reloads.
 
@@ -139,7 +170,7 @@ class GraphContract:
     ``detect`` is the collector policy: ``"every-reload"`` walks each layer at every reload (finds tensors that
     appeared after the seal, e.g. scratch allocated on the first forward), ``"sealed-paths"`` only re-resolves
     the paths found at seal (no walk per reload: O(declared + found)), ``"declared-only"`` tracks declared slots
-    alone.
+    alone. Parameters and buffers are tracked under every policy (restored like declared slots).
     """
 
     def __init__(
@@ -202,7 +233,7 @@ class GraphContract:
         return self._unsafe_reason
 
     def slots(self) -> Iterator[SlotInfo]:
-        """Every sealed slot (declared, alias and walker-found)."""
+        """Every sealed slot (declared, parameter or buffer, alias and walker-found)."""
         for sealed in self._layers:
             for slot in sealed.slots:
                 yield SlotInfo(
@@ -225,7 +256,8 @@ class GraphContract:
 
     # -- sealing -----------------------------------------------------------------------------------------------
     def seal(self) -> GraphContract:
-        """Fingerprint every declared slot (and, unless ``declared-only``, every undeclared device tensor).
+        """Fingerprint every declared slot, parameter and buffer (and, unless ``declared-only``, every undeclared
+        device tensor).
 
         Call after the first load and PWAL, before capture. Raises :class:`~graphsafe.DeclarationError` if a
         declared slot does not resolve to a tensor.
@@ -279,6 +311,7 @@ class GraphContract:
                 SealedSlot(declaration.path, fingerprint(value), weakref.ref(value), Origin.DECLARED, declaration)
             )
             storages.setdefault(id(value.untyped_storage()), text)
+        slots.extend(_parameter_slots(layer, declarations.keys(), storages, self._walk_settings.devices))
         exhausted = None
         if self.detect != "declared-only":
             result = _walk(layer, self._walk_settings)
@@ -355,7 +388,11 @@ class GraphContract:
             return [], None
         known = sealed.known_paths
         result = _walk(layer, self._walk_settings, known)  # known paths are neither reported nor fingerprinted
-        storages = {id(s.fp.storage_ref()): s.path.text for s in sealed.slots if s.origin is Origin.DECLARED}
+        storages = {
+            id(s.fp.storage_ref()): s.path.text
+            for s in sealed.slots
+            if s.origin is Origin.DECLARED or s.origin is Origin.PARAMETER
+        }
         return _walker_slots(result, known, storages), result.exhausted
 
     def _decide(self, findings: list[Finding], error: BaseException | None) -> Status:
@@ -450,6 +487,7 @@ class ReloadTransaction:
         self.timeout = timeout
         self.outcome: ReloadOutcome | None = None
         self._snapshots: dict[int, LayerSnapshot] = {}
+        self._gone: set[int] = set()  # sealed layers already reported as replaced or removed
         self._findings: list[Finding] = []
         self._restored = 0
         self._bytes = 0
@@ -620,7 +658,10 @@ class ReloadTransaction:
     def _snapshot(self, sealed: SealedLayer) -> LayerSnapshot | None:
         layer = sealed.layer_ref()
         contract = self.contract
+        if id(sealed) in self._gone:
+            return None  # reported when the reload began; finish() must not report it again
         if layer is None or not self._still_in_model(sealed, layer):
+            self._gone.add(id(sealed))
             for slot in sealed.slots:
                 self._findings.append(
                     sealed.finding(FindingKind.VANISHED, slot, detail="the layer itself was replaced or removed")

@@ -34,7 +34,11 @@ class Origin(enum.Enum):
     """Why a slot is tracked."""
 
     DECLARED = "declared"  # named by the author
-    ALIAS = "alias"  # an undeclared path to a declared slot's storage: restored with it
+    #: A registered parameter or buffer of the layer (what a loader writes): the graph reads it at its captured
+    #: address, so a loader that binds a new tensor there instead of copying into it is restored like a
+    #: declared slot, never taken for undeclared drift.
+    PARAMETER = "parameter"
+    ALIAS = "alias"  # an undeclared path to a declared slot's (or a parameter's) storage: restored with it
     WALKER = "walker"  # found only by the collector
 
     @property
@@ -124,7 +128,7 @@ class SealedLayer:
     def finding(self, kind: FindingKind, slot: SealedSlot, **extra: Any) -> Finding:
         detail = extra.pop("detail", "")
         if slot.origin is Origin.ALIAS and slot.alias_of:
-            detail = f"{detail}; alias of declared slot {slot.alias_of!r}".lstrip("; ")
+            detail = f"{detail}; alias of tracked slot {slot.alias_of!r}".lstrip("; ")
         return Finding(
             kind=kind,
             layer=self.qualname,

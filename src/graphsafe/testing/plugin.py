@@ -265,14 +265,14 @@ class _ReportSink:
         counts: dict[str, dict[str, int]] = {}
         classes: dict[str, str] = {}
         for slot in contract.slots():
-            counts.setdefault(slot.layer, {"declared": 0, "alias": 0, "walker": 0})[slot.origin] += 1
+            counts.setdefault(slot.layer, {"declared": 0, "parameter": 0, "alias": 0, "walker": 0})[slot.origin] += 1
             classes[slot.layer] = slot.layer_class
         for outcome in outcomes:
             for finding in outcome.findings:
-                counts.setdefault(finding.layer, {"declared": 0, "alias": 0, "walker": 0})
+                counts.setdefault(finding.layer, {"declared": 0, "parameter": 0, "alias": 0, "walker": 0})
                 classes.setdefault(finding.layer, finding.layer_class)
         if report.unowned:
-            counts.setdefault("", {"declared": 0, "alias": 0, "walker": 0})
+            counts.setdefault("", {"declared": 0, "parameter": 0, "alias": 0, "walker": 0})
             classes.setdefault("", type(tracked.model).__name__)
         for layer, slots in counts.items():
             entries = tuple(e for e in report.entries if e.layer == layer)
