@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import re
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -631,3 +632,185 @@ def test_default_detect_commits_a_fully_declared_model(tiny: Tiny) -> None:
     assert txn.outcome is not None and txn.outcome.committed, txn.outcome.summary() if txn.outcome else None
     assert _ptrs(tiny, model) == before
     _assert_matches_cold(tiny, model, 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Parameters and buffers: a loader that binds a new tensor instead of copying into the captured one
+# ----------------------------------------------------------------------------------------------------
+
+
+def _replace_weights(tiny: Tiny, model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """A loader that binds a NEW Parameter per weight (not the upstream in-place copy), then runs PWAL."""
+    new = tiny.weights(model, seed)
+    for name, value in new.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, nn.Parameter(value.clone(), requires_grad=False))
+    for layer in model.layers:  # type: ignore[union-attr]
+        layer.quant_method.process_weights_after_loading(layer)
+    return new
+
+
+@pytest.mark.parametrize("detect", ["every-reload", "sealed-paths", "declared-only"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_replaced_parameter_is_copied_into_the_captured_one_and_rebound(tiny: Tiny, mode: str, detect: str) -> None:
+    model = tiny.build(0)
+    contract = GraphContract(model, mode, detect=detect).seal()  # type: ignore[arg-type]
+    captured = [layer.weight for layer in model.layers]  # type: ignore[union-attr]
+    ptrs = [p.data_ptr() for p in captured]
+    before = _ptrs(tiny, model)
+    replaced: list[nn.Parameter] = []
+    with contract.reload() as txn:
+        new = _replace_weights(tiny, model, 1)
+        replaced = [layer.weight for layer in model.layers]  # type: ignore[union-attr]
+    assert all(r is not c for r, c in zip(replaced, captured, strict=True))  # the premise: new objects
+    outcome = txn.outcome
+    assert outcome is not None and outcome.status is Status.COMMITTED, outcome.summary() if outcome else None
+    assert outcome.findings == ()
+    for i, layer in enumerate(model.layers):  # type: ignore[arg-type]
+        assert layer.weight is captured[i] and layer._parameters["weight"] is captured[i]
+        assert layer.weight.data_ptr() == ptrs[i]
+        assert torch.equal(layer.weight, new[f"layers.{i}.weight"])  # the new values, in the captured storage
+    assert _ptrs(tiny, model) == before
+    _assert_matches_cold(tiny, model, 1)
+    assert contract.serving_safe
+    # The next reload, upstream-style, commits in place as before.
+    with contract.reload() as again:
+        tiny.reload(model, 2)
+    assert again.outcome is not None and again.outcome.committed
+    assert [layer.weight.data_ptr() for layer in model.layers] == ptrs  # type: ignore[union-attr]
+
+
+def test_parameters_are_sealed_as_parameter_slots_and_never_listed_as_undeclared(tiny: Tiny) -> None:
+    from graphsafe.collectors import migration_report
+
+    model = tiny.build(0)
+    contract = GraphContract(model, "migrate").seal()
+    origins = {(s.layer, s.path): s.origin for s in contract.slots()}
+    assert origins[("layers.0", "weight")] == "parameter" and origins[("layers.1", "weight")] == "parameter"
+    with contract.reload() as txn:
+        _replace_weights(tiny, model, 1)
+    assert txn.outcome is not None and txn.outcome.committed and not txn.outcome.auto_restored
+    assert not any(entry.path == "weight" for entry in migration_report(contract).entries)
+
+
+class _PlainLayer(nn.Module):
+    """A layer with a weight parameter, an optional bias and a buffer; no PWAL, so only what the loader binds moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 6), requires_grad=False)
+        self.bias = None
+        self.register_buffer("offset", torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t() + self.offset
+
+
+def _plain(mode: str, detect: str = "every-reload") -> tuple[nn.Sequential, GraphContract]:
+    model = nn.Sequential(_PlainLayer(), _PlainLayer())
+    return model, GraphContract(model, mode, detect=detect).seal()  # type: ignore[arg-type]
+
+
+def test_a_replaced_buffer_is_restored(tiny: Tiny) -> None:
+    model, contract = _plain("strict", "declared-only")
+    layer = model[0]
+    captured, ptr = layer.offset, layer.offset.data_ptr()
+    assert {(s.path, s.origin) for s in contract.slots() if s.layer == "0"} == {
+        ("weight", "parameter"),
+        ("offset", "parameter"),  # a buffer; `bias` is None and is not tracked
+    }
+    new = torch.randn(4)
+    with contract.reload() as txn:
+        layer.offset = new.clone()  # nn.Module keeps it a buffer, in new storage
+        assert layer.offset is not captured
+    assert txn.outcome is not None and txn.outcome.committed and txn.outcome.slots_restored == 1
+    assert layer.offset is captured and layer._buffers["offset"] is captured and layer.offset.data_ptr() == ptr
+    assert torch.equal(layer.offset, new)
+
+
+REPLACEMENTS: dict[str, tuple[Callable[[nn.Module], None], FindingKind]] = {
+    "respecified-shape": (
+        lambda layer: setattr(layer, "weight", nn.Parameter(torch.randn(6, 4), requires_grad=False)),
+        FindingKind.RESPECIFIED,
+    ),
+    "respecified-dtype": (
+        lambda layer: setattr(layer, "weight", nn.Parameter(torch.randn(4, 6, dtype=torch.float64), False)),
+        FindingKind.RESPECIFIED,
+    ),
+    "respecified-stride": (
+        lambda layer: setattr(layer, "weight", nn.Parameter(torch.randn(6, 4).t(), requires_grad=False)),
+        FindingKind.RESPECIFIED,
+    ),
+    "vanished": (lambda layer: delattr(layer, "weight"), FindingKind.VANISHED),
+    "vanished-none": (lambda layer: setattr(layer, "weight", None), FindingKind.VANISHED),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(REPLACEMENTS))
+def test_a_parameter_replaced_by_something_no_copy_can_restore_is_a_finding(mode: str, name: str) -> None:
+    replace, kind = REPLACEMENTS[name]
+    model, contract = _plain(mode)
+    captured = model[1].weight
+    txn = contract.reload()
+    if mode == "strict":
+        with pytest.raises(DeclaredDriftError) as info, txn:
+            replace(model[1])
+        assert "'weight' of 1 (_PlainLayer)" in str(info.value)
+    else:
+        with txn:
+            replace(model[1])
+    outcome = txn.outcome
+    assert outcome is not None
+    assert [(f.kind, f.layer, f.path, f.declared) for f in outcome.problems] == [(kind, "1", "weight", True)]
+    assert "a parameter or buffer of the layer" in outcome.problems[0].detail
+    expected = Status.FAILED if mode == "strict" else Status.NEEDS_RECAPTURE
+    assert outcome.status is expected and not contract.serving_safe
+    assert captured.untyped_storage().data_ptr() == outcome.problems[0].before.storage_ptr  # reported as sealed
+
+
+def test_a_parameter_aliased_by_a_kernel_is_rebound_with_it() -> None:
+    model, _ = _plain("strict")
+    for layer in model:
+        layer.kernel = types.SimpleNamespace(w=layer.weight)  # a quant method holding the layer's weight
+    contract = GraphContract(model, "strict").seal()
+    sealed = {(s.layer, s.path): s for s in contract.slots()}
+    assert sealed[("0", "kernel.w")].origin == "alias" and sealed[("0", "kernel.w")].alias_of == "weight"
+    captured = model[0].weight
+    new = torch.randn(4, 6)
+    with contract.reload() as txn:
+        model[0].weight = nn.Parameter(new.clone(), requires_grad=False)
+        model[0].kernel.w = model[0].weight  # PWAL re-binds the kernel to the new weight
+    assert txn.outcome is not None and txn.outcome.committed
+    assert model[0].weight is captured and model[0].kernel.w is captured
+    assert torch.equal(captured, new)
+
+
+def test_an_alias_left_on_the_replaced_parameter_is_rebound_too() -> None:
+    # The kernel keeps the captured parameter while the loader binds a new one: both paths end on the captured
+    # storage holding the new values.
+    model, _ = _plain("strict")
+    model[0].kernel = types.SimpleNamespace(w=model[0].weight)
+    contract = GraphContract(model, "strict").seal()
+    captured = model[0].weight
+    new = torch.randn(4, 6)
+    with contract.reload() as txn:
+        model[0].weight = nn.Parameter(new.clone(), requires_grad=False)
+    assert txn.outcome is not None and txn.outcome.committed
+    assert model[0].weight is captured and model[0].kernel.w is captured and torch.equal(captured, new)
+
+
+def test_a_parameter_declared_after_the_seal_becomes_a_declared_slot() -> None:
+    from graphsafe import register_derived
+
+    model, contract = _plain("strict")
+    sealed_fp = {(s.layer, s.path): s.fingerprint for s in contract.slots()}[("0", "weight")]
+    register_derived(model[0], "weight")  # e.g. a kernel that declares the weight it reads on its first forward
+    captured = model[0].weight
+    with contract.reload() as txn:
+        model[0].weight = nn.Parameter(torch.randn(4, 6), requires_grad=False)
+    assert txn.outcome is not None and txn.outcome.committed
+    assert model[0].weight is captured
+    now = {(s.layer, s.path): s for s in contract.slots()}
+    assert now[("0", "weight")].origin == "declared" and now[("0", "weight")].fingerprint is sealed_fp
+    assert sum(1 for s in contract.slots() if (s.layer, s.path) == ("0", "weight")) == 1

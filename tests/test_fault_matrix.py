@@ -101,6 +101,7 @@ EXPECTED: dict[str, dict[str, Expect]] = {
     "test_alias_broken": DRIFT,
     "test_view_relation_broken": DRIFT,
     "test_object_replaced": same(COMMITTED),
+    "test_parameter_replaced": same(COMMITTED),
     "test_stale_value": same(failed(ReloadFailedError)),
     "test_exception_mid_pwal": same(failed(RuntimeError)),
     "test_lazily_allocated": UNDECLARED,
@@ -491,6 +492,36 @@ def test_object_replaced(mode: str) -> None:
         for path in example.slot_paths:
             assert SlotPath(path).resolve(layer).data_ptr() == sealed[(f"layers.{i}", path)]
     _assert_zoo_matches_cold(example, model, "migrated", 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parameter_replaced(mode: str) -> None:
+    # A loader that binds a new Parameter (``layer.weight = nn.Parameter(new)``) instead of copying into the
+    # captured one: the graph reads the old weight unless the contract copies the values back and rebinds it.
+    model, contract = site_contract(mode)
+    sealed = addresses(model)
+    captured = model.layers[1].weight
+    ptr = captured.data_ptr()
+
+    def body() -> None:
+        generator = torch.Generator().manual_seed(1)
+        for layer in model.layers:
+            value = torch.randn(OUT, IN, generator=generator)
+            if layer is model.layers[1]:
+                layer.weight = nn.Parameter(value, requires_grad=False)
+                assert layer.weight is not captured
+            else:
+                layer.weight.data.copy_(value)
+        for layer in model.layers:
+            layer.quant_method.process_weights_after_loading(layer)
+
+    run = attempt(contract, body)
+    run.check("test_parameter_replaced", mode)
+    assert run.outcome is not None and run.outcome.findings == ()
+    assert run.outcome.slots_restored == 2 * len(DECLARED) + 1  # the declared slots, and the replaced weight
+    assert model.layers[1].weight is captured and captured.data_ptr() == ptr
+    assert addresses(model) == sealed
+    assert_values(model, 1)  # the same values as the upstream in-place load of seed 1
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -207,15 +207,34 @@ class ReplacingLinear(nn.Module):
         return x @ self.weight_t
 
 
-def test_a_loader_that_replaces_a_parameter_is_caught_beyond_the_contract() -> None:
+def test_a_loader_that_replaces_a_parameter_is_restored_by_the_contract() -> None:
+    # The contract tracks parameters: a same-geometry replacement is copied into the captured parameter, which is
+    # bound back, so the independent address check of parameters and buffers passes on every reload.
     def load_weights(layer: nn.Module, generator: torch.Generator) -> None:
         assert isinstance(layer, ReplacingLinear)
         layer.weight = nn.Parameter(torch.randn(4, 4, generator=generator), requires_grad=False)
         layer.process_weights_after_loading()
 
+    result = assert_reload_stable(ReplacingLinear, load_weights)
+    assert result.state_tensors == 1 and result.compared == ("<model>:weight_t",)
+    # weight_t (rebuilt by PWAL) and the replaced weight are both restored at every reload.
+    assert all(o.committed and o.slots_restored == 2 for o in result.outcomes)
+
+
+def test_a_loader_that_replaces_a_parameter_with_another_layout_fails() -> None:
+    def load_weights(layer: nn.Module, generator: torch.Generator) -> None:
+        assert isinstance(layer, ReplacingLinear)
+        value = torch.randn(4, 4, generator=generator)
+        if getattr(layer, "loaded", False):
+            value = value.t()  # on a reload: same shape, another stride (no copy keeps the captured layout)
+        layer.loaded = True
+        layer.weight = nn.Parameter(value, requires_grad=False)
+        layer.process_weights_after_loading()
+
     message = failure(ReplacingLinear, load_weights)
-    assert "weight (parameter/buffer): moved from" in message
-    assert "The contract committed this reload" in message
+    assert "respecified: declared slot 'weight' of <model> (ReplacingLinear): stride [4, 1] -> [1, 4]" in message
+    assert "a parameter or buffer of the layer" in message
+    assert "weight (parameter/buffer): moved from" not in message  # the contract's own finding names it
 
 
 class CountingLinear(nn.Module):

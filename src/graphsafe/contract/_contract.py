@@ -706,7 +706,7 @@ class ReloadTransaction:
                 snapshot.sealed.finding(FindingKind.VANISHED, slot, detail="the layer was replaced during the reload")
                 for slot in snapshot.slots
             )
-        else:
+        elif not snapshot.in_place():
             # A layer whose captured storage another layer also tracks keeps the one-layer-at-a-time order of
             # copies; so does one with walker extras (their storages are not known ahead).
             isolate = snapshot.sealed.shared_across_layers or snapshot.shared

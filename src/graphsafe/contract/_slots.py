@@ -129,6 +129,8 @@ class SealedLayer:
         detail = extra.pop("detail", "")
         if slot.origin is Origin.ALIAS and slot.alias_of:
             detail = f"{detail}; alias of tracked slot {slot.alias_of!r}".lstrip("; ")
+        elif slot.origin is Origin.PARAMETER:
+            detail = f"{detail}; a parameter or buffer of the layer".lstrip("; ")
         return Finding(
             kind=kind,
             layer=self.qualname,
@@ -273,6 +275,27 @@ class LayerSnapshot:
                     freshness[index] = (current, current._version, sources, inputs)
         shared = sealed.shares_storage or len(slots) > len(sealed.slots)
         return cls(sealed, layer, slots, captured, findings, freshness, shared=shared)
+
+    def in_place(self) -> bool:
+        """Whether every slot is its captured tensor on its captured memory: then restore and verify are no-ops.
+
+        The common case for parameters (loaders copy into them) and for PWALs that write in place; one path lookup
+        and a pointer and layout check per slot. Slots with a freshness check, or with findings already, take the
+        full path.
+        """
+        if self.findings or self.freshness:
+            return False
+        layer = self.layer
+        for slot, captured in zip(self.slots, self.captured, strict=True):
+            if (
+                captured is None
+                or slot.get(layer) is not captured
+                or captured.data_ptr() != slot.fp.data_ptr
+                or (captured.shape, captured.stride(), captured.dtype, captured.device) != slot.layout
+                or slot.fp.storage_ref() is None
+            ):
+                return False
+        return True
 
     def restore(self, *, auto_restore: bool, batch: CopyBatch) -> list[tuple[int, torch.Tensor]]:
         """Plan copies (added to ``batch`` and to :attr:`pairs`) and return the rebinds ``(slot index, captured)``.

@@ -48,7 +48,8 @@ class StabilityResult:
 
     #: One outcome per reload, in order (``2 * reloads`` of them, all committed).
     outcomes: tuple[ReloadOutcome, ...]
-    #: ``layer:path`` of every sealed slot whose address was checked (declared, aliases and walker-found).
+    #: ``layer:path`` of every sealed slot whose address was checked (declared, aliases and walker-found;
+    #: parameters and buffers are counted in :attr:`state_tensors`).
     slots: tuple[str, ...]
     #: ``layer:path`` of the derived tensors compared by value with the cold-built layer.
     compared: tuple[str, ...]
@@ -163,7 +164,10 @@ class _Check:
         if x is not None:
             with record_capture(contract, name=_CAPTURE, ignore=[x]):
                 first_output = _output(subject(x))
-        tracked = [_Tracked(info, _compare_by_value(contract, info)) for info in contract.slots()]
+        # Parameters and buffers are address-checked on their own (``state``), whether the seal tracks them or not.
+        tracked = [
+            _Tracked(info, _compare_by_value(contract, info)) for info in contract.slots() if info.origin != "parameter"
+        ]
         state = _state_fingerprints(subject)
         first_values: dict[str, torch.Tensor | None] = {
             t.where: _resolve(contract, t.info).clone() for t in tracked if t.compare
@@ -240,9 +244,9 @@ class _Check:
             lines += [f"  - {m.text}" for m in extra]
             if outcome.status is Status.COMMITTED:
                 lines.append(
-                    "  The contract committed this reload: it does not track parameters and buffers, so load new "
-                    "weights into them in place (copy_) rather than replacing them. Any other line above is a "
-                    "graphsafe bug: please report it."
+                    "  The contract committed this reload: it does not see storage that no tracked path holds, nor "
+                    "parameters and buffers the seal skipped (on a device outside `devices`, or on meta). Any other "
+                    "line above is a graphsafe bug: please report it."
                 )
         if mismatches:
             lines += ["", "Value checks that failed:"]
