@@ -21,7 +21,9 @@ def _significant_stride(shape: tuple[int, ...], stride: tuple[int, ...]) -> tupl
     return tuple(s if n != 1 else 0 for n, s in zip(shape, stride, strict=True))
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+# Not frozen: a frozen dataclass pays an object.__setattr__ per field on construction, and the walker and the seal
+# build one fingerprint per tensor. Treat instances as immutable.
+@dataclass(slots=True, eq=False)
 class Fingerprint:
     """What a captured graph depends on for one tensor."""
 
