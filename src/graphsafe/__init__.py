@@ -6,11 +6,16 @@ storage after every reload, verifies every address and fails closed. The collect
 :func:`record_capture`, :func:`migration_report`) find what nobody declared; :func:`capture` and :func:`reload`
 (the plain-PyTorch adapter, also :class:`GraphRunner`) capture ``torch.cuda.graph`` graphs under a contract and
 recapture them when a reload needs it.
+
+The names load lazily (PEP 562): ``import graphsafe`` does not import torch until a name that needs it is used, so
+the pytest plugin this package registers costs a test session nothing unless the session uses graphsafe.
 """
 
-from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, reload
-from graphsafe.collectors import Manifest, MigrationReport, TensorRef, collect, migration_report, record_capture
-from graphsafe.contract import Finding, FindingKind, GraphContract, ReloadOutcome, ReloadTransaction, Status
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from graphsafe.errors import (
     ContractViolation,
     DeclarationError,
@@ -24,16 +29,61 @@ from graphsafe.errors import (
     ReloadFailedError,
     UndeclaredDriftError,
 )
-from graphsafe.registry import (
-    DerivedHandle,
-    SlotPath,
-    declared_paths,
-    graph_visible,
-    register_derived,
-    stable_empty,
-)
+
+if TYPE_CHECKING:
+    from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, reload
+    from graphsafe.collectors import Manifest, MigrationReport, TensorRef, collect, migration_report, record_capture
+    from graphsafe.contract import Finding, FindingKind, GraphContract, ReloadOutcome, ReloadTransaction, Status
+    from graphsafe.registry import (
+        DerivedHandle,
+        SlotPath,
+        declared_paths,
+        graph_visible,
+        register_derived,
+        stable_empty,
+    )
 
 __version__ = "0.1.0"
+
+# Where each torch-dependent public name lives.
+_LAZY = {
+    "CapturedGraph": "graphsafe.adapters.torch",
+    "GraphRunner": "graphsafe.adapters.torch",
+    "capture": "graphsafe.adapters.torch",
+    "reload": "graphsafe.adapters.torch",
+    "Manifest": "graphsafe.collectors",
+    "MigrationReport": "graphsafe.collectors",
+    "TensorRef": "graphsafe.collectors",
+    "collect": "graphsafe.collectors",
+    "migration_report": "graphsafe.collectors",
+    "record_capture": "graphsafe.collectors",
+    "Finding": "graphsafe.contract",
+    "FindingKind": "graphsafe.contract",
+    "GraphContract": "graphsafe.contract",
+    "ReloadOutcome": "graphsafe.contract",
+    "ReloadTransaction": "graphsafe.contract",
+    "Status": "graphsafe.contract",
+    "DerivedHandle": "graphsafe.registry",
+    "SlotPath": "graphsafe.registry",
+    "declared_paths": "graphsafe.registry",
+    "graph_visible": "graphsafe.registry",
+    "register_derived": "graphsafe.registry",
+    "stable_empty": "graphsafe.registry",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'graphsafe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups are plain module attributes
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "CapturedGraph",
