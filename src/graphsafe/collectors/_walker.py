@@ -54,7 +54,9 @@ from graphsafe.registry._fingerprint import Fingerprint, fingerprint
 __all__ = ["TensorRef", "WalkResult", "collect", "walk"]
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+# Not frozen: construction is per tensor on the walk's hot path, and a frozen dataclass pays an
+# object.__setattr__ per field. Treat instances as immutable.
+@dataclass(slots=True, eq=False)
 class TensorRef:
     """One device tensor and one path to it (a tensor reachable by several paths gets one ref per path).
 
