@@ -561,14 +561,11 @@ class ReloadTransaction:
                         # Taken after the load: it sees PWAL's tensors as the captured ones, so neither stale
                         # values nor tensors that appeared after the seal can be checked. Fail closed.
                         snapshot.findings.append(
-                            Finding(
+                            sealed.layer_finding(
                                 FindingKind.RELOAD_ERROR,
-                                layer=sealed.qualname,
-                                layer_class=sealed.layer_class,
-                                path="",
-                                declared=True,
-                                detail="after_layer() without before_layer(): the layer's state before the load "
+                                "after_layer() without before_layer(): the layer's state before the load "
                                 "was never snapshotted, so stale values and moved late tensors go unchecked",
+                                declared=True,
                             )
                         )
                 if snapshot is not None and not snapshot.done:
@@ -608,8 +605,7 @@ class ReloadTransaction:
                         f for f in contract.manifest.check(contract) if not f.path or (f.layer, f.path) not in flagged
                     )
             else:
-                for snapshot in self._snapshots.values():
-                    contract._quarantine.extend(t for t in snapshot.captured if t is not None)
+                self._quarantine_all()
                 self._findings.append(
                     Finding(
                         FindingKind.RELOAD_ERROR,
@@ -623,8 +619,7 @@ class ReloadTransaction:
                 )
         except BaseException as exc:
             # The restore itself raised (a failed copy, an interrupt): some layers may be rebound, others not.
-            for snapshot in self._snapshots.values():
-                contract._quarantine.extend(t for t in snapshot.captured if t is not None)
+            self._quarantine_all()
             contract.mark_unsafe(f"the reload's restore raised {exc!r}; slots may be half-restored")
             raise
         finally:
@@ -672,14 +667,11 @@ class ReloadTransaction:
         snapshot = LayerSnapshot.take(sealed, layer, extras)
         if exhausted or sealed.walk_exhausted:
             snapshot.findings.append(
-                Finding(
+                sealed.layer_finding(
                     FindingKind.BUDGET_EXHAUSTED,
-                    layer=sealed.qualname,
-                    layer_class=sealed.layer_class,
-                    path="",
-                    declared=False,
-                    detail=(exhausted or sealed.walk_exhausted or "")
+                    (exhausted or sealed.walk_exhausted or "")
                     + "; undeclared tensors past it are unchecked: raise max_depth/max_objects or declare them",
+                    declared=False,
                 )
             )
         self._snapshots[id(sealed)] = snapshot
@@ -695,6 +687,14 @@ class ReloadTransaction:
             return self.contract.model.get_submodule(sealed.qualname) is layer
         except AttributeError:
             return False
+
+    def _quarantine(self, snapshot: LayerSnapshot) -> None:
+        """Keep the snapshot's captured tensors alive until the next seal (see ``GraphContract._quarantine``)."""
+        self.contract._quarantine.extend(t for t in snapshot.captured if t is not None)
+
+    def _quarantine_all(self) -> None:
+        for snapshot in self._snapshots.values():
+            self._quarantine(snapshot)
 
     def _restore(self, snapshot: LayerSnapshot, batch: CopyBatch) -> None:
         """Restore one layer. Its copies join ``batch`` and are launched with later layers' (or by the caller)."""
@@ -723,7 +723,7 @@ class ReloadTransaction:
         self._restored += snapshot.restored
         self._findings.extend(snapshot.findings)
         if any(f.kind.is_problem for f in snapshot.findings):
-            self.contract._quarantine.extend(t for t in snapshot.captured if t is not None)
+            self._quarantine(snapshot)
         # Drop the strong references now: the new derived tensors of this layer can be freed before the next.
         snapshot.captured = [None] * len(snapshot.captured)
         snapshot.pairs = []

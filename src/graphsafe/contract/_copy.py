@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FOREACH_MAX_BYTES", "CopyBatch", "copy_group", "copy_pairs"]
+__all__ = ["FOREACH_MAX_BYTES", "CopyBatch", "copy_group"]
 
 #: Tensors at most this large go through the grouped ``_foreach_copy_`` path (H200 crossover: 4-16 MiB).
 FOREACH_MAX_BYTES = 4 << 20
@@ -76,19 +76,3 @@ class CopyBatch:
                     dsts[0].copy_(srcs[0])
                 else:
                     torch._foreach_copy_(dsts, srcs)
-
-
-def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """Copy each ``src`` into its ``dst`` (``dst.copy_(src)`` semantics); return the bytes written."""
-    batch = CopyBatch()
-    written = 0
-    with torch.no_grad():
-        for dst, src in pairs:
-            nbytes = dst.numel() * dst.element_size()
-            if src.dtype == dst.dtype and src.device == dst.device:
-                batch.add(dst, src, copy_group(dst), nbytes)
-            else:  # a casting or cross-device copy: never in a foreach group
-                dst.copy_(src)
-                written += nbytes
-    batch.flush()
-    return written + batch.written

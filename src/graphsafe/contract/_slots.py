@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from graphsafe.contract._access import MISSING, Getter, Setter, compile_getter, compile_setter
-from graphsafe.contract._copy import CopyBatch
+from graphsafe.contract._copy import CopyBatch, copy_group
 from graphsafe.contract._outcome import Finding, FindingKind
 from graphsafe.registry._fingerprint import Fingerprint, fingerprint, geometry_key
 from graphsafe.registry._paths import SlotPath
@@ -124,6 +124,12 @@ class SealedLayer:
         storages = {id(slot.fp.storage_ref()) for slot in self.slots}  # all alive at seal: ids are distinct
         self.shares_storage = len(storages) < len(self.slots)
         self.known_paths = frozenset(slot.path.text for slot in self.slots)
+
+    def layer_finding(self, kind: FindingKind, detail: str, *, declared: bool) -> Finding:
+        """A finding about the layer as a whole (no slot path)."""
+        return Finding(
+            kind=kind, layer=self.qualname, layer_class=self.layer_class, path="", declared=declared, detail=detail
+        )
 
     def finding(self, kind: FindingKind, slot: SealedSlot, **extra: Any) -> Finding:
         detail = extra.pop("detail", "")
@@ -391,9 +397,7 @@ class LayerSnapshot:
             if exact:
                 sizes.append((slot.group, slot.nbytes))
             else:  # the captured tensor is not laid out as sealed: size and group from what it is now
-                sizes.append(
-                    ((captured.device, captured.dtype, captured.layout), captured.numel() * captured.element_size())
-                )
+                sizes.append((copy_group(captured), captured.numel() * captured.element_size()))
         add = batch.add
         for (dst, src), (group, nbytes) in zip(pairs, sizes, strict=True):
             add(dst, src, group, nbytes)
