@@ -11,19 +11,16 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import threading
-import time
 import types
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import graphsafe
+from _ranks import on_threads
 from graphsafe import (
     ContractViolation,
     GraphContract,
@@ -139,8 +136,9 @@ def test_readme_quick_start_runs_as_written_and_keeps_its_promise(capsys: pytest
 
     model = _Model(method_cls)
     model.load_weights(0)
-    captured = [(layer.quant_method.kernel.workspace.data_ptr(), layer.g_idx_sort_indices.data_ptr())
-                for layer in model.layers]
+    captured = [
+        (layer.quant_method.kernel.workspace.data_ptr(), layer.g_idx_sort_indices.data_ptr()) for layer in model.layers
+    ]
     replays: list[int] = []
     scope.update(model=model, new_weights=1, capture=lambda m: types.SimpleNamespace(replay=lambda: replays.append(1)))
     exec(compile(contract_block, "README.md:contract", "exec"), scope)
@@ -149,8 +147,9 @@ def test_readme_quick_start_runs_as_written_and_keeps_its_promise(capsys: pytest
     assert txn.outcome.status is Status.COMMITTED  # what the README's comment promises
     assert "committed" in capsys.readouterr().out
     assert replays == [1]
-    assert [(layer.quant_method.kernel.workspace.data_ptr(), layer.g_idx_sort_indices.data_ptr())
-            for layer in model.layers] == captured
+    assert [
+        (layer.quant_method.kernel.workspace.data_ptr(), layer.g_idx_sort_indices.data_ptr()) for layer in model.layers
+    ] == captured
     fresh = _Model(method_cls)
     fresh.load_weights(1)
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(9))
@@ -251,26 +250,6 @@ def _layerwise_reload(
     return None
 
 
-def _on_threads(world: int, fn: Callable[[AgreementGroup], Any], limit: float = 20.0) -> list[Any]:
-    store = dist.HashStore()
-    results: list[Any] = [None] * world
-
-    def target(rank: int) -> None:
-        try:
-            results[rank] = fn(AgreementGroup(store, rank, world, "acceptance-layerwise"))
-        except BaseException as exc:
-            results[rank] = exc
-
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + limit
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    assert not [r for r, t in enumerate(threads) if t.is_alive()], "a rank hung in the agreement"
-    return results
-
-
 def _shard(rank: int, mode: str) -> tuple[_Shard, GraphContract]:
     model = _Shard(rank)
     generator = torch.Generator().manual_seed(rank)
@@ -294,7 +273,7 @@ def test_layerwise_drift_on_one_rank_recaptures_every_rank() -> None:
         kept = [layer.weight_t.data_ptr() for layer in model.layers] == captured
         return error, contract.last_outcome.status, calls, kept, contract.serving_safe
 
-    results = _on_threads(3, run)
+    results = on_threads(3, run)
     for rank, (error, status, calls, kept, safe) in enumerate(results):
         assert error is None, (rank, error)
         assert status is Status.NEEDS_RECAPTURE, rank
@@ -312,7 +291,7 @@ def test_layerwise_clean_reload_commits_on_every_rank() -> None:
         error = _layerwise_reload(contract, model, group, seed=10 + group.rank, fault=None)
         return error, contract.last_outcome.status if contract.last_outcome else None
 
-    assert _on_threads(2, run) == [(None, Status.COMMITTED), (None, Status.COMMITTED)]
+    assert on_threads(2, run) == [(None, Status.COMMITTED), (None, Status.COMMITTED)]
 
 
 @pytest.mark.timeout(60)
@@ -324,7 +303,7 @@ def test_layerwise_error_on_one_rank_fails_every_rank_naming_it() -> None:
         assert contract.last_outcome is not None and contract.last_outcome.status is Status.FAILED
         return error, contract.serving_safe
 
-    (error0, safe0), (error1, safe1) = _on_threads(2, run)
+    (error0, safe0), (error1, safe1) = on_threads(2, run)
     assert isinstance(error1, ValueError) and str(error1) == "layer shard is corrupt"  # its own error, untouched
     assert isinstance(error0, RankAgreementError) and isinstance(error0, ContractViolation)
     assert "because of rank(s) 1," in str(error0) and "layer shard is corrupt" in str(error0)
@@ -354,8 +333,12 @@ def test_the_walker_never_enters_streams_events_or_graphs() -> None:
     layer = nn.Linear(2, 2)
     # Subclass instances can carry a tensor in their __dict__: the walker must still not look inside.
     # (object.__new__: the CUDA classes are placeholders that refuse a normal construction on a CPU build.)
-    leaves = {"graph": object.__new__(Graph), "cuda_stream": object.__new__(CudaStream),
-              "stream": Stream(device="cpu"), "event": Event(device="cpu")}
+    leaves = {
+        "graph": object.__new__(Graph),
+        "cuda_stream": object.__new__(CudaStream),
+        "stream": Stream(device="cpu"),
+        "event": Event(device="cpu"),
+    }
     for name, leaf in leaves.items():
         leaf.planted = torch.ones(2)
         setattr(layer, name, leaf)

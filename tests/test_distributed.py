@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from _ranks import on_threads
 from graphsafe import (
     ContractViolation,
     DeclaredDriftError,
@@ -87,28 +88,6 @@ def _shard(rank: int, mode: str = "recapture", detect: str = "declared-only") ->
 # ----------------------------------------------------------------------------------------------------
 
 
-def _on_threads(world: int, fn: Callable[[AgreementGroup], Any], *, limit: float = 20.0) -> list[Any]:
-    """Run ``fn(group)`` for every rank on its own thread; an exception is returned as the rank's result."""
-    store = dist.HashStore()
-    results: list[Any] = [None] * world
-
-    def target(rank: int) -> None:
-        try:
-            results[rank] = fn(AgreementGroup(store, rank, world, "threads"))
-        except BaseException as exc:
-            results[rank] = exc
-
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + limit
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, t in enumerate(threads) if t.is_alive()]
-    assert not hung, f"rank(s) {hung} still inside the agreement after {limit} s"
-    return results
-
-
 def _finding(kind: FindingKind, path: str, detail: str = "") -> Finding:
     return Finding(kind, layer="layers.0", layer_class="QuantLinear", path=path, declared=True, detail=detail)
 
@@ -124,7 +103,7 @@ def test_the_worst_status_wins_and_every_rank_learns_who_did_not_commit() -> Non
         1: _local(R, (_finding(FindingKind.MOVED, "weight_t", "moved to new storage"),)),
         2: _local(F, (_finding(FindingKind.RELOAD_ERROR, "", "the reload raised ValueError('bad shard')"),)),
     }
-    results = _on_threads(3, lambda g: agree(local[g.rank], group=g, timeout=10))
+    results = on_threads(3, lambda g: agree(local[g.rank], group=g, timeout=10))
     for rank, outcome in enumerate(results):
         assert isinstance(outcome, ReloadOutcome), outcome
         assert outcome.status is F
@@ -139,12 +118,12 @@ def test_the_worst_status_wins_and_every_rank_learns_who_did_not_commit() -> Non
 @pytest.mark.timeout(30)
 def test_recapture_on_one_rank_is_recapture_on_all_and_clean_ranks_stay_committed() -> None:
     moved = _local(R, (_finding(FindingKind.RESPECIFIED, "weight_t"),))
-    results = _on_threads(4, lambda g: agree(moved if g.rank == 2 else _local(C), group=g, timeout=10))
+    results = on_threads(4, lambda g: agree(moved if g.rank == 2 else _local(C), group=g, timeout=10))
     assert [o.status for o in results] == [R] * 4
     assert all(o.rank_statuses == ((0, C), (1, C), (2, R), (3, C)) for o in results)
     assert [f.rank for f in results[0].findings] == [2]
 
-    clean = _on_threads(3, lambda g: agree(_local(C), group=g, timeout=10))
+    clean = on_threads(3, lambda g: agree(_local(C), group=g, timeout=10))
     assert [o.status for o in clean] == [C] * 3
     assert all(o.findings == () for o in clean)
 
@@ -152,7 +131,7 @@ def test_recapture_on_one_rank_is_recapture_on_all_and_clean_ranks_stay_committe
 @pytest.mark.timeout(30)
 def test_a_failed_rank_without_an_error_finding_is_still_named_by_a_reload_error() -> None:
     strict_drift = ReloadOutcome(F, "strict", findings=(_finding(FindingKind.MOVED, "scale"),))
-    results = _on_threads(2, lambda g: agree(strict_drift if g.rank == 1 else _local(C), group=g, timeout=10))
+    results = on_threads(2, lambda g: agree(strict_drift if g.rank == 1 else _local(C), group=g, timeout=10))
     kinds = [(f.rank, f.kind) for f in results[0].findings]
     assert kinds == [(1, FindingKind.RELOAD_ERROR), (1, FindingKind.MOVED)]
     assert "strict mode" in results[0].findings[0].detail
@@ -161,7 +140,7 @@ def test_a_failed_rank_without_an_error_finding_is_still_named_by_a_reload_error
 @pytest.mark.timeout(30)
 def test_only_the_first_findings_travel_and_the_rest_are_counted() -> None:
     many = tuple(_finding(FindingKind.MOVED, f"slot{i}") for i in range(SUMMARY_FINDINGS + 7))
-    results = _on_threads(2, lambda g: agree(_local(R, many) if g.rank == 1 else _local(C), group=g, timeout=10))
+    results = on_threads(2, lambda g: agree(_local(R, many) if g.rank == 1 else _local(C), group=g, timeout=10))
     remote = [f for f in results[0].findings if f.rank == 1]
     assert [f.path for f in remote] == [f"slot{i}" for i in range(SUMMARY_FINDINGS)]
     assert "+7 more on rank 1" in remote[-1].detail
@@ -176,7 +155,7 @@ def test_successive_rounds_do_not_see_each_others_summaries() -> None:
         third = agree(_local(R if group.rank == 0 else C), group=group, timeout=10)
         return [first.status, second.status, third.status]
 
-    assert _on_threads(3, two_rounds) == [[F, C, R]] * 3
+    assert on_threads(3, two_rounds) == [[F, C, R]] * 3
 
 
 @pytest.mark.timeout(30)
@@ -197,7 +176,7 @@ def test_a_missing_rank_fails_the_round_and_a_late_rank_fails_at_once_without_wa
         second = agree(_local(C), group=group, timeout=5)
         return first, second
 
-    results = _on_threads(3, run)
+    results = on_threads(3, run)
     for rank, (first, second) in enumerate(results):
         assert first.status is F, rank
         assert (2, F) in first.rank_statuses
@@ -226,7 +205,7 @@ def test_a_late_rank_does_not_wait_for_a_peer_that_never_comes() -> None:
             gave_up.wait()
         return outcome, elapsed
 
-    on_time, late, _ = _on_threads(3, run)
+    on_time, late, _ = on_threads(3, run)
     assert on_time[0].status is F and late[0].status is F
     assert {f.rank for f in on_time[0].findings} == {1, 2}
     assert "gave up waiting for rank(s) 1, 2" in late[0].findings[0].detail
@@ -298,7 +277,7 @@ def test_a_rank_that_refuses_to_begin_still_takes_part_so_rounds_stay_paired() -
         assert contract.last_outcome is not None
         return refused, elapsed, first, contract.last_outcome.status
 
-    (error0, elapsed0, first0, second0), (error1, _, _, second1) = _on_threads(2, run)
+    (error0, elapsed0, first0, second0), (error1, _, _, second1) = on_threads(2, run)
     assert isinstance(error1, NotServingSafeError)
     assert isinstance(error0, RankAgreementError)
     assert "because of rank(s) 1," in str(error0) and "NotServingSafeError" in str(error0)
@@ -314,7 +293,7 @@ def test_a_rank_that_fails_on_its_own_keeps_its_own_error_class() -> None:
         fault = "respecify" if group.rank == 1 else None
         return _contract_reload(group, contract, model, seed=10 + group.rank, fault=fault, timeout=10)
 
-    error0, error1 = _on_threads(2, run)
+    error0, error1 = on_threads(2, run)
     assert type(error1) is DeclaredDriftError  # its own drift, not an agreement problem
     assert "weight_t" in str(error1)
     assert type(error0) is RankAgreementError
