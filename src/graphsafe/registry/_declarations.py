@@ -63,9 +63,11 @@ def declared_paths(fn: Callable[..., Any]) -> GraphVisibleSpec | None:
     return spec if isinstance(spec, GraphVisibleSpec) else None
 
 
-def _find_layer(
+def find_layer(
     signature: inspect.Signature | None, layer_arg: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> nn.Module | None:
+    """The layer a PWAL call works on: the ``layer_arg`` (or ``layer``) parameter, else ``(self, layer, ...)``'s
+    layer, else ``self`` when it is a module. Shared by ``@graph_visible`` and the vLLM declarations pack."""
     if signature is not None:
         try:
             bound = signature.bind_partial(*args, **kwargs)
@@ -115,7 +117,7 @@ def graph_visible(
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             result = fn(*args, **kwargs)
-            layer = _find_layer(signature, layer_arg, args, kwargs)
+            layer = find_layer(signature, layer_arg, args, kwargs)
             if layer is None:
                 raise DeclarationError(
                     f"{where}: @graph_visible could not find the layer among the call's arguments; "

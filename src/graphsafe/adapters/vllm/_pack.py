@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe.registry._declarations import GRAPH_VISIBLE_ATTR, GraphVisibleSpec
+from graphsafe.registry._declarations import GRAPH_VISIBLE_ATTR, GraphVisibleSpec, find_layer
 from graphsafe.registry._paths import SlotPath
 from graphsafe.registry._store import Declaration, layer_store
 
@@ -158,18 +159,6 @@ PACK: tuple[PackEntry, ...] = (
 )
 
 
-def _layer_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module | None:
-    """The layer a PWAL works on: ``(self, layer)`` of a quant method, or ``self`` of a layer's own PWAL."""
-    layer = kwargs.get("layer")
-    if isinstance(layer, nn.Module):
-        return layer
-    if len(args) >= 2 and isinstance(args[1], nn.Module):
-        return args[1]
-    if args and isinstance(args[0], nn.Module):
-        return args[0]
-    return None
-
-
 def _declare_resolved(
     entry: PackEntry, parsed: Sequence[SlotPath], layer: nn.Module, usage: dict[str, list[int]]
 ) -> None:
@@ -187,11 +176,15 @@ def _declare_resolved(
 
 def _wrap(entry: PackEntry, original: Callable[..., Any], usage: dict[str, list[int]]) -> Callable[..., Any]:
     parsed = tuple(SlotPath(p) for p in entry.paths)
+    try:
+        signature: inspect.Signature | None = inspect.signature(original)
+    except (TypeError, ValueError):
+        signature = None
 
     @functools.wraps(original)
     def declared(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        layer = _layer_of(args, kwargs)
+        layer = find_layer(signature, None, args, kwargs)  # the same rule as @graph_visible
         if layer is not None:
             _declare_resolved(entry, parsed, layer, usage)
         return result
