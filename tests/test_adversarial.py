@@ -19,7 +19,7 @@ from graphsafe import GraphContract, NotServingSafeError, Status, register_deriv
 from graphsafe.collectors._manifest import record_capture
 from graphsafe.contract import _copy
 from graphsafe.errors import GraphSafeError
-from graphsafe.registry._paths import SlotPath
+from graphsafe.paths import SlotPath
 
 MODES = ("strict", "recapture", "migrate")
 KEEP: list[torch.Tensor] = []  # stands for anything else that keeps an old storage alive (a cache, a view)

@@ -29,6 +29,7 @@ from graphsafe import (
     graph_visible,
 )
 from graphsafe.errors import GraphSafeError
+from graphsafe.outcome import Origin
 
 if TYPE_CHECKING:
     from conftest import Tiny
@@ -73,10 +74,10 @@ def test_seal_fingerprints_every_declared_slot(tiny: Tiny) -> None:
     contract.seal()
     assert contract.serving_safe
     declared = tiny.declared(model)
-    sealed = {(s.layer, s.path): s for s in contract.slots() if s.origin == "declared"}
+    sealed = {(s.layer, s.path): s for s in contract.slots() if s.origin is Origin.DECLARED}
     assert sealed.keys() == declared.keys()
     # The layers' parameters are tracked too, as what the loader writes, not as undeclared finds.
-    parameters = {(s.layer, s.path): s for s in contract.slots() if s.origin == "parameter"}
+    parameters = {(s.layer, s.path): s for s in contract.slots() if s.origin is Origin.PARAMETER}
     assert parameters.keys() == _tracked_ptrs(tiny, model).keys() - declared.keys()
     assert {path for _, path in parameters} == {"weight"}
     for (layer, path), info in parameters.items():
@@ -84,7 +85,7 @@ def test_seal_fingerprints_every_declared_slot(tiny: Tiny) -> None:
     assert len(list(contract.slots())) == len(sealed) + len(parameters)
     assert {layer for layer, _ in sealed} == {"layers.0", "layers.1"}
     for key, info in sealed.items():
-        assert info.origin == "declared"
+        assert info.origin is Origin.DECLARED
         assert info.fingerprint.data_ptr == declared[key].data_ptr()
         assert info.fingerprint.shape == tuple(declared[key].shape)
 
@@ -588,9 +589,9 @@ def test_walker_finds_undeclared_alias_paths_at_seal(tiny: Tiny) -> None:
     model = tiny.build(0, AliasingQuant)
     contract = GraphContract(model).seal()
     layer0 = {s.path: s for s in contract.slots() if s.layer == "layers.0"}
-    assert layer0["scale"].origin == "declared"
+    assert layer0["scale"].origin is Origin.DECLARED
     for path in ALIAS_PATHS:
-        assert layer0[path].origin == "alias"
+        assert layer0[path].origin is Origin.ALIAS
         assert layer0[path].alias_of == "scale"
 
 
@@ -685,7 +686,7 @@ def test_parameters_are_sealed_as_parameter_slots_and_never_listed_as_undeclared
 
     model = tiny.build(0)
     contract = GraphContract(model, "migrate").seal()
-    origins = {(s.layer, s.path): s.origin for s in contract.slots()}
+    origins = {(s.layer, s.path): s.origin.value for s in contract.slots()}
     assert origins[("layers.0", "weight")] == "parameter" and origins[("layers.1", "weight")] == "parameter"
     with contract.reload() as txn:
         _replace_weights(tiny, model, 1)
@@ -715,7 +716,7 @@ def test_a_replaced_buffer_is_restored(tiny: Tiny) -> None:
     model, contract = _plain("strict", "declared-only")
     layer = model[0]
     captured, ptr = layer.offset, layer.offset.data_ptr()
-    assert {(s.path, s.origin) for s in contract.slots() if s.layer == "0"} == {
+    assert {(s.path, s.origin.value) for s in contract.slots() if s.layer == "0"} == {
         ("weight", "parameter"),
         ("offset", "parameter"),  # a buffer; `bias` is None and is not tracked
     }
@@ -775,7 +776,7 @@ def test_a_parameter_aliased_by_a_kernel_is_rebound_with_it() -> None:
         layer.kernel = types.SimpleNamespace(w=layer.weight)  # a quant method holding the layer's weight
     contract = GraphContract(model, "strict").seal()
     sealed = {(s.layer, s.path): s for s in contract.slots()}
-    assert sealed[("0", "kernel.w")].origin == "alias" and sealed[("0", "kernel.w")].alias_of == "weight"
+    assert sealed[("0", "kernel.w")].origin is Origin.ALIAS and sealed[("0", "kernel.w")].alias_of == "weight"
     captured = model[0].weight
     new = torch.randn(4, 6)
     with contract.reload() as txn:
@@ -812,5 +813,5 @@ def test_a_parameter_declared_after_the_seal_becomes_a_declared_slot() -> None:
     assert txn.outcome is not None and txn.outcome.committed
     assert model[0].weight is captured
     now = {(s.layer, s.path): s for s in contract.slots()}
-    assert now[("0", "weight")].origin == "declared" and now[("0", "weight")].fingerprint is sealed_fp
+    assert now[("0", "weight")].origin is Origin.DECLARED and now[("0", "weight")].fingerprint is sealed_fp
     assert sum(1 for s in contract.slots() if (s.layer, s.path) == ("0", "weight")) == 1

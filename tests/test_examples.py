@@ -36,8 +36,8 @@ from graphsafe.examples import (
     _marlin,
     _module_cache,
 )
+from graphsafe.paths import SlotPath
 from graphsafe.registry import declarations_of
-from graphsafe.registry._paths import SlotPath
 
 SITES = (
     "marlin_workspace",

@@ -40,7 +40,8 @@ from graphsafe import (
 )
 from graphsafe.collectors._manifest import record_capture
 from graphsafe.examples import EXAMPLES, Example, ZooModel
-from graphsafe.registry import SlotPath
+from graphsafe.outcome import Origin
+from graphsafe.paths import SlotPath
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "fault-matrix.md"
@@ -336,10 +337,10 @@ def test_moved_undeclared(mode: str) -> None:
     example, model, contract = _zoo("underscore_scales", "legacy", mode)
     contract.seal()
     paths = {"_fc2_input_scale", "_w_scale_inv"}
-    sealed = {(s.layer, s.path): s.fingerprint.data_ptr for s in contract.slots() if s.origin == "walker"}
+    sealed = {(s.layer, s.path): s.fingerprint.data_ptr for s in contract.slots() if s.origin is Origin.WALKER}
     assert {p for _, p in sealed} == paths
     # Nothing declared: besides the walker's finds the seal tracks only the layers' own parameters.
-    others = {(s.origin, s.path) for s in contract.slots() if s.origin != "walker"}
+    others = {(s.origin.value, s.path) for s in contract.slots() if s.origin is not Origin.WALKER}
     assert others == {("parameter", p) for p in ("weight", "weight_scale", "input_scale")}
     run = attempt(contract, _zoo_reload(example, model, 1))
     run.check("test_moved_undeclared", mode)

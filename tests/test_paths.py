@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from graphsafe.errors import GraphSafeError, PathError, PathSyntaxError
-from graphsafe.registry._paths import Attr, Cell, Item, SlotPath, Token, format_path, parse_path
+from graphsafe.paths import Attr, Cell, Item, SlotPath, Token, format_path, parse_path
 
 # ----------------------------------------------------------------------------------------------------
 # Fixtures: containers of every kind

@@ -180,7 +180,7 @@ def test_fixture_gives_sealed_recorded_contracts_and_releases_them(pytester: pyt
             contract = graphsafe_contract(model, mode="recapture", detect="sealed-paths")
             assert contract.sealed and contract.serving_safe
             assert (contract.mode, contract.detect) == ("recapture", "sealed-paths")
-            assert {(s.origin, s.path) for s in contract.slots()} == {
+            assert {(s.origin.value, s.path) for s in contract.slots()} == {
                 ("walker", "g_idx_sort_indices"), ("parameter", "weight"), ("parameter", "g_idx")
             }
             reload(model, contract)  # unmarked: the fixture records, it does not judge

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from graphsafe.collectors._walker import walk
-from graphsafe.contract._access import MISSING, compile_getter, compile_setter, submodule_is
+from graphsafe.contract._access import submodule_is
 from graphsafe.contract._copy import FOREACH_MAX_BYTES, CopyBatch, copy_group
 from graphsafe.errors import PathError
-from graphsafe.registry import SlotPath
+from graphsafe.paths import MISSING, SlotPath, compile_getter, compile_setter
 
 Pair = namedtuple("Pair", "a b")
 

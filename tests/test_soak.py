@@ -29,7 +29,7 @@ import torch
 from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status
 from graphsafe.collectors import _walker
 from graphsafe.examples import EXAMPLES, ZooModel
-from graphsafe.registry import SlotPath
+from graphsafe.paths import SlotPath
 from graphsafe.registry._store import iter_declared_layers
 
 pytestmark = pytest.mark.slow

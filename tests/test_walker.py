@@ -21,7 +21,7 @@ from torch import nn
 
 from graphsafe.collectors._walker import _MODULE_INTERNALS, TensorRef, WalkResult, collect, walk
 from graphsafe.errors import PathError
-from graphsafe.registry._paths import SlotPath, format_path, parse_path
+from graphsafe.paths import SlotPath, format_path, parse_path
 
 CALLS: Counter[str] = Counter()  # every trap below counts here; the walker must leave it at zero
 

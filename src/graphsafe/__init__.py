@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, reload
     from graphsafe.collectors import Manifest, MigrationReport, TensorRef, collect, migration_report, record_capture
     from graphsafe.contract import Finding, FindingKind, GraphContract, ReloadOutcome, ReloadTransaction, Status
+    from graphsafe.paths import SlotPath
     from graphsafe.registry import (
         DerivedHandle,
-        SlotPath,
         declared_paths,
         graph_visible,
         register_derived,
@@ -64,7 +64,7 @@ _LAZY = {
     "ReloadTransaction": "graphsafe.contract",
     "Status": "graphsafe.contract",
     "DerivedHandle": "graphsafe.registry",
-    "SlotPath": "graphsafe.registry",
+    "SlotPath": "graphsafe.paths",
     "declared_paths": "graphsafe.registry",
     "graph_visible": "graphsafe.registry",
     "register_derived": "graphsafe.registry",

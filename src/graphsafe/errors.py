@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from graphsafe.contract._outcome import ReloadOutcome
+    from graphsafe.outcome import ReloadOutcome
 
 __all__ = [
     "ContractViolation",

@@ -34,8 +34,8 @@ from torch.utils import _pytree as pytree
 
 from graphsafe.collectors._manifest import record_capture
 from graphsafe.contract._contract import GraphContract, Mode, RecaptureHandle
-from graphsafe.contract._outcome import ReloadOutcome
 from graphsafe.errors import GraphSafeError, NotServingSafeError
+from graphsafe.outcome import ReloadOutcome
 
 __all__ = ["CapturedGraph", "GraphRunner", "capture", "reload"]
 

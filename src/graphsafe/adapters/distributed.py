@@ -49,8 +49,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore, Store
 
-from graphsafe.contract._outcome import Finding, FindingKind, ReloadOutcome, Status
 from graphsafe.errors import GraphSafeError
+from graphsafe.outcome import Finding, FindingKind, ReloadOutcome, Status
 
 __all__ = ["DEFAULT_TIMEOUT", "SUMMARY_FINDINGS", "AgreementGroup", "agree", "agreement_group"]
 

@@ -29,10 +29,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphsafe.contract._outcome import Finding, FindingKind
 from graphsafe.errors import GraphSafeError
-from graphsafe.registry._fingerprint import Fingerprint, fingerprint
-from graphsafe.registry._paths import SlotPath
+from graphsafe.outcome import Finding, FindingKind, Fingerprint, fingerprint
+from graphsafe.paths import SlotPath
 from graphsafe.registry._store import declarations_of
 
 if TYPE_CHECKING:
@@ -408,7 +407,7 @@ def _contract_index(contract: GraphContract, index: _PathIndex) -> None:
         layer = layers.get(info.layer)
         if layer is not None:
             index.add(SlotPath(info.path).resolve_or(layer, None), info.layer, info.layer_class, info.path,
-                      info.origin)
+                      info.origin.value)
 
 
 class Manifest:

@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 from torch import nn
 
-from graphsafe.registry._fingerprint import Fingerprint
-from graphsafe.registry._paths import SlotPath
+from graphsafe.outcome import Fingerprint, Origin
+from graphsafe.paths import SlotPath
 from graphsafe.registry._store import declarations_of
 
 if TYPE_CHECKING:
     from graphsafe.collectors._walker import TensorRef
     from graphsafe.contract._contract import GraphContract
-    from graphsafe.contract._outcome import Finding, ReloadOutcome
+    from graphsafe.outcome import Finding, ReloadOutcome
 
 __all__ = [
     "FORMATS",
@@ -481,7 +481,7 @@ def _from_contract(contract: GraphContract) -> tuple[list[_Draft], dict[str, nn.
     known: set[tuple[str, str]] = set()
     for slot in contract.slots():
         known.add((slot.layer, slot.path))
-        if slot.origin != "walker":
+        if slot.origin is not Origin.WALKER:
             continue
         finding = by_slot.get((slot.layer, slot.path))
         drift = finding.kind.value if finding is not None else STABLE
@@ -761,7 +761,7 @@ def migration_report(
         max_depth, max_objects, devices: walk budgets and device filter for a model source.
     """
     from graphsafe.contract._contract import GraphContract
-    from graphsafe.contract._outcome import ReloadOutcome
+    from graphsafe.outcome import ReloadOutcome
 
     notes: list[str]
     unowned: list[UnownedEntry] = []

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from graphsafe.registry._paths import Attr, Cell, Token, parse_path
+from graphsafe.paths import Attr, Cell, Token, parse_path
 
 if TYPE_CHECKING:
     from graphsafe.collectors._report import Fix, MigrationReport, ReportEntry

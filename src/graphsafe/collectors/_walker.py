@@ -49,7 +49,7 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from graphsafe.registry._fingerprint import Fingerprint, fingerprint
+from graphsafe.outcome import Fingerprint, fingerprint
 
 __all__ = ["TensorRef", "WalkResult", "collect", "walk"]
 

@@ -10,7 +10,6 @@ import time
 import weakref
 from collections.abc import Callable, Collection, Iterator
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -21,8 +20,7 @@ from torch.nn.parameter import is_lazy
 
 from graphsafe.contract._access import submodule_is
 from graphsafe.contract._copy import CopyBatch
-from graphsafe.contract._outcome import Finding, FindingKind, ReloadOutcome, Status
-from graphsafe.contract._slots import LayerSnapshot, Origin, SealedLayer, SealedSlot, WalkSettings
+from graphsafe.contract._slots import LayerSnapshot, SealedLayer, SealedSlot, WalkSettings
 from graphsafe.errors import (
     ContractViolation,
     DeclarationError,
@@ -34,8 +32,8 @@ from graphsafe.errors import (
     ReloadFailedError,
     UndeclaredDriftError,
 )
-from graphsafe.registry._fingerprint import Fingerprint, fingerprint
-from graphsafe.registry._paths import SlotPath
+from graphsafe.outcome import Finding, FindingKind, Origin, ReloadOutcome, SlotInfo, Status, fingerprint
+from graphsafe.paths import SlotPath
 from graphsafe.registry._store import layer_store
 
 if TYPE_CHECKING:
@@ -61,20 +59,6 @@ class Agreement(Protocol):
     """Rank agreement on an outcome (see :mod:`graphsafe.adapters.distributed`)."""
 
     def __call__(self, local: ReloadOutcome) -> ReloadOutcome: ...
-
-
-@dataclass(frozen=True, slots=True)
-class SlotInfo:
-    """A tracked slot as the contract sealed it (for reports and tools)."""
-
-    layer: str
-    layer_class: str
-    path: str
-    origin: str
-    fingerprint: Fingerprint
-    restorable: bool
-    alias_of: str | None
-    source: str | None
 
 
 class RecaptureHandle:
@@ -240,7 +224,7 @@ class GraphContract:
                     sealed.qualname,
                     sealed.layer_class,
                     slot.path.text,
-                    slot.origin.value,
+                    slot.origin,
                     slot.fp,
                     slot.restorable,
                     slot.alias_of,

@@ -9,7 +9,6 @@ then compares cheap fields first and falls back to the full geometry comparison 
 
 from __future__ import annotations
 
-import enum
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -18,32 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe.contract._access import MISSING, Getter, Setter, compile_getter, compile_setter
 from graphsafe.contract._copy import CopyBatch, copy_group
-from graphsafe.contract._outcome import Finding, FindingKind
-from graphsafe.registry._fingerprint import Fingerprint, fingerprint, geometry_key
-from graphsafe.registry._paths import SlotPath
+from graphsafe.outcome import Finding, FindingKind, Fingerprint, Origin, fingerprint, geometry_key
+from graphsafe.paths import MISSING, Getter, Setter, SlotPath, compile_getter, compile_setter
 from graphsafe.registry._store import Declaration
 
-__all__ = ["LayerSnapshot", "Origin", "SealedLayer", "SealedSlot", "WalkSettings"]
+__all__ = ["LayerSnapshot", "SealedLayer", "SealedSlot", "WalkSettings"]
 
 _MISSING: Any = MISSING
-
-
-class Origin(enum.Enum):
-    """Why a slot is tracked."""
-
-    DECLARED = "declared"  # named by the author
-    #: A registered parameter or buffer of the layer (what a loader writes): the graph reads it at its captured
-    #: address, so a loader that binds a new tensor there instead of copying into it is restored like a
-    #: declared slot, never taken for undeclared drift.
-    PARAMETER = "parameter"
-    ALIAS = "alias"  # an undeclared path to a declared slot's (or a parameter's) storage: restored with it
-    WALKER = "walker"  # found only by the collector
-
-    @property
-    def declared(self) -> bool:
-        return self is not Origin.WALKER
 
 
 @dataclass(slots=True)

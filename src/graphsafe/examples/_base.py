@@ -14,7 +14,7 @@ from typing import Any, Literal, cast, get_args
 import torch
 from torch import nn
 
-from graphsafe.registry._paths import SlotPath
+from graphsafe.paths import SlotPath
 
 __all__ = [
     "HIDDEN",

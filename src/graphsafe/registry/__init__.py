@@ -1,4 +1,8 @@
-"""Declarations, slot paths and fingerprints. Knows nothing about walking, graphs or frameworks."""
+"""Declarations: what an author names as graph-visible, held in one weak per-layer store.
+
+Knows nothing about walking, graphs or frameworks. Slot paths live in :mod:`graphsafe.paths`, fingerprints in
+:mod:`graphsafe.outcome`.
+"""
 
 from graphsafe.registry._declarations import (
     DerivedHandle,
@@ -8,22 +12,15 @@ from graphsafe.registry._declarations import (
     register_derived,
     stable_empty,
 )
-from graphsafe.registry._fingerprint import Fingerprint, fingerprint
-from graphsafe.registry._paths import SlotPath, format_path, parse_path
 from graphsafe.registry._store import Declaration, declarations_of
 
 __all__ = [
     "Declaration",
     "DerivedHandle",
-    "Fingerprint",
     "GraphVisibleSpec",
-    "SlotPath",
     "declarations_of",
     "declared_paths",
-    "fingerprint",
-    "format_path",
     "graph_visible",
-    "parse_path",
     "register_derived",
     "stable_empty",
 ]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from graphsafe.errors import DeclarationError, PathError, PathSyntaxError
-from graphsafe.registry._paths import SlotPath
+from graphsafe.paths import SlotPath
 from graphsafe.registry._store import Declaration, layer_store
 
 __all__ = [

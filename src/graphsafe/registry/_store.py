@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from graphsafe.registry._paths import SlotPath
+from graphsafe.paths import SlotPath
 
 __all__ = ["Declaration", "LayerDeclarations", "declarations_of", "iter_declared_layers", "layer_store"]
 

@@ -23,11 +23,10 @@ from torch import nn
 
 from graphsafe.collectors._manifest import Manifest, record_capture
 from graphsafe.collectors._report import migration_report
-from graphsafe.contract._contract import MODES, GraphContract, Mode, SlotInfo
-from graphsafe.contract._outcome import ReloadOutcome, Status
+from graphsafe.contract._contract import MODES, GraphContract, Mode
 from graphsafe.errors import ContractViolation
-from graphsafe.registry._fingerprint import Fingerprint, fingerprint
-from graphsafe.registry._paths import SlotPath
+from graphsafe.outcome import Fingerprint, Origin, ReloadOutcome, SlotInfo, Status, fingerprint
+from graphsafe.paths import SlotPath
 from graphsafe.registry._store import declarations_of
 
 __all__ = ["ExampleInput", "LoadWeights", "MakeLayer", "StabilityResult", "assert_reload_stable"]
@@ -166,7 +165,9 @@ class _Check:
                 first_output = _output(subject(x))
         # Parameters and buffers are address-checked on their own (``state``), whether the seal tracks them or not.
         tracked = [
-            _Tracked(info, _compare_by_value(contract, info)) for info in contract.slots() if info.origin != "parameter"
+            _Tracked(info, _compare_by_value(contract, info))
+            for info in contract.slots()
+            if info.origin is not Origin.PARAMETER
         ]
         state = _state_fingerprints(subject)
         first_values: dict[str, torch.Tensor | None] = {
@@ -347,7 +348,7 @@ def _address_problems(
     for t in tracked:
         problem = _moved(t.info.fingerprint, _resolve_on(subject, t.info))
         if problem is not None:
-            problems.append(_Moved(t.info.layer, t.info.path, f"{t.where} ({t.info.origin}): {problem}"))
+            problems.append(_Moved(t.info.layer, t.info.path, f"{t.where} ({t.info.origin.value}): {problem}"))
     now = _state(subject)
     for name, before in state.items():
         problem = _moved(before, now.get(name))

@@ -265,7 +265,9 @@ class _ReportSink:
         counts: dict[str, dict[str, int]] = {}
         classes: dict[str, str] = {}
         for slot in contract.slots():
-            counts.setdefault(slot.layer, {"declared": 0, "parameter": 0, "alias": 0, "walker": 0})[slot.origin] += 1
+            counts.setdefault(slot.layer, {"declared": 0, "parameter": 0, "alias": 0, "walker": 0})[
+                slot.origin.value
+            ] += 1
             classes[slot.layer] = slot.layer_class
         for outcome in outcomes:
             for finding in outcome.findings:

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphsafe.paths import SlotPath
 from graphsafe.registry._declarations import GRAPH_VISIBLE_ATTR, GraphVisibleSpec, find_layer
-from graphsafe.registry._paths import SlotPath
 from graphsafe.registry._store import Declaration, layer_store
 
 __all__ = ["PACK", "PackEntry", "PackResult", "StaleEntry", "apply_pack", "validate_pack"]

@@ -21,8 +21,8 @@ from torch import nn
 
 from graphsafe.adapters.vllm._guard import vllm_module
 from graphsafe.adapters.vllm._state import AdapterState
-from graphsafe.contract._outcome import ReloadOutcome
 from graphsafe.errors import GraphSafeError
+from graphsafe.outcome import ReloadOutcome
 
 __all__ = ["recapture_callback", "recapture_runner", "release_graphs"]
 

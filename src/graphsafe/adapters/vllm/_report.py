@@ -9,7 +9,7 @@ import tempfile
 from typing import Any
 
 from graphsafe.adapters.vllm._state import AdapterState, Session
-from graphsafe.contract._outcome import ReloadOutcome
+from graphsafe.outcome import ReloadOutcome
 
 __all__ = ["REPORT_VERSION", "build_report", "write_report"]
 

@@ -15,8 +15,8 @@ from torch import nn
 from graphsafe.adapters.vllm._guard import vllm_module
 from graphsafe.adapters.vllm._state import AdapterState, Session
 from graphsafe.contract._contract import GraphContract
-from graphsafe.contract._outcome import ReloadOutcome
 from graphsafe.errors import ContractViolation, GraphSafeError
+from graphsafe.outcome import ReloadOutcome
 
 __all__ = ["abort", "begin", "bind", "ensure_contract", "finish"]
 

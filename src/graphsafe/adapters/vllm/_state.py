@@ -16,7 +16,7 @@ from typing import Any, Literal, cast
 from torch import nn
 
 from graphsafe.contract._contract import DETECT_POLICIES, Detect, GraphContract, ReloadTransaction
-from graphsafe.contract._outcome import ReloadOutcome
+from graphsafe.outcome import ReloadOutcome
 
 __all__ = ["ENV_DETECT", "ENV_FIX_NONPERSISTENT", "ENV_MANIFEST", "ENV_MODE", "ENV_REPORT", "MODES",
            "AdapterConfig", "AdapterState", "ConfigError", "Session"]

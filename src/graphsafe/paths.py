@@ -1,4 +1,4 @@
-"""Slot paths: parse once into tokens, then resolve and assign on a layer.
+"""Slot paths: the one grammar, resolved and assigned on a layer, and compiled into accessors for hot loops.
 
 Grammar (relative to a layer)::
 
@@ -9,18 +9,44 @@ Grammar (relative to a layer)::
 the value sits: attributes (``__slots__`` and frozen dataclasses included), dicts, lists, tuples and
 NamedTuples (rebuilt and assigned to their parent), closure cells, and ``functools.partial`` args/keywords
 (the partial is rebuilt into its parent).
+
+:func:`compile_getter` and :func:`compile_setter` turn a path into accessors once (at seal) for the per-reload
+loop: ``compile_getter(path)(root)`` is ``path.resolve_or(root, MISSING)`` and ``compile_setter(path)(root, value)``
+is ``path.assign(root, value)``, with the same results and errors. They skip the per-call token dispatch, and the
+setter takes shortcuts only where the outcome is provably the one ``assign`` would reach (a plain tensor put where
+``nn.Module.__setattr__`` would end in ``object.__setattr__``; a plain mutable container). Anything else, and
+every failure, goes through :meth:`SlotPath.assign`.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
+import torch
+from torch import nn
+
 from graphsafe.errors import PathError, PathSyntaxError
 
-__all__ = ["Attr", "Cell", "Item", "SlotPath", "Token", "format_path", "parse_path"]
+__all__ = [
+    "MISSING",
+    "Attr",
+    "Cell",
+    "Getter",
+    "Item",
+    "Setter",
+    "SlotPath",
+    "Token",
+    "compile_getter",
+    "compile_setter",
+    "format_path",
+    "format_token",
+    "parse_path",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +74,8 @@ Token = Attr | Item | Cell
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _INT = re.compile(r"-?[0-9]+")
-_MISSING: Final = object()
+MISSING: Final[Any] = object()
+"""What a lookup returns where a path does not resolve (a value no model holds)."""
 
 
 def _parse_key(path: str, pos: int) -> tuple[int | str, int]:
@@ -122,20 +149,25 @@ def parse_path(path: str) -> tuple[Token, ...]:
     return tuple(tokens)
 
 
+def format_token(token: Token, first: bool) -> str:
+    """The text of one token: ``name`` / ``.name``, ``[0]`` / ``['key']``, ``.__closure__[i]``.
+
+    ``first`` says whether the token starts the path (no leading dot). A key is written quoted with ``'``, with
+    backslashes and quotes escaped, so the text parses back into the same token.
+    """
+    if isinstance(token, Attr):
+        return token.name if first else "." + token.name
+    if isinstance(token, Cell):
+        return f"__closure__[{token.index}]" if first else f".__closure__[{token.index}]"
+    if isinstance(token.key, int):
+        return f"[{token.key}]"
+    escaped = token.key.replace("\\", "\\\\").replace("'", "\\'")
+    return f"['{escaped}']"
+
+
 def format_path(tokens: tuple[Token, ...] | list[Token]) -> str:
     """Render tokens back into the canonical path text (``parse_path(format_path(t)) == t``)."""
-    parts: list[str] = []
-    for token in tokens:
-        if isinstance(token, Attr):
-            parts.append(("." if parts else "") + token.name)
-        elif isinstance(token, Cell):
-            parts.append(("." if parts else "") + f"__closure__[{token.index}]")
-        elif isinstance(token.key, int):
-            parts.append(f"[{token.key}]")
-        else:
-            escaped = token.key.replace("\\", "\\\\").replace("'", "\\'")
-            parts.append(f"['{escaped}']")
-    return "".join(parts)
+    return "".join(format_token(token, index == 0) for index, token in enumerate(tokens))
 
 
 def _owner_name(root: object) -> str:
@@ -143,21 +175,21 @@ def _owner_name(root: object) -> str:
 
 
 def _step(obj: Any, token: Token) -> Any:
-    """One resolution step; returns ``_MISSING`` when the step does not exist."""
+    """One resolution step; returns ``MISSING`` when the step does not exist."""
     if isinstance(token, Attr):
-        return getattr(obj, token.name, _MISSING)
+        return getattr(obj, token.name, MISSING)
     if isinstance(token, Cell):
         closure = getattr(obj, "__closure__", None)
         if closure is None or not -len(closure) <= token.index < len(closure):
-            return _MISSING
+            return MISSING
         try:
             return closure[token.index].cell_contents
         except ValueError:  # an empty cell
-            return _MISSING
+            return MISSING
     try:
         return obj[token.key]
     except (KeyError, IndexError, TypeError):
-        return _MISSING
+        return MISSING
 
 
 def _describe_miss(obj: Any, token: Token) -> str:
@@ -182,7 +214,7 @@ def _rebuild_partial(part: functools.partial[Any], **changes: Any) -> functools.
 
 
 def _set_attr(obj: Any, name: str, value: Any) -> Any:
-    """Set ``obj.name``; return a rebuilt container when ``obj`` is immutable, else ``_MISSING``."""
+    """Set ``obj.name``; return a rebuilt container when ``obj`` is immutable, else ``MISSING``."""
     if isinstance(obj, functools.partial) and name in ("func", "args", "keywords"):
         return _rebuild_partial(obj, **{name: value})
     if isinstance(obj, tuple) and hasattr(obj, "_replace"):
@@ -194,7 +226,7 @@ def _set_attr(obj: Any, name: str, value: Any) -> Any:
         # without a setter still refuses). Not on TypeError: nn.Module raises it for a plain tensor put where
         # a Parameter/buffer/submodule lives, and bypassing it would shadow the registered one in __dict__.
         object.__setattr__(obj, name, value)
-    return _MISSING
+    return MISSING
 
 
 def _set_item(obj: Any, key: int | str, value: Any) -> Any:
@@ -205,7 +237,7 @@ def _set_item(obj: Any, key: int | str, value: Any) -> Any:
             return obj._make(items)
         return type(obj)(items) if type(obj) is not tuple else tuple(items)
     obj[key] = value
-    return _MISSING
+    return MISSING
 
 
 def _set(obj: Any, token: Token, value: Any) -> Any:
@@ -213,7 +245,7 @@ def _set(obj: Any, token: Token, value: Any) -> Any:
         return _set_attr(obj, token.name, value)
     if isinstance(token, Cell):
         obj.__closure__[token.index].cell_contents = value
-        return _MISSING
+        return MISSING
     return _set_item(obj, token.key, value)
 
 
@@ -255,7 +287,7 @@ class SlotPath:
         obj: Any = root
         for index, token in enumerate(self.tokens):
             nxt = _step(obj, token)
-            if nxt is _MISSING:
+            if nxt is MISSING:
                 where = self.prefix(index) if index else "<layer>"
                 raise PathError(_owner_name(root), self.text, where, _describe_miss(obj, token))
             objects.append(nxt)
@@ -267,7 +299,7 @@ class SlotPath:
         obj: Any = root
         for index, token in enumerate(self.tokens):
             nxt = _step(obj, token)
-            if nxt is _MISSING:
+            if nxt is MISSING:
                 where = self.prefix(index) if index else "<layer>"
                 raise PathError(_owner_name(root), self.text, where, _describe_miss(obj, token))
             obj = nxt
@@ -278,7 +310,7 @@ class SlotPath:
         obj: Any = root
         for token in self.tokens:
             obj = _step(obj, token)
-            if obj is _MISSING:
+            if obj is MISSING:
                 return default
         return obj
 
@@ -298,8 +330,178 @@ class SlotPath:
                     where,
                     f"cannot assign into {type(container).__name__} ({type(exc).__name__}: {exc})",
                 ) from exc
-            if rebuilt is _MISSING:
+            if rebuilt is MISSING:
                 return
             if depth == 0:
                 raise PathError(_owner_name(root), self.text, "<layer>", "the layer itself is an immutable container")
             pending = rebuilt
+
+
+# -- compiled accessors -------------------------------------------------------------------------------------
+
+Getter = Callable[[Any], Any]
+Setter = Callable[[Any, torch.Tensor], None]
+
+_ITEM_MISS: Final = (KeyError, IndexError, TypeError)
+_REBUILT: Final = (functools.partial, tuple)  # assign rebuilds these into their parent instead of mutating them
+_MODULE_SETATTR: Final[Any] = nn.Module.__setattr__
+_OBJECT_SETATTR: Final = object.__setattr__
+_TENSOR: Final = torch.Tensor
+
+
+def _compiled_step(token: Token) -> Getter:
+    """One resolution step as :func:`_step` takes it, as a function; ``MISSING`` when absent."""
+    if isinstance(token, Attr):
+        name = token.name
+
+        def attr(obj: Any) -> Any:
+            return getattr(obj, name, MISSING)
+
+        return attr
+    if isinstance(token, Cell):
+        index = token.index
+
+        def cell(obj: Any) -> Any:
+            closure = getattr(obj, "__closure__", None)
+            if closure is None or not -len(closure) <= index < len(closure):
+                return MISSING
+            try:
+                return closure[index].cell_contents
+            except ValueError:  # an empty cell
+                return MISSING
+
+        return cell
+    key = token.key
+
+    def item(obj: Any) -> Any:
+        try:
+            return obj[key]
+        except _ITEM_MISS:
+            return MISSING
+
+    return item
+
+
+def _compile_tokens(tokens: tuple[Token, ...]) -> Getter:
+    if not tokens:
+        return lambda root: root
+    if all(isinstance(t, Attr) for t in tokens):
+        if len(tokens) == 1:
+            name = tokens[0].name  # type: ignore[union-attr]
+
+            def one(root: Any) -> Any:
+                return getattr(root, name, MISSING)
+
+            return one
+        # attrgetter raises AttributeError exactly where getattr(obj, name, default) returns the default
+        dotted = operator.attrgetter(".".join(t.name for t in tokens))  # type: ignore[union-attr]
+
+        def attrs(root: Any) -> Any:
+            try:
+                return dotted(root)
+            except AttributeError:
+                return MISSING
+
+        return attrs
+    steps = tuple(_compiled_step(t) for t in tokens)
+    if len(steps) == 2:
+        first, second = steps
+
+        def two(root: Any) -> Any:
+            obj = first(root)
+            return MISSING if obj is MISSING else second(obj)
+
+        return two
+
+    def many(root: Any) -> Any:
+        obj = root
+        for step in steps:
+            obj = step(obj)
+            if obj is MISSING:
+                return MISSING
+        return obj
+
+    return many
+
+
+def compile_getter(path: SlotPath) -> Getter:
+    """``root -> path.resolve_or(root, MISSING)``, without re-dispatching on token types per call."""
+    return _compile_tokens(path.tokens)
+
+
+_PLAIN_MODULE_CLASSES: dict[int, tuple[type, bool]] = {}  # by id(cls); the class is kept so its id stays unique
+
+
+def _module_setattr_is_plain(cls: type) -> bool:
+    """Whether ``nn.Module.__setattr__``'s final ``super().__setattr__`` is ``object.__setattr__`` for ``cls``."""
+    cached = _PLAIN_MODULE_CLASSES.get(id(cls))
+    if cached is not None and cached[0] is cls:
+        return cached[1]
+    mro = cls.__mro__
+    plain = nn.Module in mro and all(
+        "__setattr__" not in vars(klass) for klass in mro[mro.index(nn.Module) + 1 :] if klass is not object
+    )
+    if len(_PLAIN_MODULE_CLASSES) > 10_000:
+        _PLAIN_MODULE_CLASSES.clear()
+    _PLAIN_MODULE_CLASSES[id(cls)] = (cls, plain)
+    return plain
+
+
+def _set_module_attr_fast(module: Any, name: str, value: torch.Tensor) -> bool:
+    """Do what ``nn.Module.__setattr__`` does for a plain tensor that is no parameter, buffer or module; else False."""
+    cls = type(module)
+    if cls.__setattr__ is not _MODULE_SETATTR or type(value) is not _TENSOR or value.__dict__:
+        return False  # a tensor with instance attributes may claim to be a Parameter or Buffer (_is_param, ...)
+    state = module.__dict__
+    for table in ("_parameters", "_modules", "_buffers"):
+        entries = state.get(table)
+        if entries is not None and name in entries:
+            return False
+    if not _module_setattr_is_plain(cls):
+        return False
+    _OBJECT_SETATTR(module, name, value)
+    return True
+
+
+def compile_setter(path: SlotPath) -> Setter:
+    """``(root, value) -> path.assign(root, value)``, with direct writes where they provably do the same."""
+    tokens = path.tokens
+    last = tokens[-1]
+    parent_of = _compile_tokens(tokens[:-1])
+    assign = path.assign
+
+    if isinstance(last, Attr):
+        name = last.name
+
+        def set_attr(root: Any, value: torch.Tensor) -> None:
+            parent = parent_of(root)
+            # assign first resolves the whole path (and refuses if it no longer does), then writes the last step
+            resolves = parent is not MISSING and getattr(parent, name, MISSING) is not MISSING
+            if resolves and not isinstance(parent, _REBUILT):
+                if isinstance(parent, nn.Module):
+                    if _set_module_attr_fast(parent, name, value):
+                        return
+                else:
+                    try:
+                        setattr(parent, name, value)
+                        return
+                    except Exception:
+                        pass  # a frozen dataclass, a read-only property: assign knows what to do (or says why)
+            assign(root, value)
+
+        return set_attr
+    if isinstance(last, Item):
+        key = last.key
+
+        def set_item(root: Any, value: torch.Tensor) -> None:
+            parent = parent_of(root)
+            kind = type(parent)
+            if (kind is dict and key in parent) or (
+                kind is list and type(key) is int and -len(parent) <= key < len(parent)
+            ):
+                parent[key] = value
+                return
+            assign(root, value)  # containers that rebuild or resolve in their own way; and every failure
+
+        return set_item
+    return assign

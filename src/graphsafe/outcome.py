@@ -1,0 +1,377 @@
+"""The shared values of graphsafe: what a reload produces and what every layer above compares.
+
+Everything here is a value (an enum or a frozen record), computed once and compared by identity or equality,
+never parsed back from text: the contract makes them, the report, the manifest, the toolkit, the demo and the CLI
+read them.
+
+* :class:`Fingerprint`: what a captured graph depends on for one tensor (storage identity and liveness, pointers,
+  offset, shape, stride, dtype, device). ``key`` packs the comparable fields into one tuple.
+* :class:`Origin`: why a slot is tracked. :class:`SlotRef`: ``layer:path``, the one way a slot is named.
+* :class:`FindingKind` (with its severity order), :class:`Finding`, :class:`Status`, :class:`ReloadOutcome`.
+* :class:`SlotInfo`: a tracked slot as the contract sealed it.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Finding",
+    "FindingKind",
+    "Fingerprint",
+    "Origin",
+    "ReloadOutcome",
+    "SlotInfo",
+    "SlotRef",
+    "Status",
+    "fingerprint",
+    "geometry_key",
+]
+
+
+def _significant_stride(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
+    # A stride of a size-1 dimension is never used to address memory; torch is free to pick any value for it.
+    return tuple(s if n != 1 else 0 for n, s in zip(shape, stride, strict=True))
+
+
+# Not frozen: a frozen dataclass pays an object.__setattr__ per field on construction, and the walker and the seal
+# build one fingerprint per tensor. Treat instances as immutable.
+@dataclass(slots=True, eq=False)
+class Fingerprint:
+    """What a captured graph depends on for one tensor."""
+
+    storage_ptr: int
+    storage_nbytes: int
+    data_ptr: int
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    storage_ref: weakref.ReferenceType[Any] = field(repr=False)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """Every comparable field in one tuple (equal keys mean the same memory seen the same way)."""
+        return (
+            self.storage_ptr,
+            self.storage_nbytes,
+            self.data_ptr,
+            self.storage_offset,
+            self.shape,
+            _significant_stride(self.shape, self.stride),
+            self.dtype,
+            self.device,
+        )
+
+    @property
+    def alive(self) -> bool:
+        """Whether the fingerprinted storage still exists."""
+        return self.storage_ref() is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the view (elements times element size)."""
+        numel = 1
+        for n in self.shape:
+            numel *= n
+        return numel * self.dtype.itemsize
+
+    def same_storage(self, other: Fingerprint) -> bool:
+        """Whether both fingerprints name the same live storage object."""
+        mine = self.storage_ref()
+        return mine is not None and mine is other.storage_ref()
+
+    def describe(self) -> str:
+        """A short human-readable rendering used in error messages and reports."""
+        state = "" if self.alive else " (freed)"
+        return (
+            f"{_dtype_name(self.dtype)}{list(self.shape)} stride={list(self.stride)} "
+            f"offset={self.storage_offset} @0x{self.data_ptr:x} on {self.device}{state}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly rendering."""
+        return {
+            "data_ptr": self.data_ptr,
+            "storage_ptr": self.storage_ptr,
+            "storage_nbytes": self.storage_nbytes,
+            "storage_offset": self.storage_offset,
+            "shape": list(self.shape),
+            "stride": list(self.stride),
+            "dtype": _dtype_name(self.dtype),
+            "device": str(self.device),
+            "alive": self.alive,
+        }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def fingerprint(tensor: torch.Tensor) -> Fingerprint:
+    """Fingerprint ``tensor`` (a plain tensor, a view, or a parameter)."""
+    storage = tensor.untyped_storage()
+    return Fingerprint(
+        storage_ptr=storage.data_ptr(),
+        storage_nbytes=storage.nbytes(),
+        data_ptr=tensor.data_ptr(),
+        storage_offset=int(tensor.storage_offset()),
+        shape=tuple(tensor.shape),
+        stride=tuple(tensor.stride()),
+        dtype=tensor.dtype,
+        device=tensor.device,
+        storage_ref=weakref.ref(storage),
+    )
+
+
+def geometry_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Shape, significant stride, dtype and device: what must match for a copy to be a faithful restore."""
+    shape = tuple(tensor.shape)
+    return (shape, _significant_stride(shape, tuple(tensor.stride())), tensor.dtype, tensor.device)
+
+
+class Origin(enum.Enum):
+    """Why a slot is tracked."""
+
+    DECLARED = "declared"  # named by the author
+    #: A registered parameter or buffer of the layer (what a loader writes): the graph reads it at its captured
+    #: address, so a loader that binds a new tensor there instead of copying into it is restored like a
+    #: declared slot, never taken for undeclared drift.
+    PARAMETER = "parameter"
+    ALIAS = "alias"  # an undeclared path to a declared slot's (or a parameter's) storage: restored with it
+    WALKER = "walker"  # found only by the collector
+
+    @property
+    def declared(self) -> bool:
+        """Whether an author (or the layer's own parameters) vouches for the slot; ``False`` only for walker finds."""
+        return self is not Origin.WALKER
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """A slot's name in the model: the layer's qualified name and the slot path relative to it.
+
+    ``str(ref)`` is ``layer:path`` (``<model>`` for the root module; the path is left out for a finding about the
+    layer as a whole). This is the only place that spelling is made.
+    """
+
+    layer: str
+    path: str
+
+    def __str__(self) -> str:
+        owner = self.layer or "<model>"
+        return f"{owner}:{self.path}" if self.path else owner
+
+
+class Status(enum.Enum):
+    """How a reload ended. Ordered: ``FAILED`` is worse than ``NEEDS_RECAPTURE``, which is worse than
+    ``COMMITTED``."""
+
+    COMMITTED = "committed"
+    NEEDS_RECAPTURE = "needs_recapture"
+    FAILED = "failed"
+
+    @property
+    def severity(self) -> int:
+        return _SEVERITY[self]
+
+    @classmethod
+    def worst(cls, *statuses: Status) -> Status:
+        """The most severe of ``statuses`` (``COMMITTED`` when none)."""
+        return max(statuses, key=lambda s: s.severity, default=cls.COMMITTED)
+
+
+_SEVERITY = {Status.COMMITTED: 0, Status.NEEDS_RECAPTURE: 1, Status.FAILED: 2}
+
+
+class FindingKind(enum.Enum):
+    """What went wrong (or, for ``AUTO_RESTORED``, what graphsafe repaired) at one slot."""
+
+    MOVED = "moved"
+    VANISHED = "vanished"
+    RESPECIFIED = "respecified"
+    DEAD = "dead"
+    ALIAS_BROKEN = "alias-broken"
+    ORPHANED = "orphaned"
+    STALE = "stale"
+    BUDGET_EXHAUSTED = "budget-exhausted"
+    RELOAD_ERROR = "reload-error"
+    AUTO_RESTORED = "auto-restored"
+
+    @property
+    def recapture_fixes(self) -> bool:
+        """Whether capturing the graphs again makes replay correct.
+
+        A new capture reads the model's current tensors, so it fixes any address problem. It cannot fix wrong
+        *values* (``stale``) nor a reload that raised halfway (the weights themselves are suspect).
+        """
+        return self not in (FindingKind.STALE, FindingKind.RELOAD_ERROR)
+
+    @property
+    def is_problem(self) -> bool:
+        """``False`` only for records of repairs (``auto-restored``)."""
+        return self is not FindingKind.AUTO_RESTORED
+
+    @property
+    def rank(self) -> int:
+        """Where this kind stands when one slot has several findings and one is shown: 0 is the most telling.
+
+        A slot that is gone (vanished, dead) tells more than one whose layout changed, which tells more than one
+        that moved or kept stale values; a repair record (``auto-restored``) tells least.
+        """
+        return _KIND_ORDER.index(self)
+
+
+#: The order of :attr:`FindingKind.rank`, most telling first.
+_KIND_ORDER: tuple[FindingKind, ...] = (
+    FindingKind.VANISHED,
+    FindingKind.DEAD,
+    FindingKind.RESPECIFIED,
+    FindingKind.ALIAS_BROKEN,
+    FindingKind.MOVED,
+    FindingKind.STALE,
+    FindingKind.ORPHANED,
+    FindingKind.BUDGET_EXHAUSTED,
+    FindingKind.RELOAD_ERROR,
+    FindingKind.AUTO_RESTORED,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One slot's problem: which layer (qualified name in the model), which path, what kind, before vs after."""
+
+    kind: FindingKind
+    layer: str
+    layer_class: str
+    path: str
+    declared: bool
+    before: Fingerprint | None = None
+    after: Fingerprint | None = None
+    detail: str = ""
+    rank: int | None = None
+
+    @property
+    def slot(self) -> SlotRef:
+        """The slot this finding is about (an empty path for a finding about the layer as a whole)."""
+        return SlotRef(self.layer, self.path)
+
+    @property
+    def where(self) -> str:
+        """``layer:path`` (see :class:`SlotRef`)."""
+        return str(SlotRef(self.layer, self.path))
+
+    def describe(self) -> str:
+        """One line naming the layer, the path, what changed and (when known) the old and new fingerprints."""
+        who = "declared" if self.declared else "undeclared"
+        rank = f"[rank {self.rank}] " if self.rank is not None else ""
+        owner = f"{SlotRef(self.layer, '')} ({self.layer_class})"
+        text = f"{rank}{self.kind.value}: " + (f"{who} slot {self.path!r} of {owner}" if self.path else owner)
+        if self.detail:
+            text += f": {self.detail}"
+        if self.before is not None:
+            text += f"\n    captured: {self.before.describe()}"
+        if self.after is not None:
+            text += f"\n    now:      {self.after.describe()}"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly rendering."""
+        return {
+            "kind": self.kind.value,
+            "layer": self.layer,
+            "layer_class": self.layer_class,
+            "path": self.path,
+            "declared": self.declared,
+            "detail": self.detail,
+            "rank": self.rank,
+            "before": self.before.to_dict() if self.before is not None else None,
+            "after": self.after.to_dict() if self.after is not None else None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadOutcome:
+    """The result of one reload under a :class:`~graphsafe.GraphContract`."""
+
+    status: Status
+    mode: str
+    findings: tuple[Finding, ...] = ()
+    slots_restored: int = 0
+    bytes_copied: int = 0
+    seconds: float = 0.0
+    layers: int = 0
+    error: BaseException | None = field(default=None, repr=False, compare=False)
+    rank_statuses: tuple[tuple[int, Status], ...] = ()
+
+    @property
+    def needs_recapture(self) -> bool:
+        """Whether the captured graphs must be captured again before the next replay."""
+        return self.status is Status.NEEDS_RECAPTURE
+
+    @property
+    def committed(self) -> bool:
+        """Whether every graph-visible address was kept and verified."""
+        return self.status is Status.COMMITTED
+
+    @property
+    def problems(self) -> tuple[Finding, ...]:
+        """The findings that are problems (excludes ``auto-restored`` records)."""
+        return tuple(f for f in self.findings if f.kind.is_problem)
+
+    @property
+    def auto_restored(self) -> tuple[Finding, ...]:
+        """Undeclared slots that ``migrate`` mode restored."""
+        return tuple(f for f in self.findings if f.kind is FindingKind.AUTO_RESTORED)
+
+    def summary(self) -> str:
+        """A few lines: status, counts and the first findings."""
+        lines = [
+            f"reload {self.status.value} (mode={self.mode}): {self.slots_restored} slot(s) restored, "
+            f"{self.bytes_copied} bytes copied, {len(self.problems)} problem(s) in {self.seconds * 1e3:.2f} ms"
+        ]
+        for finding in self.problems[:10]:
+            lines.append("  - " + finding.describe().replace("\n", "\n    "))
+        if len(self.problems) > 10:
+            lines.append(f"  ... and {len(self.problems) - 10} more")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly rendering."""
+        return {
+            "status": self.status.value,
+            "mode": self.mode,
+            "needs_recapture": self.needs_recapture,
+            "slots_restored": self.slots_restored,
+            "bytes_copied": self.bytes_copied,
+            "seconds": self.seconds,
+            "layers": self.layers,
+            "error": repr(self.error) if self.error is not None else None,
+            "rank_statuses": [[rank, status.value] for rank, status in self.rank_statuses],
+            "findings": [f.to_dict() for f in self.findings],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class SlotInfo:
+    """A tracked slot as the contract sealed it (for reports, the manifest and tools)."""
+
+    layer: str
+    layer_class: str
+    path: str
+    origin: Origin
+    fingerprint: Fingerprint
+    restorable: bool
+    alias_of: str | None
+    source: str | None
+
+    @property
+    def ref(self) -> SlotRef:
+        """``layer:path``."""
+        return SlotRef(self.layer, self.path)
