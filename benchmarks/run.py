@@ -46,7 +46,7 @@ from _models import (
 from _timing import copy_threshold, flat_copy_time, machine, med, sync
 
 from graphsafe import GraphContract, Status
-from graphsafe.collectors._walker import walk
+from graphsafe.collectors import walk
 
 POLICIES = ("declared-only", "sealed-paths", "every-reload")
 

@@ -27,11 +27,12 @@ from graphsafe import (
     RankAgreementError,
     ReloadOutcome,
     Status,
+    collectors,
     graph_visible,
+    report,
 )
 from graphsafe.adapters import torch as torch_adapter
 from graphsafe.adapters.distributed import AgreementGroup
-from graphsafe.collectors import _manifest, _report, _walker
 from graphsafe.examples import EXAMPLES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,10 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(
     ("name", "home"),
     [
-        ("collect", _walker),
-        ("migration_report", _report),
-        ("MigrationReport", _report),
-        ("record_capture", _manifest),
+        ("collect", collectors),
+        ("migration_report", report),
+        ("MigrationReport", report),
+        ("record_capture", collectors),
         ("CapturedGraph", torch_adapter),
         ("GraphRunner", torch_adapter),
         ("capture", torch_adapter),

@@ -16,7 +16,7 @@ from torch import nn
 
 import graphsafe.adapters.distributed as distributed
 from graphsafe import GraphContract, NotServingSafeError, Status, register_derived
-from graphsafe.collectors._manifest import record_capture
+from graphsafe.collectors import record_capture
 from graphsafe.contract import _copy
 from graphsafe.errors import GraphSafeError
 from graphsafe.paths import SlotPath

@@ -14,8 +14,8 @@ import pytest
 
 from graphsafe._demo import run_demo
 from graphsafe.cli import main
-from graphsafe.collectors._report import FORMATS, SCHEMA_ID, report_schema
 from graphsafe.examples import EXAMPLES, _marlin
+from graphsafe.report import FORMATS, SCHEMA_ID, report_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 

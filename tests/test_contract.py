@@ -682,7 +682,7 @@ def test_a_replaced_parameter_is_copied_into_the_captured_one_and_rebound(tiny: 
 
 
 def test_parameters_are_sealed_as_parameter_slots_and_never_listed_as_undeclared(tiny: Tiny) -> None:
-    from graphsafe.collectors import migration_report
+    from graphsafe.report import migration_report
 
     model = tiny.build(0)
     contract = GraphContract(model, "migrate").seal()
@@ -718,7 +718,7 @@ def test_a_replaced_buffer_is_restored(tiny: Tiny) -> None:
     captured, ptr = layer.offset, layer.offset.data_ptr()
     assert {(s.path, s.origin.value) for s in contract.slots() if s.layer == "0"} == {
         ("weight", "parameter"),
-        ("offset", "parameter"),  # a buffer; `bias` is None and is not tracked
+        ("offset", "buffer"),  # `bias` is None and is not tracked
     }
     new = torch.randn(4)
     with contract.reload() as txn:

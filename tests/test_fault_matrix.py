@@ -38,7 +38,8 @@ from graphsafe import (
     register_derived,
     stable_empty,
 )
-from graphsafe.collectors._manifest import record_capture
+from graphsafe.collectors import record_capture
+from graphsafe.devices import WalkBudget
 from graphsafe.examples import EXAMPLES, Example, ZooModel
 from graphsafe.outcome import Origin
 from graphsafe.paths import SlotPath
@@ -600,7 +601,7 @@ def test_module_level_cache(mode: str) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_walker_budget_exhausted(mode: str) -> None:
     # max_depth=1 stops the walk at quant_method: tensors deeper in it go unchecked, so the contract fails closed.
-    model, contract = site_contract(mode, max_depth=1)
+    model, contract = site_contract(mode, budget=WalkBudget(max_depth=1))
     sealed = addresses(model)
     run = attempt(contract, lambda: load(model, 1))
     run.check("test_walker_budget_exhausted", mode)
@@ -712,7 +713,7 @@ def test_a_lazily_allocated_scratch_from_stable_empty_commits() -> None:
 
 
 def test_a_big_enough_budget_is_not_exhausted() -> None:
-    model, contract = site_contract("strict", max_depth=3)
+    model, contract = site_contract("strict", budget=WalkBudget(max_depth=3))
     run = attempt(contract, lambda: load(model, 1))
     assert run.outcome is not None and run.outcome.status is Status.COMMITTED
 

@@ -23,8 +23,8 @@ from graphsafe import (
     UndeclaredDriftError,
     register_derived,
 )
-from graphsafe.collectors import _walker
-from graphsafe.collectors._manifest import Manifest, grade, record_capture
+from graphsafe.collectors import Manifest, _classify, grade, record_capture
+from graphsafe.outcome import Origin
 
 N = 4
 _CACHE: dict[int, torch.Tensor] = {}
@@ -286,9 +286,9 @@ def test_storages_are_tied_to_the_paths_that_held_them() -> None:
     contract = GraphContract(model, "recapture").seal()
     manifest, _ = record(model, contract)
     holders = {(h.layer, h.path): h.origin for e in manifest.storages() for h in e.holders}
-    assert holders[("layers.0", "offset")] == "buffer"
-    assert holders[("layers.1", "kernel.w_t")] == "walker"
-    assert holders[("layers.0", "kernel.scale")] == "declared"
+    assert holders[("layers.0", "offset")] is Origin.BUFFER
+    assert holders[("layers.1", "kernel.w_t")] is Origin.WALKER
+    assert holders[("layers.0", "kernel.scale")] is Origin.DECLARED
     unowned = manifest.unowned()
     assert storage_ids(*(_CACHE[id(layer(model, i))] for i in range(2))) == {
         id(e.storage_ref()) for e in unowned
@@ -304,7 +304,7 @@ def test_declared_only_contract_still_names_walker_paths() -> None:
     unwalked = Manifest(walk=False)
     with torch.no_grad(), record_capture(contract, manifest=unwalked):
         model(torch.randn(3, N))
-    assert {h.origin for e in unwalked.storages() for h in e.holders} == {"buffer"}
+    assert {h.origin for e in unwalked.storages() for h in e.holders} == {Origin.BUFFER}
 
 
 # -- reload check --------------------------------------------------------------------------------------------------
@@ -387,7 +387,7 @@ def test_check_does_not_walk(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_walk(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the reload check walked the model")
 
-    monkeypatch.setattr(_walker, "walk", no_walk)
+    monkeypatch.setattr(_classify, "walk", no_walk)
     with contract.reload():
         load(model, seed=1)
     assert contract.last_outcome is not None and contract.last_outcome.committed

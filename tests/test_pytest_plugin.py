@@ -17,7 +17,7 @@ import graphsafe.testing.plugin as plugin_module
 
 pytest_plugins = ["pytester"]
 
-SCHEMA = Path(plugin_module.__file__).resolve().parents[1] / "collectors" / "report_schema.json"
+SCHEMA = Path(plugin_module.__file__).resolve().parents[1] / "report" / "schema.json"
 
 # Inner test modules build zoo models: act_order (legacy: one undeclared tensor per layer; migrated: declared).
 HEADER = textwrap.dedent(

@@ -28,10 +28,9 @@ from graphsafe import (
     graph_visible,
     register_derived,
 )
-from graphsafe.collectors import MigrationReport, migration_report
-from graphsafe.collectors._manifest import record_capture
-from graphsafe.collectors._report import FORMATS, SCHEMA_ID, STABLE, report_schema
+from graphsafe.collectors import record_capture
 from graphsafe.registry._store import layer_store
+from graphsafe.report import FORMATS, SCHEMA_ID, STABLE, MigrationReport, migration_report, report_schema
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 REGEN = os.environ.get("GRAPHSAFE_REGEN_GOLDEN") == "1"
@@ -545,8 +544,9 @@ def test_without_the_fixes_strict_mode_raises_with_a_report() -> None:
     model(x)
     with pytest.raises(UndeclaredDriftError) as info, contract.reload():
         _load(model, 1)
-    report = info.value.report
-    # The error's report comes from the contract, so it names the PWAL's owner (the quant method), not the layer.
+    assert "migration_report(contract)" in str(info.value)  # the error says where the report is
+    report = migration_report(contract)
+    # A report from the contract names the PWAL's owner (the quant method), not the layer.
     assert isinstance(report, MigrationReport) and report.source == "contract" and not report.clean
     owners = {entry.owner for entry in report.entries if entry.path == "quant_method.kernel.workspace"}
     assert owners and all("WorkspaceMethod" in owner for owner in owners), owners

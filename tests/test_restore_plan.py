@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from graphsafe.collectors._walker import walk
+from graphsafe.collectors import walk
 from graphsafe.contract._access import submodule_is
 from graphsafe.contract._copy import FOREACH_MAX_BYTES, CopyBatch, copy_group
 from graphsafe.errors import PathError

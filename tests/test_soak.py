@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status
-from graphsafe.collectors import _walker
+from graphsafe.collectors.walker import _walk as _walker
 from graphsafe.examples import EXAMPLES, ZooModel
 from graphsafe.paths import SlotPath
 from graphsafe.registry._store import iter_declared_layers

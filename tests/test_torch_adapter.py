@@ -24,7 +24,7 @@ from graphsafe import (
     stable_empty,
 )
 from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, reload
-from graphsafe.collectors._manifest import Manifest
+from graphsafe.collectors import Manifest
 from graphsafe.examples import EXAMPLES
 
 N = 4

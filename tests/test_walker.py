@@ -19,7 +19,9 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from graphsafe.collectors._walker import _MODULE_INTERNALS, TensorRef, WalkResult, collect, walk
+from graphsafe.collectors.walker import TensorRef, WalkResult, collect, walk
+from graphsafe.collectors.walker._walk import _MODULE_INTERNALS
+from graphsafe.devices import WalkBudget
 from graphsafe.errors import PathError
 from graphsafe.paths import SlotPath, format_path, parse_path
 
@@ -717,17 +719,17 @@ def test_max_depth_is_reported_with_the_path() -> None:
     assert result.exhausted is not None
     assert "max_depth=8" in result.exhausted
     assert "deep.next.next.next.next.next.next.next" in result.exhausted
-    full = walk(layer, max_depth=10)
+    full = walk(layer, budget=WalkBudget(max_depth=10))
     assert paths(full) == ["deep" + ".next" * 9]
     assert full.exhausted is None
-    assert walk(layer, max_depth=9).exhausted is not None
+    assert walk(layer, budget=WalkBudget(max_depth=9)).exhausted is not None
 
 
 def test_depth_counts_path_steps_not_objects() -> None:
     layer = Layer()
     layer.a = [[torch.ones(1)]]  # a[0][0]: three steps
-    assert paths(walk(layer, max_depth=3)) == ["a[0][0]"]
-    short = walk(layer, max_depth=2)
+    assert paths(walk(layer, budget=WalkBudget(max_depth=3))) == ["a[0][0]"]
+    short = walk(layer, budget=WalkBudget(max_depth=2))
     assert short.refs == ()
     assert short.exhausted is not None and "max_depth=2" in short.exhausted
 
@@ -737,7 +739,7 @@ def test_a_long_alias_path_past_max_depth_is_reported_as_exhaustion() -> None:
     t = torch.ones(1)
     layer.short = t
     layer.long = chain(4, t)
-    result = walk(layer, max_depth=3)
+    result = walk(layer, budget=WalkBudget(max_depth=3))
     assert paths(result) == ["short"]
     assert result.exhausted is not None and "max_depth=3" in result.exhausted
 
@@ -745,7 +747,7 @@ def test_a_long_alias_path_past_max_depth_is_reported_as_exhaustion() -> None:
 def test_max_objects_is_reported_with_the_path() -> None:
     layer = Layer()
     layer.many = [Obj(t=torch.ones(1)) for _ in range(50)]
-    result = walk(layer, max_objects=10)
+    result = walk(layer, budget=WalkBudget(max_objects=10))
     assert result.objects_visited == 10
     assert result.exhausted is not None
     assert "max_objects=10" in result.exhausted
@@ -758,16 +760,16 @@ def test_max_objects_is_reported_with_the_path() -> None:
 
 def test_budgets_are_validated() -> None:
     with pytest.raises(ValueError):
-        walk(Layer(), max_depth=-1)
+        walk(Layer(), budget=WalkBudget(max_depth=-1))
     with pytest.raises(ValueError):
-        walk(Layer(), max_objects=-1)
-    assert walk(Layer(), max_objects=0).exhausted is not None
+        walk(Layer(), budget=WalkBudget(max_objects=-1))
+    assert walk(Layer(), budget=WalkBudget(max_objects=0)).exhausted is not None
 
 
 def test_collect_is_the_list_of_refs() -> None:
     layer = build_rich_layer()
     assert paths(collect(layer)) == paths(walk(layer))
-    assert paths(collect(layer, max_depth=2)) == paths(walk(layer, max_depth=2))
+    assert paths(collect(layer, budget=WalkBudget(max_depth=2))) == paths(walk(layer, budget=WalkBudget(max_depth=2)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1046,7 +1048,7 @@ def test_generated_graphs_match_brute_force(spec: Spec, max_depth: int, max_obje
         raise
     layer, objs = build(spec)
     CALLS.clear()
-    result = walk(layer, max_depth=max_depth, max_objects=max_objects)
+    result = walk(layer, budget=WalkBudget(max_depth, max_objects))
     assert not CALLS, CALLS
 
     check_refs(layer, result)

@@ -32,7 +32,7 @@ from graphsafe.errors import (
 
 if TYPE_CHECKING:
     from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, reload
-    from graphsafe.collectors import Manifest, MigrationReport, TensorRef, collect, migration_report, record_capture
+    from graphsafe.collectors import Manifest, TensorRef, collect, record_capture
     from graphsafe.contract import Finding, FindingKind, GraphContract, ReloadOutcome, ReloadTransaction, Status
     from graphsafe.paths import SlotPath
     from graphsafe.registry import (
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         register_derived,
         stable_empty,
     )
+    from graphsafe.report import MigrationReport, migration_report
 
 __version__ = "0.1.0"
 
@@ -52,10 +53,10 @@ _LAZY = {
     "capture": "graphsafe.adapters.torch",
     "reload": "graphsafe.adapters.torch",
     "Manifest": "graphsafe.collectors",
-    "MigrationReport": "graphsafe.collectors",
+    "MigrationReport": "graphsafe.report",
     "TensorRef": "graphsafe.collectors",
     "collect": "graphsafe.collectors",
-    "migration_report": "graphsafe.collectors",
+    "migration_report": "graphsafe.report",
     "record_capture": "graphsafe.collectors",
     "Finding": "graphsafe.contract",
     "FindingKind": "graphsafe.contract",

@@ -40,9 +40,7 @@ def _first_line(exc: BaseException) -> str:
 def _as_target(value: Any, spec: str) -> Any:
     from graphsafe._demo import ReloadTarget
 
-    expected = (
-        "expected an object with `model` (nn.Module) and `reload(model, seed)`, or a tuple (model, reload_fn)"
-    )
+    expected = "expected an object with `model` (nn.Module) and `reload(model, seed)`, or a tuple (model, reload_fn)"
     if isinstance(value, ReloadTarget):
         return value
     warmup: Any = None
@@ -96,9 +94,9 @@ def load_target(spec: str) -> Any:
 def _run_report(args: argparse.Namespace) -> int:
     from graphsafe._demo import legacy_zoo
     from graphsafe.collectors._manifest import record_capture
-    from graphsafe.collectors._report import migration_report
     from graphsafe.contract import GraphContract
     from graphsafe.errors import ContractViolation
+    from graphsafe.report import migration_report
 
     spec = args.target or "graphsafe._demo:legacy_zoo"
     try:
@@ -166,8 +164,8 @@ def _usage(message: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     from graphsafe import __version__
-    from graphsafe.collectors._report import FORMATS
     from graphsafe.contract._contract import MODES
+    from graphsafe.report import FORMATS
 
     parser = argparse.ArgumentParser(
         prog="graphsafe",
@@ -199,7 +197,8 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--mode", "-m", choices=MODES, default="migrate", help="contract mode (default: migrate)")
     report.add_argument("--seed", type=int, default=1, help="seed passed to reload(model, seed) (default: 1)")
     report.add_argument(
-        "--capture", action="store_true",
+        "--capture",
+        action="store_true",
         help="record TARGET's warmup as a capture (CPU stand-in) so storage no layer path holds is reported",
     )
     report.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")

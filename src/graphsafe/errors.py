@@ -74,11 +74,10 @@ class DeclaredDriftError(ContractViolation):
 
 
 class UndeclaredDriftError(ContractViolation):
-    """A tensor nobody declared moved, vanished or changed under a reload (strict mode)."""
+    """A tensor nobody declared moved, vanished or changed under a reload (strict mode).
 
-    def __init__(self, message: str, outcome: ReloadOutcome | None = None, report: object | None = None) -> None:
-        self.report = report
-        super().__init__(message, outcome)
+    ``graphsafe.migration_report(contract)`` says what to declare, and where.
+    """
 
 
 class ReloadFailedError(ContractViolation):

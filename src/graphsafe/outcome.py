@@ -144,13 +144,20 @@ class Origin(enum.Enum):
     #: address, so a loader that binds a new tensor there instead of copying into it is restored like a
     #: declared slot, never taken for undeclared drift.
     PARAMETER = "parameter"
-    ALIAS = "alias"  # an undeclared path to a declared slot's (or a parameter's) storage: restored with it
+    BUFFER = "buffer"  # a registered buffer of the layer: tracked like a parameter
+    ALIAS = "alias"  # an undeclared path to a declared slot's (or a parameter's or buffer's) storage: restored with it
     WALKER = "walker"  # found only by the collector
 
     @property
     def declared(self) -> bool:
-        """Whether an author (or the layer's own parameters) vouches for the slot; ``False`` only for walker finds."""
+        """Whether an author (or the layer's own parameters and buffers) vouches for the slot; ``False`` only for
+        walker finds."""
         return self is not Origin.WALKER
+
+    @property
+    def is_state(self) -> bool:
+        """Whether the slot is a registered parameter or buffer (what a loader writes)."""
+        return self is Origin.PARAMETER or self is Origin.BUFFER
 
 
 @dataclass(frozen=True, slots=True)

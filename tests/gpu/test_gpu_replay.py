@@ -24,7 +24,7 @@ from torch import nn
 
 from graphsafe import ContractViolation, Finding, GraphContract, NotServingSafeError, Status
 from graphsafe.adapters.torch import CapturedGraph, capture, reload
-from graphsafe.collectors._manifest import Manifest
+from graphsafe.collectors import Manifest
 from graphsafe.examples import EXAMPLES, Example
 
 pytestmark = pytest.mark.gpu

@@ -199,8 +199,9 @@ class CapturedGraph:
         leaves, spec = pytree.tree_flatten(result)
         if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
             kinds = sorted({type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)})
-            raise GraphSafeError(f"graph {self.name!r}: fn must return tensors (nested in tuples/lists/dicts), got "
-                                 f"{', '.join(kinds)}")
+            raise GraphSafeError(
+                f"graph {self.name!r}: fn must return tensors (nested in tuples/lists/dicts), got {', '.join(kinds)}"
+            )
         if self._out_spec is None:
             self._out_leaves = [torch.empty_like(leaf) for leaf in leaves]
             self._out_spec = spec
@@ -219,8 +220,9 @@ class CapturedGraph:
     def _copy_out(self, result: Any) -> None:
         leaves = pytree.tree_leaves(result)
         if len(leaves) != len(self._out_leaves):
-            raise GraphSafeError(f"graph {self.name!r}: fn returned {len(leaves)} tensors, expected "
-                                 f"{len(self._out_leaves)}")
+            raise GraphSafeError(
+                f"graph {self.name!r}: fn returned {len(leaves)} tensors, expected {len(self._out_leaves)}"
+            )
         for out, leaf in zip(self._out_leaves, leaves, strict=True):
             out.copy_(leaf)
 

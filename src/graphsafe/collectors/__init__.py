@@ -1,9 +1,20 @@
-"""Collectors: the walker (undeclared tensors reachable from a layer), the capture-time manifest (what a graph
-really read) and the migration report.
+"""Collectors: what exists and what the graph read.
 
-Collectors read the registry to tell declared from undeclared; they never restore anything themselves.
+* :func:`classify`: the one classification of a layer's tensors (declared, parameter, buffer, alias, walker).
+* :func:`walk` / :func:`collect`: the walker (undeclared tensors reachable from a layer).
+* :func:`record_capture` / :class:`Manifest`: the capture-time manifest (what a graph really read).
+
+Collectors observe; they never restore anything.
 """
 
+from graphsafe.collectors._classify import (
+    Classified,
+    LayerTensors,
+    Unresolved,
+    classify,
+    classify_walk,
+    tracked_storages,
+)
 from graphsafe.collectors._manifest import (
     CapturedStorage,
     GradedStorage,
@@ -13,22 +24,24 @@ from graphsafe.collectors._manifest import (
     grade,
     record_capture,
 )
-from graphsafe.collectors._report import MigrationReport, ReportEntry, migration_report
-from graphsafe.collectors._walker import TensorRef, WalkResult, collect, walk
+from graphsafe.collectors.walker import TensorRef, WalkResult, collect, walk
 
 __all__ = [
     "CapturedStorage",
+    "Classified",
     "GradedStorage",
     "Grading",
     "Holder",
+    "LayerTensors",
     "Manifest",
-    "MigrationReport",
-    "ReportEntry",
     "TensorRef",
+    "Unresolved",
     "WalkResult",
+    "classify",
+    "classify_walk",
     "collect",
     "grade",
-    "migration_report",
     "record_capture",
+    "tracked_storages",
     "walk",
 ]

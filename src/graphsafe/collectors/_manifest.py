@@ -23,19 +23,16 @@ import weakref
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphsafe.collectors._classify import classify
 from graphsafe.errors import GraphSafeError
-from graphsafe.outcome import Finding, FindingKind, Fingerprint, fingerprint
+from graphsafe.outcome import Finding, FindingKind, Fingerprint, Origin, SlotInfo, SlotRef, fingerprint
 from graphsafe.paths import SlotPath
-from graphsafe.registry._store import declarations_of
-
-if TYPE_CHECKING:
-    from graphsafe.contract._contract import GraphContract
 
 __all__ = [
     "CapturedStorage",
@@ -55,19 +52,19 @@ class Holder:
     layer: str
     layer_class: str
     path: str
-    #: ``parameter``, ``buffer``, ``declared`` (registry), ``alias`` (of a declared slot) or ``walker``.
-    origin: str
+    #: How :func:`~graphsafe.collectors.classify` (or the contract's seal) classified the path.
+    origin: Origin
     slot: SlotPath = field(repr=False, compare=False)
 
     @property
     def declared(self) -> bool:
-        """Whether an author named this path (a registry declaration or an alias of one)."""
-        return self.origin in ("declared", "alias")
+        """Whether an author named this path (a registry declaration or an alias of a tracked slot)."""
+        return self.origin is Origin.DECLARED or self.origin is Origin.ALIAS
 
     @property
     def where(self) -> str:
-        """``layer:path`` (``<model>`` for the root)."""
-        return f"{self.layer or '<model>'}:{self.path}"
+        """``layer:path`` (see :class:`~graphsafe.outcome.SlotRef`)."""
+        return str(SlotRef(self.layer, self.path))
 
 
 @dataclass(slots=True, eq=False)
@@ -295,7 +292,7 @@ _NAMES = itertools.count()
 
 @contextmanager
 def record_capture(
-    contract: GraphContract | None = None,
+    contract: SealedModel | None = None,
     *,
     name: str | None = None,
     ignore: Iterable[torch.Tensor] = (),
@@ -364,7 +361,7 @@ class _PathIndex:
     def __init__(self) -> None:
         self.by_storage: dict[int, tuple[Any, list[Holder]]] = {}
 
-    def add(self, tensor: object, layer: str, layer_class: str, path: str, origin: str) -> None:
+    def add(self, tensor: object, layer: str, layer_class: str, path: str, origin: Origin) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
             return
         storage = tensor.untyped_storage()
@@ -378,36 +375,39 @@ class _PathIndex:
         return slot[1] if slot is not None and slot[0] is storage else []
 
 
-def _state_index(model: nn.Module, index: _PathIndex) -> None:
+def _model_index(model: nn.Module, index: _PathIndex, *, walk: bool) -> None:
+    """Every classified path of every layer (the walker's finds too when ``walk``)."""
     for qualname, layer in model.named_modules():
-        cls = type(layer).__name__
-        for name, param in layer.named_parameters(recurse=False):
-            index.add(param, qualname, cls, name, "parameter")
-        for name, buffer in layer.named_buffers(recurse=False):
-            index.add(buffer, qualname, cls, name, "buffer")
+        layer_class = type(layer).__name__
+        for entry in classify(layer, walk_layer=walk).tensors:
+            index.add(entry.tensor, qualname, layer_class, entry.path.text, entry.origin)
 
 
-def _registry_index(model: nn.Module, index: _PathIndex) -> None:
-    for qualname, layer in model.named_modules():
-        for text, declaration in declarations_of(layer).items():
-            index.add(declaration.path.resolve_or(layer, None), qualname, type(layer).__name__, text, "declared")
-
-
-def _walker_index(model: nn.Module, index: _PathIndex, devices: Collection[torch.device] | None) -> None:
-    from graphsafe.collectors._walker import walk
-
-    for qualname, layer in model.named_modules():
-        for ref in walk(layer, devices=devices).refs:
-            index.add(ref.tensor, qualname, type(layer).__name__, ref.path, "walker")
-
-
-def _contract_index(contract: GraphContract, index: _PathIndex) -> None:
+def _contract_index(contract: SealedModel, index: _PathIndex) -> None:
     layers = dict(contract.sealed_layers())
     for info in contract.slots():
         layer = layers.get(info.layer)
         if layer is not None:
-            index.add(SlotPath(info.path).resolve_or(layer, None), info.layer, info.layer_class, info.path,
-                      info.origin.value)
+            index.add(SlotPath(info.path).resolve_or(layer, None), info.layer, info.layer_class, info.path, info.origin)
+
+
+class SealedModel(Protocol):
+    """What the manifest reads of a contract (:class:`~graphsafe.GraphContract` is one)."""
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def sealed(self) -> bool: ...
+
+    @property
+    def detect(self) -> str: ...
+
+    manifest: Any
+
+    def slots(self) -> Iterator[SlotInfo]: ...
+
+    def sealed_layers(self) -> Iterator[tuple[str, nn.Module]]: ...
 
 
 class Manifest:
@@ -465,7 +465,7 @@ class Manifest:
         self._captures[capture] = entries
 
     # -- indexing ----------------------------------------------------------------------------------------------
-    def reindex(self, contract: GraphContract) -> None:
+    def reindex(self, contract: SealedModel) -> None:
         """Tie every recorded storage to the model paths holding it now (the contract calls this on seal).
 
         A recorded storage the model no longer holds anywhere keeps the paths it was last held at, so the next
@@ -473,17 +473,15 @@ class Manifest:
         """
         self._index(contract, self.entries())
 
-    def _index(self, contract: GraphContract, entries: list[CapturedStorage]) -> None:
+    def _index(self, contract: SealedModel, entries: list[CapturedStorage]) -> None:
         if not entries:
             return
         model = contract.model
         index = _PathIndex()
-        _state_index(model, index)
-        _registry_index(model, index)
         if contract.sealed:
             _contract_index(contract, index)
-        if self.walk and (contract.detect == "declared-only" or not contract.sealed):
-            _walker_index(model, index, None)
+        # Declarations made after the seal, and (where the contract does not walk) the walker's finds.
+        _model_index(model, index, walk=self.walk and (contract.detect == "declared-only" or not contract.sealed))
         for entry in entries:
             storage = entry.storage_ref()
             if storage is None:
@@ -493,7 +491,7 @@ class Manifest:
                 entry.holders = tuple(holders)
 
     # -- reload check ------------------------------------------------------------------------------------------
-    def check(self, contract: GraphContract) -> list[Finding]:
+    def check(self, contract: SealedModel) -> list[Finding]:
         """``dead`` and ``orphaned`` findings for the recorded storages, after a reload's restore.
 
         Only the recorded paths are re-resolved (no walk): O(recorded storages x their holders).
@@ -652,7 +650,7 @@ class Grading:
         return "\n".join(lines)
 
 
-def grade(target: GraphContract | nn.Module, manifest: Manifest) -> Grading:
+def grade(target: SealedModel | nn.Module, manifest: Manifest) -> Grading:
     """Grade the registry and the walker against ``manifest``, on the model's current state.
 
     Call it right after capture (before any reload): for every storage the graphs touched, which parameters or
@@ -660,9 +658,13 @@ def grade(target: GraphContract | nn.Module, manifest: Manifest) -> Grading:
     """
     model = target if isinstance(target, nn.Module) else target.model
     sources: dict[str, _PathIndex] = {"state": _PathIndex(), "registry": _PathIndex(), "walker": _PathIndex()}
-    _state_index(model, sources["state"])
-    _registry_index(model, sources["registry"])
-    _walker_index(model, sources["walker"], None)
+    for qualname, layer in model.named_modules():
+        layer_class = type(layer).__name__
+        for found in classify(layer).tensors:
+            source = "state" if found.origin.is_state else "registry" if found.origin is Origin.DECLARED else None
+            for name in (source, "walker" if found.walked else None):
+                if name is not None:
+                    sources[name].add(found.tensor, qualname, layer_class, found.path.text, found.origin)
 
     def named(source: str, storage: Any) -> tuple[str, ...]:
         return tuple(h.where for h in sources[source].holders(storage))
@@ -674,7 +676,7 @@ def grade(target: GraphContract | nn.Module, manifest: Manifest) -> Grading:
         if storage is None:
             dead.append(entry)
             continue
-        graded.append(GradedStorage(entry, named("state", storage), named("registry", storage),
-                                    named("walker", storage)))
+        graded.append(
+            GradedStorage(entry, named("state", storage), named("registry", storage), named("walker", storage))
+        )
     return Grading(tuple(graded), tuple(dead))
-

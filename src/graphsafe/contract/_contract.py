@@ -9,18 +9,18 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterator
-from collections.abc import Set as AbstractSet
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
-from torch.nn.parameter import is_lazy
 
+from graphsafe.collectors import Classified, classify, classify_walk, walk
 from graphsafe.contract._access import submodule_is
 from graphsafe.contract._copy import CopyBatch
-from graphsafe.contract._slots import LayerSnapshot, SealedLayer, SealedSlot, WalkSettings
+from graphsafe.contract._slots import LayerSnapshot, SealedLayer, SealedSlot
+from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.errors import (
     ContractViolation,
     DeclarationError,
@@ -32,12 +32,8 @@ from graphsafe.errors import (
     ReloadFailedError,
     UndeclaredDriftError,
 )
-from graphsafe.outcome import Finding, FindingKind, Origin, ReloadOutcome, SlotInfo, Status, fingerprint
-from graphsafe.paths import SlotPath
+from graphsafe.outcome import Finding, FindingKind, Origin, ReloadOutcome, SlotInfo, SlotRef, Status, fingerprint
 from graphsafe.registry._store import layer_store
-
-if TYPE_CHECKING:
-    from graphsafe.collectors._walker import WalkResult
 
 __all__ = ["MODES", "DETECT_POLICIES", "GraphContract", "Mode", "RecaptureHandle", "ReloadTransaction", "SlotInfo"]
 
@@ -76,67 +72,17 @@ class RecaptureHandle:
             self._callbacks.remove(self._fn)
 
 
-def _walk(layer: nn.Module, settings: WalkSettings, skip_paths: Collection[str] = ()) -> WalkResult:
-    from graphsafe.collectors._walker import walk
-
-    return walk(
-        layer,
-        max_depth=settings.max_depth,
-        max_objects=settings.max_objects,
-        devices=settings.devices,
-        skip_paths=skip_paths,
+def _sealed_slot(entry: Classified) -> SealedSlot:
+    return SealedSlot(
+        entry.path,
+        entry.fingerprint,
+        weakref.ref(entry.tensor),
+        entry.origin,
+        entry.declaration,
+        restorable=entry.restorable,
+        reason=entry.reason,
+        alias_of=entry.alias_of,
     )
-
-
-def _walker_slots(result: WalkResult, known: AbstractSet[str], declared_storages: dict[int, str]) -> list[SealedSlot]:
-    """Walker finds not already tracked: an alias of a declared slot's storage, or an undeclared walker slot."""
-    slots = []
-    for ref in result.refs:
-        if ref.path in known:
-            continue
-        alias_of = declared_storages.get(id(ref.tensor.untyped_storage()))
-        slots.append(
-            SealedSlot(
-                SlotPath(ref.path),
-                ref.fingerprint,
-                weakref.ref(ref.tensor),
-                Origin.ALIAS if alias_of is not None else Origin.WALKER,
-                restorable=ref.restorable,
-                reason=ref.reason,
-                alias_of=alias_of,
-            )
-        )
-    return slots
-
-
-def _parameter_slots(
-    layer: nn.Module, declared: AbstractSet[str], storages: dict[int, str], devices: tuple[torch.device, ...] | None
-) -> list[SealedSlot]:
-    """The layer's own parameters and buffers not already declared under their name, as ``parameter`` slots.
-
-    A loader that binds a new tensor (``layer.weight = nn.Parameter(new)``) instead of copying into the old one
-    leaves the graph reading the old storage; tracking them turns that into a restore (or a finding) like any
-    declared slot. Their storages join ``storages``, so a walker path to a parameter is its alias.
-    """
-    slots = []
-    for registry in (layer._parameters, layer._buffers):
-        for name, tensor in registry.items():
-            if (
-                name in declared
-                or not isinstance(tensor, torch.Tensor)
-                or is_lazy(tensor)  # an uninitialised lazy parameter: no storage yet
-                or tensor.layout is not torch.strided  # no storage to fingerprint (sparse, ...)
-                or tensor.device.type == "meta"
-                or (devices is not None and not _on_devices(tensor.device, devices))
-            ):
-                continue
-            slots.append(SealedSlot(SlotPath(name), fingerprint(tensor), weakref.ref(tensor), Origin.PARAMETER))
-            storages.setdefault(id(tensor.untyped_storage()), name)
-    return slots
-
-
-def _on_devices(device: torch.device, devices: tuple[torch.device, ...]) -> bool:
-    return any(device == d or (d.index is None and device.type == d.type) for d in devices)
 
 
 class GraphContract:
@@ -163,8 +109,7 @@ class GraphContract:
         mode: Mode = "strict",
         *,
         detect: Detect = "every-reload",
-        max_depth: int = 8,
-        max_objects: int = 100_000,
+        budget: WalkBudget | None = None,
         devices: Collection[torch.device | str] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -176,9 +121,11 @@ class GraphContract:
         self._model_ref = weakref.ref(model)
         self.mode: Mode = mode
         self.detect: Detect = detect
-        self._walk_settings = WalkSettings(
-            detect, max_depth, max_objects, tuple(torch.device(d) for d in devices) if devices else None
-        )
+        self.budget = budget if budget is not None else WalkBudget()
+        if not isinstance(self.budget, WalkBudget):
+            raise TypeError(f"GraphContract: budget is a graphsafe.WalkBudget, not {type(budget).__name__}")
+        #: The devices whose tensors the contract tracks (``None``: the walker's default, the layer's own devices).
+        self.devices: DeviceSet | None = DeviceSet(devices) if devices is not None else None
         self._layers: list[SealedLayer] = []
         self._by_layer: dict[int, list[int]] = {}  # id(layer) -> indices into _layers (for before/after_layer)
         self._sealed = False
@@ -280,27 +227,16 @@ class GraphContract:
 
     def _seal_layer(self, qualname: str, layer: nn.Module) -> SealedLayer | None:
         store = layer_store(layer, create=False)
-        declarations = dict(store.slots) if store is not None else {}
-        slots: list[SealedSlot] = []
-        storages: dict[int, str] = {}
-        for text, declaration in declarations.items():
-            value = declaration.path.resolve_or(layer, None)
-            if not isinstance(value, torch.Tensor):
-                what = "does not resolve" if value is None else f"holds {type(value).__name__}, not a tensor"
-                raise DeclarationError(
-                    f"{qualname or '<model>'} ({type(layer).__name__}): declared slot {text!r} {what} at seal "
-                    f"(declared by {declaration.source}); assign it before seal() or remove the declaration"
-                )
-            slots.append(
-                SealedSlot(declaration.path, fingerprint(value), weakref.ref(value), Origin.DECLARED, declaration)
+        classified = classify(
+            layer, walk_layer=self.detect != "declared-only", budget=self.budget, devices=self.devices
+        )
+        for missing in classified.unresolved:
+            raise DeclarationError(
+                f"{SlotRef(qualname, '')} ({type(layer).__name__}): declared slot {missing.path!r} {missing.what} "
+                f"at seal (declared by {missing.declaration.source}); assign it before seal() or remove the declaration"
             )
-            storages.setdefault(id(value.untyped_storage()), text)
-        slots.extend(_parameter_slots(layer, declarations.keys(), storages, self._walk_settings.devices))
-        exhausted = None
-        if self.detect != "declared-only":
-            result = _walk(layer, self._walk_settings)
-            exhausted = result.exhausted
-            slots.extend(_walker_slots(result, set(declarations), storages))
+        slots = [_sealed_slot(entry) for entry in classified.tensors]
+        exhausted = classified.exhausted
         if not slots and exhausted is None and self.detect != "every-reload":
             # Nothing to track now; with every-reload the layer stays, so tensors it allocates later (scratch on a
             # first forward) are still walked at each reload.
@@ -371,13 +307,15 @@ class GraphContract:
         if self.detect != "every-reload":
             return [], None
         known = sealed.known_paths
-        result = _walk(layer, self._walk_settings, known)  # known paths are neither reported nor fingerprinted
+        # known paths are neither reported nor fingerprinted by the walk
+        result = walk(layer, budget=self.budget, devices=self.devices, skip_paths=known)
         storages = {
             id(s.fp.storage_ref()): s.path.text
             for s in sealed.slots
-            if s.origin is Origin.DECLARED or s.origin is Origin.PARAMETER
+            if s.origin is Origin.DECLARED or s.origin.is_state
         }
-        return _walker_slots(result, known, storages), result.exhausted
+        extras = [_sealed_slot(entry) for entry in classify_walk(result, known, storages)]
+        return extras, result.exhausted
 
     def _decide(self, findings: list[Finding], error: BaseException | None) -> Status:
         problems = [f for f in findings if f.kind.is_problem]
@@ -440,22 +378,18 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
     if any(not f.kind.recapture_fixes for f in problems):
         return ReloadFailedError(f"{header}\n{body}", outcome)
     if undeclared and not remote:
-        report = None
-        try:
-            from graphsafe.collectors import migration_report
-
-            report = migration_report(contract)  # the contract names the PWAL owners; last_outcome is set
-        except Exception:  # the report is an aid; the error must still be raised
-            report = None
         advice = ""
         if any(f.path for f in undeclared):
-            advice += "\nDeclare them with @graph_visible(...) or register_derived(...); `graphsafe report` shows how."
+            advice += (
+                "\nDeclare them with @graph_visible(...) or register_derived(...); "
+                "graphsafe.migration_report(contract) or `graphsafe report` shows how."
+            )
         if any(not f.path for f in undeclared):
             advice += (
                 "\nCaptured storage no layer holds (a module-level cache or a library's internal buffer) cannot be "
                 "declared: write it in place in PWAL, or keep it reachable from the layer and declare that path."
             )
-        return UndeclaredDriftError(f"{header}\n{body}{advice}", outcome, report)
+        return UndeclaredDriftError(f"{header}\n{body}{advice}", outcome)
     return DeclaredDriftError(f"{header}\n{body}", outcome)
 
 

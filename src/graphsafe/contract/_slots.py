@@ -22,7 +22,7 @@ from graphsafe.outcome import Finding, FindingKind, Fingerprint, Origin, fingerp
 from graphsafe.paths import MISSING, Getter, Setter, SlotPath, compile_getter, compile_setter
 from graphsafe.registry._store import Declaration
 
-__all__ = ["LayerSnapshot", "SealedLayer", "SealedSlot", "WalkSettings"]
+__all__ = ["LayerSnapshot", "SealedLayer", "SealedSlot"]
 
 _MISSING: Any = MISSING
 
@@ -73,16 +73,6 @@ class SealedSlot:
         return view
 
 
-@dataclass(frozen=True, slots=True)
-class WalkSettings:
-    """How the collector is run for a contract (``policy`` is the ``detect`` option)."""
-
-    policy: str
-    max_depth: int
-    max_objects: int
-    devices: tuple[torch.device, ...] | None
-
-
 @dataclass(slots=True)
 class SealedLayer:
     """Everything sealed for one layer."""
@@ -116,7 +106,7 @@ class SealedLayer:
         detail = extra.pop("detail", "")
         if slot.origin is Origin.ALIAS and slot.alias_of:
             detail = f"{detail}; alias of tracked slot {slot.alias_of!r}".lstrip("; ")
-        elif slot.origin is Origin.PARAMETER:
+        elif slot.origin.is_state:
             detail = f"{detail}; a parameter or buffer of the layer".lstrip("; ")
         return Finding(
             kind=kind,

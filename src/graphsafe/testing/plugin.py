@@ -219,7 +219,7 @@ def _marker_verdict(item: pytest.Item, mode: str) -> str | None:
             f"@pytest.mark.graphsafe(mode={mode!r}): the test created no contract through the graphsafe_contract "
             "fixture, so nothing was checked; use contract = graphsafe_contract(model)"
         )
-    from graphsafe.collectors import migration_report
+    from graphsafe.report import migration_report
 
     parts: list[str] = []
     for number, entry in enumerate(tracked, 1):
@@ -256,7 +256,7 @@ class _ReportSink:
         self.errors: list[dict[str, str]] = []
 
     def add(self, nodeid: str, tracked: _Tracked) -> None:
-        from graphsafe.collectors import migration_report
+        from graphsafe.report import migration_report
 
         contract = tracked.contract
         outcomes = tracked.outcomes

@@ -39,15 +39,27 @@ _EXPERTS = "quant_method.moe_kernel.impl.fused_experts"
 _CUTLASS_STRIDES = tuple(
     f"{_EXPERTS}.{name}"
     for name in (
-        "ab_strides1", "ab_strides2", "c_strides1", "c_strides2",
-        "a_strides1", "a_strides2", "b_strides1", "b_strides2", "s_strides1", "s_strides2",
+        "ab_strides1",
+        "ab_strides2",
+        "c_strides1",
+        "c_strides2",
+        "a_strides1",
+        "a_strides2",
+        "b_strides1",
+        "b_strides2",
+        "s_strides1",
+        "s_strides2",
     )
 )
 #: FlashInfer / TRT-LLM MoE constants the experts object allocates (activation alpha/beta/clamp, input scales).
 _FLASHINFER_CONSTANTS = tuple(
     f"{_EXPERTS}.{name}"
     for name in (
-        "gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit", "fake_input_scale", "_fc2_input_scale",
+        "gemm1_alpha",
+        "gemm1_beta",
+        "gemm1_clamp_limit",
+        "fake_input_scale",
+        "_fc2_input_scale",
         "per_token_global_scale",
     )
 )

@@ -69,7 +69,11 @@ def register() -> AdapterState | None:
         log.warning("graphsafe: stale declarations-pack entry %s: %s", stale.entry.name, stale.reason)
     log.info(
         "graphsafe: vLLM %s guarded (mode=%s, %d hooks, %d pack entries, %d stale)",
-        version, config.mode, hooks.count, len(state.pack.applied), len(state.pack.stale),
+        version,
+        config.mode,
+        hooks.count,
+        len(state.pack.applied),
+        len(state.pack.stale),
     )
     return state
 

@@ -27,7 +27,7 @@ def _rank() -> int:
 
 def build_report(state: AdapterState, session: Session, outcome: ReloadOutcome) -> dict[str, Any]:
     """Outcome, migration report (what to declare, and how), and what the adapter itself did in this reload."""
-    from graphsafe.collectors import migration_report
+    from graphsafe.report import migration_report
 
     model = session.model_ref()
     try:

@@ -18,8 +18,18 @@ from torch import nn
 from graphsafe.contract._contract import DETECT_POLICIES, Detect, GraphContract, ReloadTransaction
 from graphsafe.outcome import ReloadOutcome
 
-__all__ = ["ENV_DETECT", "ENV_FIX_NONPERSISTENT", "ENV_MANIFEST", "ENV_MODE", "ENV_REPORT", "MODES",
-           "AdapterConfig", "AdapterState", "ConfigError", "Session"]
+__all__ = [
+    "ENV_DETECT",
+    "ENV_FIX_NONPERSISTENT",
+    "ENV_MANIFEST",
+    "ENV_MODE",
+    "ENV_REPORT",
+    "MODES",
+    "AdapterConfig",
+    "AdapterState",
+    "ConfigError",
+    "Session",
+]
 
 AdapterMode = Literal["strict", "recapture", "migrate", "off"]
 MODES: tuple[str, ...] = ("strict", "recapture", "migrate", "off")

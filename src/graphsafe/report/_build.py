@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 from torch import nn
 
+from graphsafe.contract import GraphContract
+from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.outcome import Fingerprint, Origin
 from graphsafe.paths import SlotPath
-from graphsafe.registry._store import declarations_of
+from graphsafe.registry import declarations_of
 
 if TYPE_CHECKING:
-    from graphsafe.collectors._walker import TensorRef
-    from graphsafe.contract._contract import GraphContract
+    from graphsafe.collectors import TensorRef
     from graphsafe.outcome import Finding, ReloadOutcome
 
 __all__ = [
@@ -265,7 +266,7 @@ class MigrationReport:
 
         Only ``json`` includes device addresses; the others are stable across runs for the same model.
         """
-        from graphsafe.collectors import _report_render
+        from graphsafe.report import _render as _report_render
 
         renderers = {
             "text": _report_render.text,
@@ -288,7 +289,7 @@ def report_schema() -> dict[str, Any]:
     from importlib import resources
 
     schema: dict[str, Any] = json.loads(
-        resources.files("graphsafe.collectors").joinpath("report_schema.json").read_text(encoding="utf-8")
+        resources.files("graphsafe.report").joinpath("schema.json").read_text(encoding="utf-8")
     )
     return schema
 
@@ -426,7 +427,7 @@ def _draft_from_finding(finding: Finding, *, lazy: bool, evidence: str) -> _Draf
 class _Walk:
     max_depth: int = 8
     max_objects: int = 100_000
-    devices: Collection[torch.device | str] | None = None
+    devices: DeviceSet | None = None
 
 
 def _walk_undeclared(
@@ -434,17 +435,18 @@ def _walk_undeclared(
 ) -> Iterator[tuple[str, nn.Module, TensorRef]]:
     """``(qualname, layer, ref)`` for every walker-found tensor that is neither declared nor an alias of a
     declared slot (a path onto a declared slot's storage is restored with it), nor in ``skip``."""
-    from graphsafe.collectors._walker import walk
+    from graphsafe.collectors import walk
 
     for qualname, layer in model.named_modules():
         declared = declarations_of(layer)
         held = [v for v in (d.path.resolve_or(layer, None) for d in declared.values()) if isinstance(v, torch.Tensor)]
         declared_storages = {id(t.untyped_storage()) for t in held}
-        result = walk(layer, max_depth=settings.max_depth, max_objects=settings.max_objects, devices=settings.devices)
+        result = walk(layer, budget=WalkBudget(settings.max_depth, settings.max_objects), devices=settings.devices)
         name = qualname or "<model>"
         if result.exhausted:
-            notes.append(_strip_addresses(f"{name}: walk budget exhausted ({result.exhausted}); tensors past it are "
-                                          "not listed"))
+            notes.append(
+                _strip_addresses(f"{name}: walk budget exhausted ({result.exhausted}); tensors past it are not listed")
+            )
         notes.extend(_strip_addresses(f"{name}: {note}") for note in result.notes)
         for ref in result.refs:
             if ref.path in declared or (qualname, ref.path) in skip:
@@ -457,8 +459,7 @@ def _walk_undeclared(
 def _from_model(model: nn.Module, settings: _Walk) -> tuple[list[_Draft], dict[str, nn.Module], list[str]]:
     notes: list[str] = []
     drafts = [
-        _Draft(name, type(layer).__name__, ref.path, ref.fingerprint, STABLE, ref.restorable, False, "walk",
-               ref.reason)
+        _Draft(name, type(layer).__name__, ref.path, ref.fingerprint, STABLE, ref.restorable, False, "walk", ref.reason)
         for name, layer, ref in _walk_undeclared(model, settings, notes)
     ]
     return drafts, dict(model.named_modules()), notes
@@ -486,8 +487,17 @@ def _from_contract(contract: GraphContract) -> tuple[list[_Draft], dict[str, nn.
         finding = by_slot.get((slot.layer, slot.path))
         drift = finding.kind.value if finding is not None else STABLE
         drafts.append(
-            _Draft(slot.layer, slot.layer_class, slot.path, slot.fingerprint, drift, slot.restorable,
-                   drift == "vanished", "seal", detail=finding.detail if finding is not None else "")
+            _Draft(
+                slot.layer,
+                slot.layer_class,
+                slot.path,
+                slot.fingerprint,
+                drift,
+                slot.restorable,
+                drift == "vanished",
+                "seal",
+                detail=finding.detail if finding is not None else "",
+            )
         )
     # Not sealed but found when the reload began (a finding), or now (a walk): allocated after the seal, i.e.
     # not by PWAL (seal() runs right after the load and its PWAL).
@@ -503,15 +513,21 @@ def _from_contract(contract: GraphContract) -> tuple[list[_Draft], dict[str, nn.
     elif (model := _live_model(contract)) is None:
         notes.append("the contract's model was garbage-collected: only what the seal and the last reload saw is listed")
     else:
-        settings = getattr(contract, "_walk_settings", None)
-        walk_settings = (
-            _Walk(settings.max_depth, settings.max_objects, settings.devices) if settings is not None else _Walk()
-        )
+        walk_settings = _Walk(contract.budget.max_depth, contract.budget.max_objects, contract.devices)
         layers = dict(model.named_modules())
         for name, module, ref in _walk_undeclared(model, walk_settings, notes, skip=known | by_slot.keys()):
             drafts.append(
-                _Draft(name, type(module).__name__, ref.path, ref.fingerprint, STABLE, ref.restorable, True,
-                       "after-seal", ref.reason)
+                _Draft(
+                    name,
+                    type(module).__name__,
+                    ref.path,
+                    ref.fingerprint,
+                    STABLE,
+                    ref.restorable,
+                    True,
+                    "after-seal",
+                    ref.reason,
+                )
             )
     order = {name: index for index, name in enumerate(layers)}
     drafts.sort(key=lambda d: order.get(d.layer, len(order)))  # stable: keeps path order within a layer
@@ -554,12 +570,20 @@ def _unowned_entry(index: int, item: Any) -> UnownedEntry:
     optionally ``capture``, ``op``, ``lo``/``hi``, ``written``, ``nbytes``, ``data_ptr``, ``device``."""
     if isinstance(item, torch.Tensor):
         return UnownedEntry(
-            f"captured storage #{index}", tuple(item.shape), _dtype_name(item.dtype), str(item.device),
-            item.untyped_storage().nbytes(), item.data_ptr(),
+            f"captured storage #{index}",
+            tuple(item.shape),
+            _dtype_name(item.dtype),
+            str(item.device),
+            item.untyped_storage().nbytes(),
+            item.data_ptr(),
         )
-    fp = item if isinstance(item, Fingerprint) else next(
-        (v for v in (getattr(item, n, None) for n in ("first_view", "fingerprint")) if isinstance(v, Fingerprint)),
-        None,
+    fp = (
+        item
+        if isinstance(item, Fingerprint)
+        else next(
+            (v for v in (getattr(item, n, None) for n in ("first_view", "fingerprint")) if isinstance(v, Fingerprint)),
+            None,
+        )
     )
 
     def number(name: str) -> int | None:
@@ -700,15 +724,28 @@ def _fixes(entries: Sequence[ReportEntry], known: Sequence[bool], reloaded: bool
         static = {p for p in paths if reloaded and all(e.drift == STABLE for e in members if e.path == p)}
         if kind == "lazy":
             fixes.append(
-                Fix("register_derived", owner, f"{owner}: right after the code that assigns each path (it is not "
-                    "there when PWAL returns, e.g. the first forward allocates it)", paths, layers,
-                    _register_lines(paths, static), _lazy_note(members))
+                Fix(
+                    "register_derived",
+                    owner,
+                    f"{owner}: right after the code that assigns each path (it is not "
+                    "there when PWAL returns, e.g. the first forward allocates it)",
+                    paths,
+                    layers,
+                    _register_lines(paths, static),
+                    _lazy_note(members),
+                )
             )
             continue
         if kind == "no-pwal":
             fixes.append(
-                Fix("register_derived", owner, f"{owner}: where it assigns each path ({owner} has no {_PWAL})",
-                    paths, layers, _register_lines(paths, static))
+                Fix(
+                    "register_derived",
+                    owner,
+                    f"{owner}: where it assigns each path ({owner} has no {_PWAL})",
+                    paths,
+                    layers,
+                    _register_lines(paths, static),
+                )
             )
             continue
         # One decorator covers every layer the PWAL runs for, but only paths every such layer has (a declared
@@ -716,8 +753,10 @@ def _fixes(entries: Sequence[ReportEntry], known: Sequence[bool], reloaded: bool
         per_layer = {name: {e.path for e in members if e.layer == name} for name in layers}
         common = tuple(p for p in paths if all(p in have for have in per_layer.values()))
         partial = tuple(p for p in paths if p not in common)
-        where = target if members[0].pwal is not None else (
-            f"the {_PWAL} that runs for {owner} (its quant_method's, if it has one)"
+        where = (
+            target
+            if members[0].pwal is not None
+            else (f"the {_PWAL} that runs for {owner} (its quant_method's, if it has one)")
         )
         if common:
             derived = [p for p in common if p not in static]
@@ -726,15 +765,23 @@ def _fixes(entries: Sequence[ReportEntry], known: Sequence[bool], reloaded: bool
             note = ""
             if frozen:
                 many = len(frozen) > 1
-                note = _STATIC_NOTE.format(paths=", ".join(frozen), their="their" if many else "its",
-                                           it="they" if many else "it")
+                note = _STATIC_NOTE.format(
+                    paths=", ".join(frozen), their="their" if many else "its", it="they" if many else "it"
+                )
             fixes.append(Fix("graph_visible", owner, where, common, layers, lines, note))
         if partial:
             some = tuple(n for n in layers if per_layer[n] & set(partial))
             fixes.append(
-                Fix("register_derived", owner, f"{where}, after it assigns each path", partial, some,
-                    _register_lines(partial, static), "only some of its layers have these paths, so a decorator "
-                    "(which requires every path on every layer) cannot declare them")
+                Fix(
+                    "register_derived",
+                    owner,
+                    f"{where}, after it assigns each path",
+                    partial,
+                    some,
+                    _register_lines(partial, static),
+                    "only some of its layers have these paths, so a decorator "
+                    "(which requires every path on every layer) cannot declare them",
+                )
             )
     return tuple(fixes)
 
@@ -760,7 +807,6 @@ def migration_report(
         model: with an outcome source, the model it came from, so owners can be resolved exactly.
         max_depth, max_objects, devices: walk budgets and device filter for a model source.
     """
-    from graphsafe.contract._contract import GraphContract
     from graphsafe.outcome import ReloadOutcome
 
     notes: list[str]
@@ -769,7 +815,9 @@ def migration_report(
     mode: str | None = None
     status: str | None = None
     if isinstance(source, nn.Module):
-        drafts, layers, notes = _from_model(source, _Walk(max_depth, max_objects, devices))
+        drafts, layers, notes = _from_model(
+            source, _Walk(max_depth, max_objects, DeviceSet(devices) if devices is not None else None)
+        )
         kind = "model"
         notes.insert(0, "no reload observed: drift is unknown until one (report a contract after a reload)")
         outcome = None
@@ -782,8 +830,7 @@ def migration_report(
         kind, mode, outcome = "outcome", source.mode, source
     else:
         raise TypeError(
-            "migration_report needs an nn.Module, a GraphContract or a ReloadOutcome, "
-            f"got {type(source).__name__}"
+            f"migration_report needs an nn.Module, a GraphContract or a ReloadOutcome, got {type(source).__name__}"
         )
     if outcome is not None:
         status = outcome.status.value

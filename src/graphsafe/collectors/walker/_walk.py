@@ -49,6 +49,7 @@ from typing import Any, Final
 import torch
 from torch import nn
 
+from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.outcome import Fingerprint, fingerprint
 
 __all__ = ["TensorRef", "WalkResult", "collect", "walk"]
@@ -869,9 +870,8 @@ class _Walk:
 def walk(
     layer: nn.Module,
     *,
-    max_depth: int = 8,
-    max_objects: int = 100_000,
-    devices: Collection[torch.device | str] | None = None,
+    budget: WalkBudget | None = None,
+    devices: DeviceSet | Collection[torch.device | str] | torch.device | str | None = None,
     skip_paths: Collection[str] = (),
 ) -> WalkResult:
     """Find every device tensor reachable from ``layer``'s own non-parameter, non-buffer attributes.
@@ -881,9 +881,8 @@ def walk(
 
     Args:
         layer: the reload unit. Its parameters, buffers and child modules are not walked.
-        max_depth: the longest path, in steps (``a.b[0]`` is three), that is reported or read through.
-        max_objects: how many distinct objects may be read; the same number bounds the alias-path enumeration.
-        devices: report only tensors on these devices (``"cuda"`` matches every CUDA index). ``None``: the
+        budget: how far to go (:class:`~graphsafe.devices.WalkBudget`; default ``WalkBudget()``).
+        devices: report only tensors on these devices (the device rule of :mod:`graphsafe.devices`). ``None``: the
             devices of the layer's (and its submodules') parameters and buffers, or every device if it has none.
             Meta tensors are never reported.
         skip_paths: paths the caller already tracks (a set, for speed): no ref is made for them and their
@@ -893,17 +892,16 @@ def walk(
         The refs (one per simple path to a tensor), how many objects were read, and ``exhausted``: ``None``, or a
         sentence naming the budget that was hit and where (the refs are then incomplete).
     """
-    if max_depth < 0 or max_objects < 0:
-        raise ValueError("max_depth and max_objects must be >= 0")
-    if isinstance(devices, (str, torch.device)):  # one device, not a collection of characters
-        devices = (devices,)
+    budget = budget if budget is not None else WalkBudget()
     with torch._C.DisableTorchFunctionSubclass():
         if devices is None:
             found = _layer_devices(layer)
             dev_filter = _DeviceFilter(found if found else None)
+        elif isinstance(devices, DeviceSet):
+            dev_filter = _DeviceFilter(devices.devices)
         else:
-            dev_filter = _DeviceFilter(devices)
-        state = _Walk(layer, max_depth, max_objects, dev_filter)
+            dev_filter = _DeviceFilter(DeviceSet(devices).devices)
+        state = _Walk(layer, budget.max_depth, budget.max_objects, dev_filter)
         state.read()
         refs = state.enumerate_paths(skip_paths)
     return WalkResult(
@@ -917,9 +915,8 @@ def walk(
 def collect(
     layer: nn.Module,
     *,
-    max_depth: int = 8,
-    max_objects: int = 100_000,
-    devices: Collection[torch.device | str] | None = None,
+    budget: WalkBudget | None = None,
+    devices: DeviceSet | Collection[torch.device | str] | torch.device | str | None = None,
 ) -> list[TensorRef]:
     """The refs of :func:`walk` as a list (check ``walk(...).exhausted`` when completeness matters)."""
-    return list(walk(layer, max_depth=max_depth, max_objects=max_objects, devices=devices).refs)
+    return list(walk(layer, budget=budget, devices=devices).refs)

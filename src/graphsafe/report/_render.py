@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from graphsafe.paths import Attr, Cell, Token, parse_path
 
 if TYPE_CHECKING:
-    from graphsafe.collectors._report import Fix, MigrationReport, ReportEntry
+    from graphsafe.report._build import Fix, MigrationReport, ReportEntry
 
 __all__ = ["dot", "human_bytes", "markdown", "text", "tree"]
 
@@ -96,10 +96,20 @@ def text(report: MigrationReport) -> str:
     if report.entries:
         rows = [["LAYER", "CLASS", "PATH", "SHAPE", "DTYPE", "DEVICE", "BYTES", "DRIFT", "RESTORABLE", "NOTE"]]
         for e in report.entries:
-            rows.append([
-                e.layer or "<model>", e.layer_class, e.path, _shape(e.shape), e.dtype, e.device,
-                human_bytes(e.nbytes), e.drift, _restorable(e.restorable), _entry_note(e),
-            ])
+            rows.append(
+                [
+                    e.layer or "<model>",
+                    e.layer_class,
+                    e.path,
+                    _shape(e.shape),
+                    e.dtype,
+                    e.device,
+                    human_bytes(e.nbytes),
+                    e.drift,
+                    _restorable(e.restorable),
+                    _entry_note(e),
+                ]
+            )
         lines += ["", *_table(rows)]
     if report.fixes:
         lines += ["", "Fixes, grouped by owner (each covers every layer listed):"]
@@ -111,8 +121,16 @@ def text(report: MigrationReport) -> str:
                 lines.append(f"      note: {fix.note}")
     if report.unowned:
         lines += ["", "Unowned captured storage (a captured graph reads it; no layer path reaches it):"]
-        rows = [[u.description, u.dtype or "?", _shape(u.shape), u.device or "?",
-                 human_bytes(u.nbytes) if u.nbytes is not None else "?"] for u in report.unowned]
+        rows = [
+            [
+                u.description,
+                u.dtype or "?",
+                _shape(u.shape),
+                u.device or "?",
+                human_bytes(u.nbytes) if u.nbytes is not None else "?",
+            ]
+            for u in report.unowned
+        ]
         lines += ["  " + row for row in _table(rows)]
     if report.notes:
         lines += ["", "Notes:"] + [f"  - {note}" for note in report.notes]
@@ -126,8 +144,13 @@ def _md(cell: str) -> str:
 def markdown(report: MigrationReport) -> str:
     """GitHub-flavoured markdown: a summary, a table of entries, one section per fix with a code block."""
     headline, source = _headline(report), _source_line(report)
-    lines = ["# graphsafe migration report", "", headline[:1].upper() + headline[1:] + ".", "",
-             source[:1].upper() + source[1:] + "."]
+    lines = [
+        "# graphsafe migration report",
+        "",
+        headline[:1].upper() + headline[1:] + ".",
+        "",
+        source[:1].upper() + source[1:] + ".",
+    ]
     if report.entries:
         lines += [
             "",
@@ -138,8 +161,16 @@ def markdown(report: MigrationReport) -> str:
         ]
         for e in report.entries:
             cells = [
-                f"`{e.layer or '<model>'}`", f"`{e.layer_class}`", f"`{e.path}`", _shape(e.shape), e.dtype, e.device,
-                str(e.nbytes), e.drift, _restorable(e.restorable), _entry_note(e),
+                f"`{e.layer or '<model>'}`",
+                f"`{e.layer_class}`",
+                f"`{e.path}`",
+                _shape(e.shape),
+                e.dtype,
+                e.device,
+                str(e.nbytes),
+                e.drift,
+                _restorable(e.restorable),
+                _entry_note(e),
             ]
             lines.append("| " + " | ".join(_md(c) for c in cells) + " |")
     if report.fixes:
@@ -158,11 +189,21 @@ def markdown(report: MigrationReport) -> str:
             if fix.note:
                 lines += ["", f"Note: {fix.note}."]
     if report.unowned:
-        lines += ["", "## Unowned captured storage", "", "| Description | Dtype | Shape | Device | Bytes |",
-                  "|---|---|---|---|---:|"]
+        lines += [
+            "",
+            "## Unowned captured storage",
+            "",
+            "| Description | Dtype | Shape | Device | Bytes |",
+            "|---|---|---|---|---:|",
+        ]
         for u in report.unowned:
-            cells = [u.description, u.dtype or "?", _shape(u.shape), u.device or "?",
-                     str(u.nbytes) if u.nbytes is not None else "?"]
+            cells = [
+                u.description,
+                u.dtype or "?",
+                _shape(u.shape),
+                u.device or "?",
+                str(u.nbytes) if u.nbytes is not None else "?",
+            ]
             lines.append("| " + " | ".join(_md(c) for c in cells) + " |")
     if report.notes:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in report.notes]

@@ -1,0 +1,187 @@
+"""The one classification of a layer's tensors: declared, parameter, buffer, alias of one of those, or found by
+the walker alone.
+
+The seal, the migration report, the manifest's index and the toolkit all ask :func:`classify`, so a tensor gets one
+answer wherever it is looked at. The rules, in order:
+
+1. **declared**: a path in the layer's declarations (``graph_visible``, ``register_derived``, ``stable_empty``). A
+   declared path that does not hold a tensor is listed in :attr:`LayerTensors.unresolved` (the seal raises on it).
+2. **parameter** / **buffer**: a registered parameter or buffer of the layer itself (not ``None``, not lazy,
+   strided, not on ``meta``, on ``devices`` when given) that is not also declared under its name.
+3. **alias**: a path the walker found whose storage is the storage of a declared, parameter or buffer slot of
+   the same layer: it is restored with that slot (``alias_of`` names it), never "undeclared". A transposed view of
+   a weight (``self.w_t = self.weight.data.t()``) is an alias of ``weight``.
+4. **walker**: any other path the walker found: undeclared.
+
+Static is a property of a declaration (:attr:`Classified.static`), not a class of its own.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.parameter import is_lazy
+
+from graphsafe.collectors.walker import WalkResult, walk
+from graphsafe.devices import DeviceSet, WalkBudget
+from graphsafe.outcome import Fingerprint, Origin, fingerprint
+from graphsafe.paths import SlotPath
+from graphsafe.registry import Declaration, declarations_of
+
+__all__ = ["Classified", "LayerTensors", "Unresolved", "classify", "classify_walk", "tracked_storages"]
+
+
+@dataclass(slots=True, eq=False)
+class Classified:
+    """One path to one tensor of a layer, and why it is tracked.
+
+    ``eq=False``: comparing two entries field by field would compare tensors elementwise.
+    """
+
+    path: SlotPath
+    tensor: torch.Tensor
+    fingerprint: Fingerprint
+    origin: Origin
+    declaration: Declaration | None = None
+    #: For an alias: the path of the declared, parameter or buffer slot whose storage it shares.
+    alias_of: str | None = None
+    #: Whether a copy into the captured tensor can be put back at the path (walker finds only; see the walker).
+    restorable: bool = True
+    reason: str | None = None
+    #: Whether the walker reached this path too (a declared attribute is usually also walked).
+    walked: bool = False
+
+    @property
+    def static(self) -> bool:
+        """Whether the author declared the contents independent of the weights (``static=True``)."""
+        return self.declaration is not None and self.declaration.static
+
+    @property
+    def tensor_ref(self) -> weakref.ReferenceType[torch.Tensor]:
+        """A weak reference to the tensor (what the contract keeps between reloads)."""
+        return weakref.ref(self.tensor)
+
+
+@dataclass(frozen=True, slots=True)
+class Unresolved:
+    """A declared path that does not hold a tensor on the layer (``what`` says what it holds instead)."""
+
+    path: str
+    declaration: Declaration
+    what: str
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTensors:
+    """Every tracked tensor of one layer, classified, and what the walk could not see."""
+
+    tensors: tuple[Classified, ...]
+    unresolved: tuple[Unresolved, ...] = ()
+    #: Whether the walker ran (``False`` under ``walk=False``: undeclared tensors were not looked for).
+    walked: bool = False
+    #: The walker's sentence when a budget cut it short, else ``None``.
+    exhausted: str | None = None
+    #: Where the walker saw tensors no path can name.
+    notes: tuple[str, ...] = ()
+
+    def of(self, *origins: Origin) -> tuple[Classified, ...]:
+        """The entries of the given origins, in classification order."""
+        return tuple(entry for entry in self.tensors if entry.origin in origins)
+
+    @property
+    def undeclared(self) -> tuple[Classified, ...]:
+        """What an author should declare: the walker's finds that are neither declared nor aliases."""
+        return self.of(Origin.WALKER)
+
+
+def _state_entries(
+    layer: nn.Module, declared: Collection[str], storages: dict[int, str], devices: DeviceSet | None
+) -> list[Classified]:
+    """The layer's own parameters and buffers not already declared under their name."""
+    entries: list[Classified] = []
+    for origin, table in ((Origin.PARAMETER, layer._parameters), (Origin.BUFFER, layer._buffers)):
+        for name, tensor in table.items():
+            if (
+                name in declared
+                or not isinstance(tensor, torch.Tensor)
+                or is_lazy(tensor)  # an uninitialised lazy parameter: no storage yet
+                or tensor.layout is not torch.strided  # no storage to fingerprint (sparse, ...)
+                or tensor.device.type == "meta"
+                or (devices is not None and tensor.device not in devices)
+            ):
+                continue
+            entries.append(Classified(SlotPath(name), tensor, fingerprint(tensor), origin))
+            storages.setdefault(id(tensor.untyped_storage()), name)
+    return entries
+
+
+def tracked_storages(entries: Iterable[Classified]) -> dict[int, str]:
+    """``id(storage) -> path`` for the declared, parameter and buffer entries (the first path per storage)."""
+    storages: dict[int, str] = {}
+    for entry in entries:
+        if entry.origin is Origin.DECLARED or entry.origin.is_state:
+            storages.setdefault(id(entry.tensor.untyped_storage()), entry.path.text)
+    return storages
+
+
+def classify_walk(result: WalkResult, known: Collection[str], storages: Mapping[int, str]) -> list[Classified]:
+    """The walker's finds not in ``known``: an alias where the storage is in ``storages``, else a walker slot."""
+    entries: list[Classified] = []
+    for ref in result.refs:
+        if ref.path in known:
+            continue
+        alias_of = storages.get(id(ref.tensor.untyped_storage()))
+        entries.append(
+            Classified(
+                SlotPath(ref.path),
+                ref.tensor,
+                ref.fingerprint,
+                Origin.ALIAS if alias_of is not None else Origin.WALKER,
+                alias_of=alias_of,
+                restorable=ref.restorable,
+                reason=ref.reason,
+                walked=True,
+            )
+        )
+    return entries
+
+
+def classify(
+    layer: nn.Module,
+    *,
+    walk_layer: bool = True,
+    budget: WalkBudget | None = None,
+    devices: DeviceSet | None = None,
+) -> LayerTensors:
+    """Classify every tensor ``layer`` holds (see the module docs for the rules).
+
+    ``walk_layer=False`` classifies declared slots, parameters and buffers only. ``devices`` (the contract's
+    device set) limits parameters, buffers and walker finds; declared slots are tracked wherever they are.
+    """
+    declarations = dict(declarations_of(layer))
+    entries: list[Classified] = []
+    unresolved: list[Unresolved] = []
+    storages: dict[int, str] = {}
+    for text, declaration in declarations.items():
+        value = declaration.path.resolve_or(layer, None)
+        if not isinstance(value, torch.Tensor):
+            what = "does not resolve" if value is None else f"holds {type(value).__name__}, not a tensor"
+            unresolved.append(Unresolved(text, declaration, what))
+            continue
+        entries.append(Classified(declaration.path, value, fingerprint(value), Origin.DECLARED, declaration))
+        storages.setdefault(id(value.untyped_storage()), text)
+    entries.extend(_state_entries(layer, declarations.keys(), storages, devices))
+    if not walk_layer:
+        return LayerTensors(tuple(entries), tuple(unresolved))
+    result = walk(layer, budget=budget, devices=devices)
+    by_path = {entry.path.text: entry for entry in entries}
+    for ref in result.refs:
+        entry = by_path.get(ref.path)
+        if entry is not None:
+            entry.walked = True
+    entries.extend(classify_walk(result, declarations.keys(), storages))
+    return LayerTensors(tuple(entries), tuple(unresolved), True, result.exhausted, result.notes)
