@@ -20,7 +20,7 @@ import time
 import torch
 
 from graphsafe import ContractViolation, GraphContract
-from graphsafe.adapters.torch import capture, reload
+from graphsafe.adapters.torch import capture, run_reload
 from graphsafe.examples import EXAMPLES, Example
 
 
@@ -35,7 +35,7 @@ def run(ex: Example, variant: str, mode: str, steps: int, device: torch.device) 
     for step in range(1, steps + 1):
         weights = ex.make_weights(model, seed=step)  # the trainer's new weights
         try:
-            outcome = reload(contract, lambda weights=weights: ex.load_weights(model, weights))
+            outcome = run_reload(contract, lambda weights=weights: ex.load_weights(model, weights))
         except ContractViolation as violation:  # strict mode: no replay after a reload it could not keep
             print(f"{ex.name:22s} {variant:8s} {mode:9s} step {step}: refused ({type(violation).__name__})")
             print("  " + str(violation).replace("\n", "\n  "))

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from graphsafe.adapters.distributed import AgreementGroup
+from graphsafe.contract import AgreementGroup
 
 
 def on_threads(world: int, fn: Callable[[AgreementGroup], Any], *, limit: float = 20.0) -> list[Any]:

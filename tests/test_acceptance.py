@@ -3,7 +3,7 @@
 * the public surface promised by the collectors and manifest issues (``import graphsafe`` is enough);
 * the README's quick start runs as written and keeps its promise (addresses kept, new values delivered);
 * ``examples/rl_loop.py`` (the plain-PyTorch RL loop the manifest issue asks for) runs and checks its replays;
-* the layerwise reload under rank agreement (issue 6 names "the layerwise form" next to ``reload(group=...)``).
+* the layerwise reload under rank agreement (issue 6 names "the layerwise form" next to ``reload(agreement=...)``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from graphsafe import (
     report,
 )
 from graphsafe.adapters import torch as torch_adapter
-from graphsafe.adapters.distributed import AgreementGroup
+from graphsafe.contract import AgreementGroup, StoreAgreement
 from graphsafe.examples import EXAMPLES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
         ("CapturedGraph", torch_adapter),
         ("GraphRunner", torch_adapter),
         ("capture", torch_adapter),
-        ("reload", torch_adapter),
+        ("run_reload", torch_adapter),
     ],
 )
 def test_names_later_issues_promise_are_exported_at_top_level(name: str, home: types.ModuleType) -> None:
@@ -132,7 +132,7 @@ def test_readme_quick_start_runs_as_written_and_keeps_its_promise(capsys: pytest
     scope: dict[str, Any] = {"torch": torch, "make_workspace": _make_workspace}
     exec(compile(declare, "README.md:declare", "exec"), scope)
     method_cls = scope["MarlinLinearMethod"]
-    spec = graphsafe.declared_paths(method_cls.process_weights_after_loading)
+    spec = graphsafe.graph_visible_spec(method_cls.process_weights_after_loading)
     assert spec is not None and spec.paths == ("quant_method.kernel.workspace", "g_idx_sort_indices")
 
     model = _Model(method_cls)
@@ -239,7 +239,7 @@ def _layerwise_reload(
 ) -> BaseException | None:
     generator = torch.Generator().manual_seed(seed)
     try:
-        with contract.reload(layerwise=True, group=group, timeout=10) as txn:
+        with contract.reload(layerwise=True, agreement=StoreAgreement(group, 10)) as txn:
             for index, layer in enumerate(model.layers):
                 txn.before_layer(layer)
                 with torch.no_grad():

@@ -14,8 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-import graphsafe.adapters.distributed as distributed
-from graphsafe import GraphContract, NotServingSafeError, Status, register_derived
+from graphsafe import GraphContract, NotServingSafeError, ReloadOutcome, Status, register_derived
 from graphsafe.collectors import record_capture
 from graphsafe.contract import _copy
 from graphsafe.errors import GraphSafeError
@@ -227,15 +226,14 @@ def test_a_restore_without_exceptions_leaves_the_contract_serving_safe() -> None
     assert_graph_reads_the_new_weights(contract, model, 1)
 
 
-def test_a_failed_rank_agreement_leaves_the_contract_unsafe(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_rank_agreement_leaves_the_contract_unsafe() -> None:
     model = build(0)
     contract = GraphContract(model, "strict").seal()
 
-    def broken(*args: Any, **kwargs: Any) -> Any:
+    def broken(local: ReloadOutcome) -> ReloadOutcome:
         raise TimeoutError("store timed out (simulated)")
 
-    monkeypatch.setattr(distributed, "agree", broken)
-    with pytest.raises(TimeoutError), contract.reload(group=object()):
+    with pytest.raises(TimeoutError), contract.reload(agreement=broken):
         load(model, 1)
     assert not contract.serving_safe
 

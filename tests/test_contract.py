@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from graphsafe import (
+    ContractViolation,
     DeclaredDriftError,
     FindingKind,
     GraphContract,
@@ -815,3 +816,50 @@ def test_a_parameter_declared_after_the_seal_becomes_a_declared_slot() -> None:
     now = {(s.layer, s.path): s for s in contract.slots()}
     assert now[("0", "weight")].origin is Origin.DECLARED and now[("0", "weight")].fingerprint is sealed_fp
     assert sum(1 for s in contract.slots() if (s.layer, s.path) == ("0", "weight")) == 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# on_outcome: one listener per reload, whatever the status
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_on_outcome_sees_every_reload_and_its_handle_removes(tiny: Tiny) -> None:
+    model = tiny.build(0)
+    contract = GraphContract(model, "strict").seal()
+    seen: list[ReloadOutcome] = []
+    handle = contract.on_outcome(seen.append)
+    assert handle.active
+    with contract.reload() as txn:
+        tiny.reload(model, 1)
+    assert [o.status for o in seen] == [Status.COMMITTED] and seen[0] is txn.outcome
+    # A strict failure: the listener hears it before the contract raises.
+    layer = model.layers[0]
+    with pytest.raises(ContractViolation), contract.reload():
+        tiny.reload(model, 2)
+        layer.quant_method.kernel.scale = torch.zeros(4, 4)  # respecified: a new shape
+    assert [o.status for o in seen] == [Status.COMMITTED, Status.FAILED]
+    assert seen[1] is contract.last_outcome
+    handle.remove()
+    assert not handle.active
+    tiny.reload(model, 2)  # a full reload puts the layout back, and the graphs would be captured again here
+    contract.reseal()
+    with contract.reload():
+        tiny.reload(model, 3)
+    assert len(seen) == 2  # removed: not called again
+
+
+def test_a_listener_that_raises_does_not_change_the_outcome(tiny: Tiny) -> None:
+    model = tiny.build(0)
+    contract = GraphContract(model, "strict").seal()
+    heard: list[Status] = []
+
+    def broken(outcome: ReloadOutcome) -> None:
+        raise RuntimeError("listener bug")
+
+    contract.on_outcome(broken)
+    contract.on_outcome(lambda outcome: heard.append(outcome.status))  # later listeners still run
+    with pytest.raises(RuntimeError, match="listener bug"), contract.reload() as txn:
+        tiny.reload(model, 1)
+    assert heard == [Status.COMMITTED]
+    assert txn.outcome is not None and txn.outcome.committed
+    assert contract.serving_safe  # the reload itself committed

@@ -12,10 +12,10 @@ from torch import nn
 import graphsafe
 from graphsafe import (
     DeclarationError,
-    DerivedHandle,
     PathSyntaxError,
-    declared_paths,
+    RemovableHandle,
     graph_visible,
+    graph_visible_spec,
     register_derived,
     stable_empty,
 )
@@ -179,18 +179,18 @@ def test_marker_lists_paths_without_running_anything() -> None:
     def pwal(layer: nn.Module) -> None:
         calls.append("ran")
 
-    spec = declared_paths(pwal)
+    spec = graph_visible_spec(pwal)
     assert spec is not None
     assert spec.paths == ("a.b['c']", "d")
     assert spec.derived_from == ("weight",)
     assert spec.static is True
     assert calls == []
     # Reachable through the class attribute and a bound method alike.
-    method_spec = declared_paths(Method.process_weights_after_loading)
+    method_spec = graph_visible_spec(Method.process_weights_after_loading)
     assert method_spec is not None and method_spec.paths == ("weight_t", "quant_method.kernel.workspace")
-    bound_spec = declared_paths(Method().process_weights_after_loading)
+    bound_spec = graph_visible_spec(Method().process_weights_after_loading)
     assert bound_spec == method_spec
-    assert declared_paths(_with_method) is None
+    assert graph_visible_spec(_with_method) is None
 
 
 @pytest.mark.parametrize("bad", ["a..b", "a[", "1abc", "a.", "x[b]", "f.__closure__"])
@@ -213,8 +213,8 @@ def test_register_derived_declares_and_the_handle_removes() -> None:
     layer = Plain()
     layer.weight_t = layer.weight.detach().t().contiguous()
     handle = register_derived(layer, "weight_t", layer.weight_t)
-    assert isinstance(handle, DerivedHandle)
-    assert handle.active and handle.layer is layer
+    assert isinstance(handle, RemovableHandle)
+    assert handle.active and handle.description == "register_derived(Plain, 'weight_t')"
     assert "weight_t" in declarations_of(layer)
     handle.remove()
     assert not handle.active
@@ -361,9 +361,9 @@ def test_a_collected_layer_leaves_nothing_in_the_store() -> None:
     gc.collect()
     assert alive() is None  # the store (and the handle) did not keep it alive
     assert not any(type(entry) is Doomed for entry, _ in _store.iter_declared_layers())
-    assert handle.layer is None and not handle.active
+    assert not handle.active
     handle.remove()  # harmless once the layer is gone
-    assert "collected" in repr(handle)
+    assert "active=False" in repr(handle)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -394,3 +394,29 @@ def test_package_exports_every_error_class() -> None:
         assert isinstance(cls, type) and issubclass(cls, errors.GraphSafeError)
         assert getattr(graphsafe, name) is cls
         assert name in graphsafe.__all__
+
+
+# ----------------------------------------------------------------------------------------------------
+# declare: the public function a declarations pack uses
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_declare_records_the_source_and_refuses_what_is_not_a_tensor() -> None:
+    from graphsafe.registry import declarations_generation, declare
+
+    layer = Plain()
+    layer.workspace = torch.zeros(3)
+    before = declarations_generation(layer)
+    declaration = declare(layer, "workspace", source="my pack: Plain")
+    assert declarations_of(layer)["workspace"] is declaration
+    assert declaration.source == "my pack: Plain" and not declaration.static
+    moved = declarations_generation(layer)
+    assert moved > before
+    assert declare(layer, "workspace", source="my pack: Plain") is declaration  # idempotent
+    assert declarations_generation(layer) == moved
+    with pytest.raises(DeclarationError, match="does not resolve"):
+        declare(layer, "missing", source="my pack: Plain")
+    with pytest.raises(DeclarationError, match="bad slot path"):
+        declare(layer, "a..b", source="my pack: Plain")
+    with pytest.raises(DeclarationError, match=r"nn\.Module"):
+        declare(object(), "workspace", source="my pack")  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Rank agreement (``graphsafe.adapters.distributed``): one outcome for all ranks, coordinated recapture, timeouts.
+"""Rank agreement (``graphsafe.contract.StoreAgreement``): one outcome for all ranks, coordinated recapture, timeouts.
 
 Two kinds of tests. In-process ones run the agreement protocol on threads sharing a ``HashStore`` (cheap, exact
 control of arrival order). Spawned ones run 2-4 real processes on gloo (CPU) with ``torch.distributed``
@@ -38,7 +38,8 @@ from graphsafe import (
     Status,
     graph_visible,
 )
-from graphsafe.adapters.distributed import SUMMARY_FINDINGS, AgreementGroup, agree, agreement_group
+from graphsafe.adapters.distributed import agreement, agreement_group
+from graphsafe.contract import SUMMARY_FINDINGS, AgreementGroup, StoreAgreement
 
 C, R, F = Status.COMMITTED, Status.NEEDS_RECAPTURE, Status.FAILED
 
@@ -103,7 +104,7 @@ def test_the_worst_status_wins_and_every_rank_learns_who_did_not_commit() -> Non
         1: _local(R, (_finding(FindingKind.MOVED, "weight_t", "moved to new storage"),)),
         2: _local(F, (_finding(FindingKind.RELOAD_ERROR, "", "the reload raised ValueError('bad shard')"),)),
     }
-    results = on_threads(3, lambda g: agree(local[g.rank], group=g, timeout=10))
+    results = on_threads(3, lambda g: StoreAgreement(g, 10)(local[g.rank]))
     for rank, outcome in enumerate(results):
         assert isinstance(outcome, ReloadOutcome), outcome
         assert outcome.status is F
@@ -118,12 +119,12 @@ def test_the_worst_status_wins_and_every_rank_learns_who_did_not_commit() -> Non
 @pytest.mark.timeout(30)
 def test_recapture_on_one_rank_is_recapture_on_all_and_clean_ranks_stay_committed() -> None:
     moved = _local(R, (_finding(FindingKind.RESPECIFIED, "weight_t"),))
-    results = on_threads(4, lambda g: agree(moved if g.rank == 2 else _local(C), group=g, timeout=10))
+    results = on_threads(4, lambda g: StoreAgreement(g, 10)(moved if g.rank == 2 else _local(C)))
     assert [o.status for o in results] == [R] * 4
     assert all(o.rank_statuses == ((0, C), (1, C), (2, R), (3, C)) for o in results)
     assert [f.rank for f in results[0].findings] == [2]
 
-    clean = on_threads(3, lambda g: agree(_local(C), group=g, timeout=10))
+    clean = on_threads(3, lambda g: StoreAgreement(g, 10)(_local(C)))
     assert [o.status for o in clean] == [C] * 3
     assert all(o.findings == () for o in clean)
 
@@ -131,7 +132,7 @@ def test_recapture_on_one_rank_is_recapture_on_all_and_clean_ranks_stay_committe
 @pytest.mark.timeout(30)
 def test_a_failed_rank_without_an_error_finding_is_still_named_by_a_reload_error() -> None:
     strict_drift = ReloadOutcome(F, "strict", findings=(_finding(FindingKind.MOVED, "scale"),))
-    results = on_threads(2, lambda g: agree(strict_drift if g.rank == 1 else _local(C), group=g, timeout=10))
+    results = on_threads(2, lambda g: StoreAgreement(g, 10)(strict_drift if g.rank == 1 else _local(C)))
     kinds = [(f.rank, f.kind) for f in results[0].findings]
     assert kinds == [(1, FindingKind.RELOAD_ERROR), (1, FindingKind.MOVED)]
     assert "strict mode" in results[0].findings[0].detail
@@ -140,7 +141,7 @@ def test_a_failed_rank_without_an_error_finding_is_still_named_by_a_reload_error
 @pytest.mark.timeout(30)
 def test_only_the_first_findings_travel_and_the_rest_are_counted() -> None:
     many = tuple(_finding(FindingKind.MOVED, f"slot{i}") for i in range(SUMMARY_FINDINGS + 7))
-    results = on_threads(2, lambda g: agree(_local(R, many) if g.rank == 1 else _local(C), group=g, timeout=10))
+    results = on_threads(2, lambda g: StoreAgreement(g, 10)(_local(R, many) if g.rank == 1 else _local(C)))
     remote = [f for f in results[0].findings if f.rank == 1]
     assert [f.path for f in remote] == [f"slot{i}" for i in range(SUMMARY_FINDINGS)]
     assert "+7 more on rank 1" in remote[-1].detail
@@ -150,9 +151,9 @@ def test_only_the_first_findings_travel_and_the_rest_are_counted() -> None:
 @pytest.mark.timeout(30)
 def test_successive_rounds_do_not_see_each_others_summaries() -> None:
     def two_rounds(group: AgreementGroup) -> list[Status]:
-        first = agree(_local(F if group.rank == 1 else C), group=group, timeout=10)
-        second = agree(_local(C), group=group, timeout=10)
-        third = agree(_local(R if group.rank == 0 else C), group=group, timeout=10)
+        first = StoreAgreement(group, 10)(_local(F if group.rank == 1 else C))
+        second = StoreAgreement(group, 10)(_local(C))
+        third = StoreAgreement(group, 10)(_local(R if group.rank == 0 else C))
         return [first.status, second.status, third.status]
 
     assert on_threads(3, two_rounds) == [[F, C, R]] * 3
@@ -168,12 +169,12 @@ def test_a_missing_rank_fails_the_round_and_a_late_rank_fails_at_once_without_wa
         if group.rank == 2:
             gave_up.wait()
         start = time.monotonic()
-        first = agree(_local(C), group=group, timeout=timeout)
+        first = StoreAgreement(group, timeout)(_local(C))
         elapsed[group.rank] = time.monotonic() - start
         if group.rank != 2:
             gave_up.wait()
         # The next round pairs the ranks again: the late rank is not out of step.
-        second = agree(_local(C), group=group, timeout=5)
+        second = StoreAgreement(group, 5)(_local(C))
         return first, second
 
     results = on_threads(3, run)
@@ -199,7 +200,7 @@ def test_a_late_rank_does_not_wait_for_a_peer_that_never_comes() -> None:
         if group.rank == 1:
             gave_up.wait()
         start = time.monotonic()
-        outcome = agree(_local(C), group=group, timeout=5.0 if group.rank == 1 else timeout)
+        outcome = StoreAgreement(group, 5.0 if group.rank == 1 else timeout)(_local(C))
         elapsed = time.monotonic() - start
         if group.rank == 0:
             gave_up.wait()
@@ -216,8 +217,8 @@ def test_a_late_rank_does_not_wait_for_a_peer_that_never_comes() -> None:
 def test_an_unreadable_peer_summary_reads_as_a_failed_rank() -> None:
     store = dist.HashStore()
     # A peer on a broken build wrote garbage where its summary belongs (round 0, rank 1).
-    dist.PrefixStore("graphsafe/agree/garbled/2/", store).set("0/rank/1", b"\xff not json")
-    outcome = agree(_local(C), group=AgreementGroup(store, 0, 2, "garbled"), timeout=5)
+    store.set("graphsafe/agree/garbled/2/0/rank/1", b"\xff not json")
+    outcome = StoreAgreement(AgreementGroup(store, 0, 2, "garbled"), 5)(_local(C))
     assert outcome.status is F
     assert [(f.rank, f.kind) for f in outcome.findings] == [(1, FindingKind.RELOAD_ERROR)]
     assert "could not be read" in outcome.findings[0].detail
@@ -225,11 +226,11 @@ def test_an_unreadable_peer_summary_reads_as_a_failed_rank() -> None:
 
 def test_single_rank_group_agrees_with_itself_and_bad_arguments_are_refused() -> None:
     store = dist.HashStore()
-    outcome = agree(_local(R), group=AgreementGroup(store, 0, 1, "solo"), timeout=1)
+    outcome = StoreAgreement(AgreementGroup(store, 0, 1, "solo"), 1)(_local(R))
     assert outcome.status is R and outcome.rank_statuses == ((0, R),)
     for bad in (0, -1.0, timedelta(0), float("nan")):
         with pytest.raises(ValueError, match="timeout must be positive"):
-            agree(_local(C), group=AgreementGroup(store, 0, 1, "solo"), timeout=bad)
+            StoreAgreement(AgreementGroup(store, 0, 1, "solo"), bad)
     with pytest.raises(ValueError, match="outside"):
         AgreementGroup(store, 2, 2, "g")
     with pytest.raises(ValueError, match="name"):
@@ -241,7 +242,7 @@ def test_a_process_group_needs_torch_distributed_initialised() -> None:
     with pytest.raises(GraphSafeError, match="init_process_group"):
         agreement_group(None)
     with pytest.raises(GraphSafeError, match="init_process_group"):
-        agree(_local(C), group=dist.group.WORLD, timeout=1)
+        agreement(dist.group.WORLD, timeout=1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ def _contract_reload(
     group: AgreementGroup, contract: GraphContract, model: Shard, seed: int, fault: str | None, timeout: float
 ) -> BaseException | None:
     try:
-        with contract.reload(group=group, timeout=timeout):
+        with contract.reload(agreement=StoreAgreement(group, timeout)):
             _load(model, seed, fault)
     except Exception as exc:
         return exc
@@ -320,7 +321,7 @@ def _attempt(
     record: dict[str, Any] = {"error": None, "message": ""}
     body_end = None
     try:
-        with contract.reload(group=dist.group.WORLD if group is None else group, timeout=timeout):
+        with contract.reload(agreement=agreement(dist.group.WORLD if group is None else group, timeout=timeout)):
             if before_load is not None:
                 before_load()
             _load(model, seed, fault)

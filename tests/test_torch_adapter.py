@@ -23,7 +23,7 @@ from graphsafe import (
     Status,
     stable_empty,
 )
-from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, reload
+from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, run_reload
 from graphsafe.collectors import Manifest
 from graphsafe.examples import EXAMPLES
 
@@ -126,7 +126,7 @@ def test_recapture_mode_recaptures_what_it_owns(x: torch.Tensor) -> None:
     contract = GraphContract(model, "recapture")
     graph = capture(contract, model, x)
     out = graph.output
-    outcome = reload(contract, lambda: load(model, seed=1))
+    outcome = run_reload(contract, lambda: load(model, seed=1))
     assert outcome.status is Status.NEEDS_RECAPTURE
     assert graph.captures == 2 and contract.serving_safe
     assert graph.replay() is out
@@ -140,7 +140,7 @@ def test_committed_reload_does_not_recapture(x: torch.Tensor) -> None:
     model = build()
     contract = GraphContract(model, "migrate")
     graph = capture(contract, model, x)
-    outcome = reload(contract, lambda: load(model, seed=1))
+    outcome = run_reload(contract, lambda: load(model, seed=1))
     assert outcome.status is Status.COMMITTED and outcome.auto_restored
     assert graph.captures == 1
     assert torch.equal(graph.replay(), eager(1, x))
@@ -151,7 +151,7 @@ def test_every_owned_graph_is_recaptured(x: torch.Tensor) -> None:
     contract = GraphContract(model, "recapture")
     whole = capture(contract, model, x, name="whole")
     first = capture(contract, model.layers[0], x, name="first")
-    reload(contract, lambda: load(model, seed=1))
+    run_reload(contract, lambda: load(model, seed=1))
     assert (whole.captures, first.captures) == (2, 2)
     with torch.no_grad():
         want = build(1).layers[0](x)
@@ -166,7 +166,7 @@ def test_strict_mode_raises_and_refuses_to_replay(x: torch.Tensor) -> None:
         graph = runner.capture(x)
         graph.output.fill_(float("nan"))
         with pytest.raises(ContractViolation):
-            runner.reload(lambda: load(model, seed=1))
+            runner.run_reload(lambda: load(model, seed=1))
         with pytest.raises(NotServingSafeError, match=graph.name):
             graph.replay()
         assert torch.isnan(graph.output).all() and graph.captures == 1
@@ -184,7 +184,7 @@ def test_a_failing_load_is_reraised_and_replay_refused(x: torch.Tensor) -> None:
         raise OSError("checkpoint shard missing")
 
     with pytest.raises(OSError, match="shard"):
-        reload(contract, broken)
+        run_reload(contract, broken)
     assert contract.last_outcome is not None and contract.last_outcome.status is Status.FAILED
     with pytest.raises(NotServingSafeError):
         graph.replay()
@@ -205,7 +205,7 @@ def test_a_failing_recapture_leaves_the_contract_unsafe(x: torch.Tensor) -> None
 
     graph = capture(contract, fn, x)
     with pytest.raises(RecaptureError, match="capture failed"):
-        reload(contract, lambda: load(model, seed=1))
+        run_reload(contract, lambda: load(model, seed=1))
     assert not contract.serving_safe
     with pytest.raises(NotServingSafeError):
         graph.replay()
@@ -218,7 +218,7 @@ def test_closed_graph_is_not_recaptured_and_leaves_the_manifest(x: torch.Tensor)
     kept = capture(contract, model, x, name="kept")
     graph.close()
     graph.close()  # idempotent
-    reload(contract, lambda: load(model, seed=1))
+    run_reload(contract, lambda: load(model, seed=1))
     assert graph.captures == 1 and kept.captures == 2
     manifest = contract.manifest
     assert isinstance(manifest, Manifest) and manifest.captures == ("kept",)
@@ -236,7 +236,7 @@ def test_a_dropped_graph_is_freed_at_once_and_forgotten(x: torch.Tensor) -> None
     assert ref() is None
     manifest = contract.manifest
     assert isinstance(manifest, Manifest) and manifest.captures == ()
-    outcome = reload(contract, lambda: load(model, seed=1))
+    outcome = run_reload(contract, lambda: load(model, seed=1))
     assert outcome.status is Status.NEEDS_RECAPTURE and not contract.serving_safe  # nobody left to recapture
 
 
@@ -245,7 +245,7 @@ def test_without_owned_graphs_the_contract_waits_for_reseal(x: torch.Tensor) -> 
     contract = GraphContract(model, "recapture")
     graph = capture(contract, model, x)
     graph.close()
-    outcome = reload(contract, lambda: load(model, seed=1))
+    outcome = run_reload(contract, lambda: load(model, seed=1))
     assert outcome.status is Status.NEEDS_RECAPTURE and not contract.serving_safe
 
 
@@ -260,7 +260,7 @@ def test_structured_output_is_kept(x: torch.Tensor) -> None:
     graph = capture(contract, fn, [x])
     out = graph.output
     assert set(out) == {"y", "pair"} and isinstance(out["pair"], tuple)
-    reload(contract, lambda: load(model, seed=1))
+    run_reload(contract, lambda: load(model, seed=1))
     assert graph.replay() is out
     assert torch.equal(out["y"], eager(1, x)) and torch.equal(out["pair"][1], x + 1)
 
@@ -287,7 +287,7 @@ def test_runner_owns_its_graphs(x: torch.Tensor) -> None:
     assert runner.contract.mode == "recapture"
     graph = runner.capture(x, warmup=0)
     assert isinstance(graph, CapturedGraph) and runner.graphs == (graph,)
-    outcome = runner.reload(lambda: load(model, seed=2))
+    outcome = runner.run_reload(lambda: load(model, seed=2))
     assert outcome.needs_recapture and graph.captures == 2
     assert torch.equal(graph.replay(), eager(2, x))
     runner.close()
@@ -307,10 +307,10 @@ def test_zoo_round_trip_in_fallback(name: str) -> None:
         contract = GraphContract(model, mode)
         graph = capture(contract, model, inp)
         first = graph.replay().clone()
-        outcome = reload(contract, lambda model=model: ex.load_weights(model, ex.make_weights(model, 1)))
+        outcome = run_reload(contract, lambda model=model: ex.load_weights(model, ex.make_weights(model, 1)))
         assert outcome.status is expected, outcome.summary()
         fresh = ex.build(variant, seed=1)
         with torch.no_grad():
             assert torch.equal(graph.replay(), fresh(inp))
-        reload(contract, lambda model=model: ex.load_weights(model, ex.make_weights(model, 0)))
+        run_reload(contract, lambda model=model: ex.load_weights(model, ex.make_weights(model, 0)))
         assert torch.equal(graph.replay(), first)

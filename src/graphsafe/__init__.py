@@ -3,9 +3,9 @@
 Authors declare graph-visible derived tensors (:func:`graph_visible`, :func:`register_derived`,
 :func:`stable_empty`); a :class:`GraphContract` seals them before capture, restores them into the captured
 storage after every reload, verifies every address and fails closed. The collectors (:func:`collect`,
-:func:`record_capture`, :func:`migration_report`) find what nobody declared; :func:`capture` and :func:`reload`
-(the plain-PyTorch adapter, also :class:`GraphRunner`) capture ``torch.cuda.graph`` graphs under a contract and
-recapture them when a reload needs it.
+:func:`record_capture`, :func:`migration_report`) find what nobody declared; :func:`capture` and
+:func:`run_reload` (the plain-PyTorch adapter, also :class:`GraphRunner`) capture ``torch.cuda.graph`` graphs under
+a contract and recapture them when a reload needs it.
 
 The names load lazily (PEP 562): ``import graphsafe`` does not import torch until a name that needs it is used, so
 the pytest plugin this package registers costs a test session nothing unless the session uses graphsafe.
@@ -13,8 +13,9 @@ the pytest plugin this package registers costs a test session nothing unless the
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 from graphsafe.errors import (
     ContractViolation,
@@ -30,18 +31,15 @@ from graphsafe.errors import (
     UndeclaredDriftError,
 )
 
-if TYPE_CHECKING:
-    from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, reload
-    from graphsafe.collectors import Manifest, TensorRef, collect, record_capture
-    from graphsafe.contract import Finding, FindingKind, GraphContract, ReloadOutcome, ReloadTransaction, Status
+if _TYPE_CHECKING:
+    from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, run_reload
+    from graphsafe.collectors import Manifest, TensorRef, classify, collect, record_capture
+    from graphsafe.contract import GraphContract, ReloadTransaction
+    from graphsafe.devices import DeviceSet, WalkBudget
+    from graphsafe.handles import RemovableHandle
+    from graphsafe.outcome import Finding, FindingKind, Fingerprint, Origin, ReloadOutcome, SlotInfo, SlotRef, Status
     from graphsafe.paths import SlotPath
-    from graphsafe.registry import (
-        DerivedHandle,
-        declared_paths,
-        graph_visible,
-        register_derived,
-        stable_empty,
-    )
+    from graphsafe.registry import graph_visible, graph_visible_spec, register_derived, stable_empty
     from graphsafe.report import MigrationReport, migration_report
 
 __version__ = "0.1.0"
@@ -51,39 +49,46 @@ _LAZY = {
     "CapturedGraph": "graphsafe.adapters.torch",
     "GraphRunner": "graphsafe.adapters.torch",
     "capture": "graphsafe.adapters.torch",
-    "reload": "graphsafe.adapters.torch",
+    "run_reload": "graphsafe.adapters.torch",
     "Manifest": "graphsafe.collectors",
-    "MigrationReport": "graphsafe.report",
     "TensorRef": "graphsafe.collectors",
+    "classify": "graphsafe.collectors",
     "collect": "graphsafe.collectors",
-    "migration_report": "graphsafe.report",
     "record_capture": "graphsafe.collectors",
-    "Finding": "graphsafe.contract",
-    "FindingKind": "graphsafe.contract",
     "GraphContract": "graphsafe.contract",
-    "ReloadOutcome": "graphsafe.contract",
     "ReloadTransaction": "graphsafe.contract",
-    "Status": "graphsafe.contract",
-    "DerivedHandle": "graphsafe.registry",
+    "DeviceSet": "graphsafe.devices",
+    "WalkBudget": "graphsafe.devices",
+    "RemovableHandle": "graphsafe.handles",
+    "Finding": "graphsafe.outcome",
+    "FindingKind": "graphsafe.outcome",
+    "Fingerprint": "graphsafe.outcome",
+    "Origin": "graphsafe.outcome",
+    "ReloadOutcome": "graphsafe.outcome",
+    "SlotInfo": "graphsafe.outcome",
+    "SlotRef": "graphsafe.outcome",
+    "Status": "graphsafe.outcome",
     "SlotPath": "graphsafe.paths",
-    "declared_paths": "graphsafe.registry",
     "graph_visible": "graphsafe.registry",
+    "graph_visible_spec": "graphsafe.registry",
     "register_derived": "graphsafe.registry",
     "stable_empty": "graphsafe.registry",
+    "MigrationReport": "graphsafe.report",
+    "migration_report": "graphsafe.report",
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'graphsafe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_importlib.import_module(module), name)
     globals()[name] = value  # later lookups are plain module attributes
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(__all__)
 
 
 __all__ = [
@@ -91,15 +96,17 @@ __all__ = [
     "ContractViolation",
     "DeclarationError",
     "DeclaredDriftError",
-    "DerivedHandle",
+    "DeviceSet",
     "Finding",
     "FindingKind",
+    "Fingerprint",
     "GraphContract",
     "GraphRunner",
     "GraphSafeError",
     "Manifest",
     "MigrationReport",
     "NotServingSafeError",
+    "Origin",
     "PathError",
     "PathSyntaxError",
     "RankAgreementError",
@@ -107,18 +114,23 @@ __all__ = [
     "ReloadFailedError",
     "ReloadOutcome",
     "ReloadTransaction",
+    "RemovableHandle",
+    "SlotInfo",
     "SlotPath",
-    "TensorRef",
+    "SlotRef",
     "Status",
+    "TensorRef",
     "UndeclaredDriftError",
+    "WalkBudget",
     "__version__",
     "capture",
+    "classify",
     "collect",
-    "declared_paths",
     "graph_visible",
+    "graph_visible_spec",
     "migration_report",
     "record_capture",
     "register_derived",
-    "reload",
+    "run_reload",
     "stable_empty",
 ]

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from graphsafe.collectors._manifest import record_capture
-from graphsafe.contract import GraphContract, ReloadOutcome
+from graphsafe.contract import GraphContract
 from graphsafe.contract._contract import Mode
 from graphsafe.errors import ContractViolation, UndeclaredDriftError
 from graphsafe.examples import EXAMPLES, Example, Variant
+from graphsafe.outcome import ReloadOutcome
 from graphsafe.report import MigrationReport, migration_report
 
 __all__ = [

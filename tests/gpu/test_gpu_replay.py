@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from graphsafe import ContractViolation, Finding, GraphContract, NotServingSafeError, Status
-from graphsafe.adapters.torch import CapturedGraph, capture, reload
+from graphsafe.adapters.torch import CapturedGraph, capture, run_reload
 from graphsafe.collectors import Manifest
 from graphsafe.examples import EXAMPLES, Example
 
@@ -139,7 +139,7 @@ def test_migrated_variant_commits_without_recapture(
     name: str, mode: str, device: torch.device, gpu_notes: list[str]
 ) -> None:
     ex, model, x, contract, graph = _setup(name, "migrated", mode, device)
-    outcome = reload(contract, _load(ex, model, SEED_B))
+    outcome = run_reload(contract, _load(ex, model, SEED_B))
     assert outcome.status is Status.COMMITTED, outcome.summary()
     assert graph.captures == 1
     got = _poisoned_replay(graph.replay, graph.output)
@@ -149,7 +149,7 @@ def test_migrated_variant_commits_without_recapture(
 @pytest.mark.parametrize("name", NAMES)
 def test_legacy_in_migrate_mode_is_equal(name: str, device: torch.device, gpu_notes: list[str]) -> None:
     ex, model, x, contract, graph = _setup(name, "legacy", "migrate", device)
-    outcome = reload(contract, _load(ex, model, SEED_B))
+    outcome = run_reload(contract, _load(ex, model, SEED_B))
     if name in LEGACY_NEEDS_RECAPTURE:
         assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
         assert graph.captures == 2
@@ -166,7 +166,7 @@ def test_legacy_in_strict_mode_raises_before_any_replay(name: str, device: torch
     ex, model, _x, contract, graph = _setup(name, "legacy", "strict", device)
     graph.output.fill_(float("nan"))
     with pytest.raises(ContractViolation):
-        reload(contract, _load(ex, model, SEED_B))
+        run_reload(contract, _load(ex, model, SEED_B))
     with pytest.raises(NotServingSafeError):
         graph.replay()
     torch.cuda.synchronize()
@@ -180,7 +180,7 @@ def test_legacy_in_recapture_mode_recaptures_and_is_equal(
 ) -> None:
     ex, model, x, contract, graph = _setup(name, "legacy", "recapture", device)
     out = graph.output
-    outcome = reload(contract, _load(ex, model, SEED_B))
+    outcome = run_reload(contract, _load(ex, model, SEED_B))
     assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
     assert graph.captures == 2 and contract.serving_safe
     assert graph.output is out, "the static output must survive a recapture"
@@ -199,12 +199,12 @@ def test_round_trip_returns_to_the_first_output_exactly(
     ex, model, x, contract, graph = _setup(name, variant, mode, device)
     first_a = _poisoned_replay(graph.replay, graph.output).clone()
 
-    reload(contract, _load(ex, model, SEED_B))
+    run_reload(contract, _load(ex, model, SEED_B))
     b = _poisoned_replay(graph.replay, graph.output).clone()
     assert _matches(b, _eager(ex, variant, SEED_B, x), f"{name} {variant}/{mode} B", gpu_notes)
     assert not torch.equal(b, first_a), "B's weights give A's output: the round trip would prove nothing"
 
-    reload(contract, _load(ex, model, SEED_A))
+    run_reload(contract, _load(ex, model, SEED_A))
     again_a = _poisoned_replay(graph.replay, graph.output)
     assert torch.equal(again_a, first_a)
 
@@ -218,7 +218,7 @@ def test_manifest_alone_flags_every_legacy_example(name: str, device: torch.devi
     assert bool(manifest.unowned()) == (ex.unreachable is not None), [e.describe() for e in manifest.unowned()]
     from_manifest = _spy(contract)
 
-    outcome = reload(contract, _load(ex, model, SEED_B))
+    outcome = run_reload(contract, _load(ex, model, SEED_B))
     assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
     assert from_manifest, f"legacy {name}: the manifest saw nothing wrong"
     assert {id(f) for f in outcome.problems} == {id(f) for f in from_manifest}, "declared-only found more"
@@ -231,7 +231,7 @@ def test_only_the_manifest_sees_the_module_cache(name: str, device: torch.device
     # Walker and registry on (every-reload); which findings came from the manifest and which from the contract?
     ex, model, _x, contract, _graph = _setup(name, "legacy", "recapture", device)
     from_manifest = _spy(contract)
-    outcome = reload(contract, _load(ex, model, SEED_B))
+    outcome = run_reload(contract, _load(ex, model, SEED_B))
     assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
     manifest_ids = {id(f) for f in from_manifest}
     by_contract = [f for f in outcome.problems if id(f) not in manifest_ids]
@@ -251,7 +251,7 @@ def test_module_cache_without_manifest_replays_stale(device: torch.device) -> No
     contract = GraphContract(model, "recapture")
     graph, out = _raw_capture(model, x)
     contract.seal()
-    outcome = reload(contract, _load(ex, model, SEED_B))
+    outcome = run_reload(contract, _load(ex, model, SEED_B))
     assert outcome.status is Status.COMMITTED
     got = _poisoned_replay(graph.replay, out)
     assert not torch.allclose(got, _eager(ex, "legacy", SEED_B, x), rtol=RTOL, atol=ATOL)

@@ -895,15 +895,15 @@ def test_the_pack_is_applied_at_plugin_load_and_declares_vllm_classes(plugin: Ca
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
 
-    from graphsafe import declared_paths
+    from graphsafe import graph_visible_spec
 
     state = plugin("strict")
     assert state.pack.stale == []
-    spec = declared_paths(Fp8MoEMethod.process_weights_after_loading)
+    spec = graph_visible_spec(Fp8MoEMethod.process_weights_after_loading)
     assert spec is not None and "quant_method.moe_kernel.impl.fused_experts.ab_strides1" in spec.paths
-    assert "W_UV" in declared_paths(MLAAttention.process_weights_after_loading).paths
+    assert "W_UV" in graph_visible_spec(MLAAttention.process_weights_after_loading).paths
     gs_vllm.unregister()
-    assert declared_paths(Fp8MoEMethod.process_weights_after_loading) is None
+    assert graph_visible_spec(Fp8MoEMethod.process_weights_after_loading) is None
 
 
 def test_import_graphsafe_does_not_import_vllm() -> None:

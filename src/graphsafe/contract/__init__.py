@@ -1,15 +1,30 @@
-"""The reload contract (private modules; public names are re-exported by :mod:`graphsafe`)."""
+"""The contract: the only place that mutates a model during a reload and decides its outcome.
 
-from graphsafe.contract._contract import GraphContract, RecaptureHandle, ReloadTransaction
-from graphsafe.outcome import Finding, FindingKind, ReloadOutcome, SlotInfo, Status
+:class:`GraphContract` seals what the graphs captured, restores it inside a :class:`ReloadTransaction` and decides
+``COMMITTED``, ``NEEDS_RECAPTURE`` or ``FAILED``; with an :class:`Agreement` every rank of a group decides the same.
+"""
+
+from graphsafe.contract._agreement import (
+    DEFAULT_TIMEOUT,
+    SUMMARY_FINDINGS,
+    Agreement,
+    AgreementGroup,
+    KeyValueStore,
+    StoreAgreement,
+)
+from graphsafe.contract._contract import DETECT_POLICIES, MODES, Detect, GraphContract, Mode, ReloadTransaction
 
 __all__ = [
-    "Finding",
-    "FindingKind",
+    "DEFAULT_TIMEOUT",
+    "DETECT_POLICIES",
+    "MODES",
+    "SUMMARY_FINDINGS",
+    "Agreement",
+    "AgreementGroup",
+    "Detect",
     "GraphContract",
-    "RecaptureHandle",
-    "ReloadOutcome",
+    "KeyValueStore",
+    "Mode",
     "ReloadTransaction",
-    "SlotInfo",
-    "Status",
+    "StoreAgreement",
 ]

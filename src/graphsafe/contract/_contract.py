@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterator
-from datetime import timedelta
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
@@ -18,6 +17,7 @@ from torch import nn
 
 from graphsafe.collectors import Classified, classify, classify_walk, walk
 from graphsafe.contract._access import submodule_is
+from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._copy import CopyBatch
 from graphsafe.contract._slots import LayerSnapshot, SealedLayer, SealedSlot
 from graphsafe.devices import DeviceSet, WalkBudget
@@ -32,10 +32,11 @@ from graphsafe.errors import (
     ReloadFailedError,
     UndeclaredDriftError,
 )
+from graphsafe.handles import RemovableHandle
 from graphsafe.outcome import Finding, FindingKind, Origin, ReloadOutcome, SlotInfo, SlotRef, Status, fingerprint
-from graphsafe.registry._store import layer_store
+from graphsafe.registry import declarations_generation, declarations_of
 
-__all__ = ["MODES", "DETECT_POLICIES", "GraphContract", "Mode", "RecaptureHandle", "ReloadTransaction", "SlotInfo"]
+__all__ = ["DETECT_POLICIES", "MODES", "Detect", "GraphContract", "Mode", "ReloadTransaction"]
 
 Mode = Literal["strict", "recapture", "migrate"]
 Detect = Literal["every-reload", "sealed-paths", "declared-only"]
@@ -51,25 +52,16 @@ class ManifestCheck(Protocol):
     def check(self, contract: GraphContract) -> list[Finding]: ...
 
 
-class Agreement(Protocol):
-    """Rank agreement on an outcome (see :mod:`graphsafe.adapters.distributed`)."""
+def _listen(
+    registry: list[Callable[[ReloadOutcome], Any]], fn: Callable[[ReloadOutcome], Any], kind: str
+) -> RemovableHandle:
+    registry.append(fn)
 
-    def __call__(self, local: ReloadOutcome) -> ReloadOutcome: ...
+    def remove() -> None:
+        if fn in registry:
+            registry.remove(fn)
 
-
-class RecaptureHandle:
-    """Returned by :meth:`GraphContract.on_recapture`; ``remove()`` unregisters the callback."""
-
-    __slots__ = ("_callbacks", "_fn")
-
-    def __init__(self, callbacks: list[Callable[[ReloadOutcome], Any]], fn: Callable[[ReloadOutcome], Any]) -> None:
-        self._callbacks = callbacks
-        self._fn = fn
-
-    def remove(self) -> None:
-        """Unregister (idempotent)."""
-        if self._fn in self._callbacks:
-            self._callbacks.remove(self._fn)
+    return RemovableHandle(remove, lambda: fn in registry, f"{kind}({fn!r})")
 
 
 def _sealed_slot(entry: Classified) -> SealedSlot:
@@ -131,6 +123,7 @@ class GraphContract:
         self._sealed = False
         self._unsafe_reason: str | None = "not sealed yet: call seal() after the first load, before capture"
         self._callbacks: list[Callable[[ReloadOutcome], Any]] = []
+        self._listeners: list[Callable[[ReloadOutcome], Any]] = []
         # Captured tensors of slots a failed restore left behind: kept alive until reseal so that a replay the
         # caller should not do anyway reads stale memory rather than memory the allocator handed to someone else.
         self._quarantine: list[torch.Tensor] = []
@@ -226,7 +219,7 @@ class GraphContract:
         return self.seal()
 
     def _seal_layer(self, qualname: str, layer: nn.Module) -> SealedLayer | None:
-        store = layer_store(layer, create=False)
+        generation = declarations_generation(layer)
         classified = classify(
             layer, walk_layer=self.detect != "declared-only", budget=self.budget, devices=self.devices
         )
@@ -242,26 +235,29 @@ class GraphContract:
             # first forward) are still walked at each reload.
             return None
         return SealedLayer(
-            weakref.ref(layer), qualname, type(layer).__name__, slots, store.generation if store else 0, exhausted
+            weakref.ref(layer), qualname, type(layer).__name__, slots, generation, exhausted
         )
 
     # -- reload ------------------------------------------------------------------------------------------------
-    def reload(
-        self, *, layerwise: bool = False, group: Any = None, timeout: float | timedelta | None = None
-    ) -> ReloadTransaction:
+    def reload(self, *, layerwise: bool = False, agreement: Agreement | None = None) -> ReloadTransaction:
         """A reload transaction: ``with contract.reload() as txn: model.load_weights(new)``.
 
         With ``layerwise=True`` nothing is snapshotted up front: call ``txn.before_layer(layer)`` before each layer
-        is re-materialised and ``txn.after_layer(layer)`` right after its PWAL. With ``group`` (a
-        ``torch.distributed`` process group) every rank prepares locally, then all ranks agree on the worst status
-        before any commits, recaptures or raises; a rank that does not arrive within ``timeout`` fails the reload.
+        is re-materialised and ``txn.after_layer(layer)`` right after its PWAL. With ``agreement`` (for instance
+        ``graphsafe.adapters.distributed.agreement(group)``) every rank prepares locally, then all ranks agree on
+        the worst status before any commits, recaptures or raises.
         """
-        return ReloadTransaction(self, layerwise=layerwise, group=group, timeout=timeout)
+        return ReloadTransaction(self, layerwise=layerwise, agreement=agreement)
 
-    def on_recapture(self, fn: Callable[[ReloadOutcome], Any]) -> RecaptureHandle:
+    def on_recapture(self, fn: Callable[[ReloadOutcome], Any]) -> RemovableHandle:
         """Run ``fn(outcome)`` when a reload needs the graphs captured again (then the contract reseals)."""
-        self._callbacks.append(fn)
-        return RecaptureHandle(self._callbacks, fn)
+        return _listen(self._callbacks, fn, "on_recapture")
+
+    def on_outcome(self, fn: Callable[[ReloadOutcome], Any]) -> RemovableHandle:
+        """Call ``fn(outcome)`` with the outcome of every reload, whatever its status, once it is decided (after rank
+        agreement, before the mode acts on it). A listener that raises does not change the outcome: its error is
+        raised after the contract has acted."""
+        return _listen(self._listeners, fn, "on_outcome")
 
     def mark_unsafe(self, reason: str) -> None:
         """Declare the captured graphs unsafe to replay until :meth:`reseal` (used by adapters)."""
@@ -281,11 +277,11 @@ class GraphContract:
 
     def _adopt_late_declarations(self, sealed: SealedLayer, layer: nn.Module) -> None:
         """Declarations made after the seal (``register_derived`` on a first forward) join the seal as declared."""
-        store = layer_store(layer, create=False)
-        if store is None or store.generation == sealed.declared_generation:
+        generation = declarations_generation(layer)
+        if generation == sealed.declared_generation:
             return
         by_path = {slot.path.text: index for index, slot in enumerate(sealed.slots)}
-        for text, declaration in list(store.slots.items()):
+        for text, declaration in list(declarations_of(layer).items()):
             index = by_path.get(text)
             if index is not None and sealed.slots[index].origin is Origin.DECLARED:
                 continue
@@ -300,7 +296,7 @@ class GraphContract:
                 sealed.slots[index] = slot
             else:
                 sealed.slots.append(slot)
-        sealed.declared_generation = store.generation
+        sealed.declared_generation = generation
 
     def _walker_extras(self, sealed: SealedLayer, layer: nn.Module) -> tuple[list[SealedSlot], str | None]:
         """Tensors the walker finds now but the seal did not know (``every-reload`` only)."""
@@ -316,6 +312,16 @@ class GraphContract:
         }
         extras = [_sealed_slot(entry) for entry in classify_walk(result, known, storages)]
         return extras, result.exhausted
+
+    def _notify(self, outcome: ReloadOutcome) -> Exception | None:
+        """Call every ``on_outcome`` listener; return the first error one raised (raised once the contract acted)."""
+        first: Exception | None = None
+        for listener in list(self._listeners):
+            try:
+                listener(outcome)
+            except Exception as exc:
+                first = first or exc
+        return first
 
     def _decide(self, findings: list[Finding], error: BaseException | None) -> Status:
         problems = [f for f in findings if f.kind.is_problem]
@@ -396,13 +402,10 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
 class ReloadTransaction:
     """One reload under a contract. Use as a context manager, or call :meth:`begin` and :meth:`finish`."""
 
-    def __init__(
-        self, contract: GraphContract, *, layerwise: bool, group: Any, timeout: float | timedelta | None
-    ) -> None:
+    def __init__(self, contract: GraphContract, *, layerwise: bool, agreement: Agreement | None) -> None:
         self.contract = contract
         self.layerwise = layerwise
-        self.group = group
-        self.timeout = timeout
+        self.agreement = agreement
         self.outcome: ReloadOutcome | None = None
         self._snapshots: dict[int, LayerSnapshot] = {}
         self._gone: set[int] = set()  # sealed layers already reported as replaced or removed
@@ -420,12 +423,9 @@ class ReloadTransaction:
             raise GraphSafeError("a reload transaction is already open on this contract")
         if not contract.serving_safe:
             refused = NotServingSafeError(f"refusing to reload: {contract.unsafe_reason}", contract.last_outcome)
-            if self.group is not None:
+            if self.agreement is not None:
                 # The peers reload and wait for this rank: take part as FAILED so that agreement rounds stay paired.
-                from graphsafe.adapters.distributed import agree
-
-                failed = ReloadOutcome(Status.FAILED, contract.mode, error=refused)
-                agree(failed, group=self.group, timeout=self.timeout)
+                self.agreement(ReloadOutcome(Status.FAILED, contract.mode, error=refused))
             raise refused
         contract._active = self
         self._begun = True
@@ -555,16 +555,17 @@ class ReloadTransaction:
             layers=len(contract._layers),
             error=error,
         )
-        if self.group is not None:
-            from graphsafe.adapters.distributed import agree
-
+        if self.agreement is not None:
             try:
-                outcome = agree(outcome, group=self.group, timeout=self.timeout)
+                outcome = self.agreement(outcome)
             except BaseException as exc:
                 contract.mark_unsafe(f"rank agreement raised {exc!r}; the group's outcome is unknown")
                 raise
         self.outcome = outcome
+        listener_error = contract._notify(outcome)
         contract._apply(outcome, error)
+        if listener_error is not None:
+            raise listener_error
         return outcome
 
     # -- per layer ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from torch import nn
 from graphsafe.contract._copy import CopyBatch, copy_group
 from graphsafe.outcome import Finding, FindingKind, Fingerprint, Origin, fingerprint, geometry_key
 from graphsafe.paths import MISSING, Getter, Setter, SlotPath, compile_getter, compile_setter
-from graphsafe.registry._store import Declaration
+from graphsafe.registry import Declaration
 
 __all__ = ["LayerSnapshot", "SealedLayer", "SealedSlot"]
 

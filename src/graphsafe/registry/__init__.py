@@ -5,22 +5,28 @@ Knows nothing about walking, graphs or frameworks. Slot paths live in :mod:`grap
 """
 
 from graphsafe.registry._declarations import (
-    DerivedHandle,
+    GRAPH_VISIBLE_ATTR,
     GraphVisibleSpec,
-    declared_paths,
+    declare,
     graph_visible,
+    graph_visible_spec,
+    layer_of_call,
     register_derived,
     stable_empty,
 )
-from graphsafe.registry._store import Declaration, declarations_of
+from graphsafe.registry._store import Declaration, declarations_generation, declarations_of, declared_layers
 
 __all__ = [
+    "GRAPH_VISIBLE_ATTR",
     "Declaration",
-    "DerivedHandle",
     "GraphVisibleSpec",
+    "declarations_generation",
     "declarations_of",
-    "declared_paths",
+    "declared_layers",
+    "declare",
     "graph_visible",
+    "graph_visible_spec",
+    "layer_of_call",
     "register_derived",
     "stable_empty",
 ]

@@ -4,24 +4,26 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
 
 from graphsafe.errors import DeclarationError, PathError, PathSyntaxError
+from graphsafe.handles import RemovableHandle
 from graphsafe.paths import SlotPath
-from graphsafe.registry._store import Declaration, layer_store
+from graphsafe.registry._store import Declaration, LayerDeclarations, layer_store
 
 __all__ = [
     "GRAPH_VISIBLE_ATTR",
-    "DerivedHandle",
     "GraphVisibleSpec",
-    "declared_paths",
+    "declare",
     "graph_visible",
+    "graph_visible_spec",
+    "layer_of_call",
     "register_derived",
     "stable_empty",
 ]
@@ -29,7 +31,7 @@ __all__ = [
 P = ParamSpec("P")
 R = TypeVar("R")
 
-#: Attribute the ``graph_visible`` marker sets on the function it wraps (read it with :func:`declared_paths`).
+#: Attribute the ``graph_visible`` marker sets on the function it wraps (read it with :func:`graph_visible_spec`).
 GRAPH_VISIBLE_ATTR = "graphsafe_graph_visible"
 
 
@@ -56,14 +58,14 @@ def _qualified(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def declared_paths(fn: Callable[..., Any]) -> GraphVisibleSpec | None:
-    """The paths ``@graph_visible`` declared on ``fn`` (a function, method or bound method), or ``None``."""
+def graph_visible_spec(fn: Callable[..., Any]) -> GraphVisibleSpec | None:
+    """What ``@graph_visible`` recorded on ``fn`` (a function, method or bound method), or ``None``."""
     target = getattr(fn, "__func__", fn)
     spec = getattr(target, GRAPH_VISIBLE_ATTR, None)
     return spec if isinstance(spec, GraphVisibleSpec) else None
 
 
-def find_layer(
+def layer_of_call(
     signature: inspect.Signature | None, layer_arg: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> nn.Module | None:
     """The layer a PWAL call works on: the ``layer_arg`` (or ``layer``) parameter, else ``(self, layer, ...)``'s
@@ -117,7 +119,7 @@ def graph_visible(
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             result = fn(*args, **kwargs)
-            layer = find_layer(signature, layer_arg, args, kwargs)
+            layer = layer_of_call(signature, layer_arg, args, kwargs)
             if layer is None:
                 raise DeclarationError(
                     f"{where}: @graph_visible could not find the layer among the call's arguments; "
@@ -183,48 +185,24 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-class DerivedHandle:
-    """A declaration made by :func:`register_derived`; ``remove()`` undeclares it (also as a context manager)."""
+def _handle(layer: nn.Module, path: SlotPath) -> RemovableHandle:
+    """A handle that undeclares ``path`` on ``layer`` (held weakly: the handle does not keep the layer alive)."""
+    layer_ref = weakref.ref(layer)
 
-    __slots__ = ("_layer_ref", "path")
+    def store() -> LayerDeclarations | None:
+        owner = layer_ref()
+        return layer_store(owner, create=False) if owner is not None else None
 
-    def __init__(self, layer: nn.Module, path: SlotPath) -> None:
-        import weakref
+    def remove() -> None:
+        entry = store()
+        if entry is not None:
+            entry.drop(path.text)
 
-        self._layer_ref = weakref.ref(layer)
-        self.path = path
+    def active() -> bool:
+        entry = store()
+        return entry is not None and path.text in entry.slots
 
-    @property
-    def layer(self) -> nn.Module | None:
-        """The layer, or ``None`` once it was garbage-collected."""
-        return self._layer_ref()
-
-    @property
-    def active(self) -> bool:
-        """Whether the declaration is still in force."""
-        layer = self._layer_ref()
-        store = layer_store(layer, create=False) if layer is not None else None
-        return store is not None and self.path.text in store.slots
-
-    def remove(self) -> None:
-        """Undeclare the slot (idempotent)."""
-        layer = self._layer_ref()
-        store = layer_store(layer, create=False) if layer is not None else None
-        if store is not None:
-            store.drop(self.path.text)
-
-    def __enter__(self) -> DerivedHandle:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        layer = self._layer_ref()
-        owner = type(layer).__name__ if layer is not None else "<collected layer>"
-        return f"DerivedHandle({owner}, {self.path.text!r}, active={self.active})"
+    return RemovableHandle(remove, active, f"register_derived({type(layer).__name__}, {path.text!r})")
 
 
 def _caller() -> str:
@@ -251,7 +229,7 @@ def register_derived(
     *,
     derived_from: str | Sequence[str] | None = None,
     static: bool = False,
-) -> DerivedHandle:
+) -> RemovableHandle:
     """Declare the graph-visible tensor at ``path`` on ``layer`` imperatively.
 
     Use it inside PWAL or lazily (a scratch buffer allocated on the first forward). When ``tensor`` is given it
@@ -266,7 +244,30 @@ def register_derived(
         raise DeclarationError(f"register_derived on {type(layer).__name__}: {exc}") from exc
     source = _caller()
     _declare(layer, slot, tensor, _normalize_derived_from(derived_from), static, source, source)
-    return DerivedHandle(layer, slot)
+    return _handle(layer, slot)
+
+
+def declare(
+    layer: nn.Module,
+    path: str | SlotPath,
+    *,
+    source: str,
+    derived_from: str | Sequence[str] | None = None,
+    static: bool = False,
+) -> Declaration:
+    """Declare ``path`` on ``layer`` for a tool that declares on an author's behalf (a declarations pack).
+
+    ``source`` says who declared it (it appears in reports and errors). The path must resolve to a tensor now,
+    else :class:`~graphsafe.DeclarationError`. Re-declaring the same slot the same way is a no-op. Authors use
+    :func:`graph_visible` or :func:`register_derived` instead.
+    """
+    if not isinstance(layer, nn.Module):
+        raise DeclarationError(f"declare needs an nn.Module layer, got {type(layer).__name__}")
+    try:
+        slot = path if isinstance(path, SlotPath) else _slot_path(path)
+    except PathSyntaxError as exc:
+        raise DeclarationError(f"declare on {type(layer).__name__} ({source}): {exc}") from exc
+    return _declare(layer, slot, None, _normalize_derived_from(derived_from), static, source, source)
 
 
 def stable_empty(

@@ -15,7 +15,15 @@ from torch import nn
 
 from graphsafe.paths import SlotPath
 
-__all__ = ["Declaration", "LayerDeclarations", "declarations_of", "iter_declared_layers", "layer_store"]
+__all__ = [
+    "Declaration",
+    "LayerDeclarations",
+    "declarations_generation",
+    "declarations_of",
+    "declared_layers",
+    "iter_declared_layers",
+    "layer_store",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +75,20 @@ def declarations_of(layer: nn.Module) -> Mapping[str, Declaration]:
     return entry.slots if entry is not None else {}
 
 
+def declarations_generation(layer: nn.Module) -> int:
+    """A counter that moves whenever ``layer``'s declarations change (0 for a layer that never declared).
+
+    The contract compares it with the value it saw at seal to adopt declarations made after the seal cheaply.
+    """
+    entry = _STORE.get(layer)
+    return entry.generation if entry is not None else 0
+
+
+def declared_layers() -> list[nn.Module]:
+    """Every live layer that has declarations or stable storage (the store holds layers weakly)."""
+    return list(_STORE.keys())
+
+
 def iter_declared_layers() -> Iterator[tuple[nn.Module, LayerDeclarations]]:
-    """Every live layer that has an entry (for diagnostics and tests)."""
+    """Every live layer that has an entry, with the entry (for diagnostics)."""
     return iter(list(_STORE.items()))

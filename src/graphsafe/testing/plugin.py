@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,8 +38,8 @@ import pytest
 if TYPE_CHECKING:
     from torch import nn
 
-    from graphsafe.contract import GraphContract, ReloadOutcome, ReloadTransaction
-    from graphsafe.contract._contract import Mode
+    from graphsafe.contract import GraphContract
+    from graphsafe.outcome import ReloadOutcome
 
 __all__ = ["REPORT_SCHEMA", "ContractFactory"]
 
@@ -53,44 +53,18 @@ _MARKER_HELP = (
 
 
 class _Tracked:
-    """One contract made through the fixture: the model (kept alive until teardown) and its transactions."""
+    """One contract made through the fixture: the model (kept alive until teardown) and the outcomes of its
+    reloads, in order (recorded by an ``on_outcome`` listener)."""
 
-    def __init__(self, contract: GraphContract, model: nn.Module, transactions: list[ReloadTransaction]) -> None:
+    def __init__(self, contract: GraphContract, model: nn.Module) -> None:
         self.contract = contract
         self.model = model
-        self.transactions = transactions
-
-    @property
-    def outcomes(self) -> list[ReloadOutcome]:
-        return [t.outcome for t in self.transactions if t.outcome is not None]
+        self.outcomes: list[ReloadOutcome] = []
+        contract.on_outcome(self.outcomes.append)
 
 
 _TRACKED = pytest.StashKey[list[_Tracked]]()
 _REPORT = pytest.StashKey["_ReportSink"]()
-_OBSERVED: list[Callable[..., GraphContract]] = []  # the subclass below, built on first use
-
-
-def _observed_contract() -> Callable[..., GraphContract]:
-    """A ``GraphContract`` subclass that records each transaction it opens (built lazily: it imports torch)."""
-    if not _OBSERVED:
-        from graphsafe.contract import GraphContract
-
-        class ObservedContract(GraphContract):
-            """A :class:`~graphsafe.GraphContract` whose reload transactions the pytest plugin reads back."""
-
-            def __init__(
-                self, model: nn.Module, mode: Mode, *, transactions: list[ReloadTransaction], **options: Any
-            ) -> None:
-                super().__init__(model, mode, **options)
-                self._graphsafe_transactions = transactions
-
-            def reload(self, *args: Any, **kwargs: Any) -> ReloadTransaction:
-                transaction = super().reload(*args, **kwargs)
-                self._graphsafe_transactions.append(transaction)
-                return transaction
-
-        _OBSERVED.append(ObservedContract)
-    return _OBSERVED[0]
 
 
 def _marker_mode(item: pytest.Item) -> str | None:
@@ -105,7 +79,7 @@ def _marker_mode(item: pytest.Item) -> str | None:
             f"kwargs={sorted(marker.kwargs)!r})"
         )
     mode = marker.args[0] if marker.args else marker.kwargs.get("mode", "strict")
-    from graphsafe.contract._contract import MODES
+    from graphsafe.contract import MODES
 
     if mode not in MODES:
         raise ValueError(f"{item.nodeid}: @pytest.mark.graphsafe(mode={mode!r}): choose one of {', '.join(MODES)}")
@@ -128,10 +102,11 @@ class ContractFactory:
                 f"graphsafe_contract(mode={mode!r}) conflicts with @pytest.mark.graphsafe(mode={wanted!r}) on "
                 f"{self._item.nodeid}: drop one of them"
             )
-        transactions: list[ReloadTransaction] = []
-        contract = _observed_contract()(model, mode or wanted or "strict", transactions=transactions, **options)
+        from graphsafe.contract import GraphContract
+
+        contract = GraphContract(model, mode or wanted or "strict", **options)  # type: ignore[arg-type]
         contract.seal()
-        self._tracked.append(_Tracked(contract, model, transactions))
+        self._tracked.append(_Tracked(contract, model))
         return contract
 
     @property
@@ -143,7 +118,7 @@ class ContractFactory:
         """Every reload outcome ``contract`` produced so far, in order."""
         for tracked in self._tracked:
             if tracked.contract is contract:
-                return tracked.outcomes
+                return list(tracked.outcomes)
         raise ValueError("this contract was not made by the graphsafe_contract fixture")
 
 

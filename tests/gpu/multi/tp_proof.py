@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 import graphsafe
-from graphsafe.adapters.torch import capture, reload
+from graphsafe.adapters.distributed import agreement
+from graphsafe.adapters.torch import capture, run_reload
 
 HIDDEN, FFN, TOKENS = 64, 128, 8
 
@@ -101,8 +102,8 @@ def run(scenario: str, device_kind: str, timeout: float) -> tuple[bool, str]:
     if scenario == "raise":
         block.fail_next_pwal = rank == 1
         try:
-            reload(
-                contract, lambda: load(block, weights(1, rank, world, device)), group=dist.group.WORLD, timeout=timeout
+            run_reload(
+                contract, lambda: load(block, weights(1, rank, world, device)), agreement=agreement(timeout=timeout)
             )
         except graphsafe.RankAgreementError as exc:
             ok = rank == 0 and "rank" in str(exc) and "1" in str(exc)
@@ -115,8 +116,8 @@ def run(scenario: str, device_kind: str, timeout: float) -> tuple[bool, str]:
         return False, "the reload did not raise"
 
     captures_before = graph.captures
-    outcome = reload(
-        contract, lambda: load(block, weights(1, rank, world, device)), group=dist.group.WORLD, timeout=timeout
+    outcome = run_reload(
+        contract, lambda: load(block, weights(1, rank, world, device)), agreement=agreement(timeout=timeout)
     )
     expected = graphsafe.Status.COMMITTED if scenario == "clean" else graphsafe.Status.NEEDS_RECAPTURE
     # rank_statuses holds each rank's LOCAL status; the agreed one is the worst of them, the same on every rank.

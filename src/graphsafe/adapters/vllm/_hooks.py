@@ -36,7 +36,7 @@ from torch import nn
 from graphsafe.adapters.vllm._guard import ResolvedHook
 from graphsafe.adapters.vllm._session import abort, begin, bind, ensure_contract, finish
 from graphsafe.adapters.vllm._state import AdapterState, Session
-from graphsafe.contract._contract import GraphContract
+from graphsafe.contract import GraphContract
 
 __all__ = ["HookSet", "install"]
 
@@ -286,7 +286,7 @@ def _maybe_record(state: AdapterState, contract: GraphContract | None) -> Iterat
     if contract is None or not state.config.record_manifest:
         yield
         return
-    from graphsafe.collectors._manifest import record_capture
+    from graphsafe.collectors import record_capture
 
     with record_capture(contract, name="vllm", reindex=False):
         yield

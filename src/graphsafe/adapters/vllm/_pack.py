@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 from graphsafe.paths import SlotPath
-from graphsafe.registry._declarations import GRAPH_VISIBLE_ATTR, GraphVisibleSpec, find_layer
-from graphsafe.registry._store import Declaration, layer_store
+from graphsafe.registry import GRAPH_VISIBLE_ATTR, GraphVisibleSpec, declare, layer_of_call
 
 __all__ = ["PACK", "PackEntry", "PackResult", "StaleEntry", "apply_pack", "validate_pack"]
 
@@ -174,13 +173,11 @@ PACK: tuple[PackEntry, ...] = (
 def _declare_resolved(
     entry: PackEntry, parsed: Sequence[SlotPath], layer: nn.Module, usage: dict[str, list[int]]
 ) -> None:
-    store = layer_store(layer)
-    assert store is not None
     source = f"graphsafe vLLM pack: {entry.name}"
     for path in parsed:
         counts = usage.setdefault(path.text, [0, 0])
         if isinstance(path.resolve_or(layer, None), torch.Tensor):
-            store.put(Declaration(path=path, source=source))
+            declare(layer, path, source=source)
             counts[0] += 1
         else:
             counts[1] += 1
@@ -196,7 +193,7 @@ def _wrap(entry: PackEntry, original: Callable[..., Any], usage: dict[str, list[
     @functools.wraps(original)
     def declared(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        layer = find_layer(signature, None, args, kwargs)  # the same rule as @graph_visible
+        layer = layer_of_call(signature, None, args, kwargs)  # the same rule as @graph_visible
         if layer is not None:
             _declare_resolved(entry, parsed, layer, usage)
         return result

@@ -12,9 +12,10 @@ from typing import Any
 
 from torch import nn
 
+from graphsafe.adapters.distributed import agreement
 from graphsafe.adapters.vllm._guard import vllm_module
 from graphsafe.adapters.vllm._state import AdapterState, Session
-from graphsafe.contract._contract import GraphContract
+from graphsafe.contract import GraphContract
 from graphsafe.errors import ContractViolation, GraphSafeError
 from graphsafe.outcome import ReloadOutcome
 
@@ -65,7 +66,8 @@ def begin(state: AdapterState, model: nn.Module) -> Session:
             GraphSafeError("a new reload began before the previous one was finalized (it was abandoned midway)"),
         )
     contract = ensure_contract(state, model)
-    txn = contract.reload(layerwise=True, group=_tp_group())
+    group = _tp_group()
+    txn = contract.reload(layerwise=True, agreement=agreement(group) if group is not None else None)
     txn.begin()  # NotServingSafeError propagates: fail closed until reseal/recapture
     session = Session(weakref.ref(model), contract, txn)
     state.sessions[model] = session

@@ -15,7 +15,7 @@ from typing import Any, Literal, cast
 
 from torch import nn
 
-from graphsafe.contract._contract import DETECT_POLICIES, Detect, GraphContract, ReloadTransaction
+from graphsafe.contract import DETECT_POLICIES, Detect, GraphContract, ReloadTransaction
 from graphsafe.outcome import ReloadOutcome
 
 __all__ = [

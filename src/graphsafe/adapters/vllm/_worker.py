@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from graphsafe.contract._contract import GraphContract
+from graphsafe.contract import GraphContract
 
 __all__ = ["GraphsafeWorkerExtension"]
 

@@ -1,0 +1,44 @@
+"""The one removable handle: what every ``register_*`` / ``on_*`` call of graphsafe returns.
+
+``handle.remove()`` undoes the registration (idempotent); ``handle.active`` says whether it is still in force; a
+handle is also a context manager that removes on exit, for registrations scoped to a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+
+__all__ = ["RemovableHandle"]
+
+
+class RemovableHandle:
+    """Undoes one registration. Made by graphsafe (``register_derived``, ``on_recapture``, ``on_outcome``)."""
+
+    __slots__ = ("_active", "_remove", "description")
+
+    def __init__(self, remove: Callable[[], None], active: Callable[[], bool], description: str) -> None:
+        self._remove = remove
+        self._active = active
+        #: What was registered, for messages (``register_derived(Linear, 'workspace')``).
+        self.description = description
+
+    @property
+    def active(self) -> bool:
+        """Whether the registration is still in force."""
+        return self._active()
+
+    def remove(self) -> None:
+        """Undo the registration (idempotent)."""
+        self._remove()
+
+    def __enter__(self) -> RemovableHandle:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"RemovableHandle({self.description}, active={self.active})"

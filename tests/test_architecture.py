@@ -1,0 +1,243 @@
+"""The layers hold: imports point down, nothing imports in a circle, and private modules stay in their package.
+
+Read from the source with ``ast`` (nothing is imported), so a violation fails here before it can rot. The layer
+picture is the one ``docs/design.md`` draws; the test reads that picture too, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+PACKAGE = SRC / "graphsafe"
+
+#: Every module of graphsafe, lowest layer first. A module may import from its own layer or any layer below.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("graphsafe.outcome",),
+    ("graphsafe.errors", "graphsafe.handles"),
+    ("graphsafe.paths", "graphsafe.devices"),
+    ("graphsafe.registry",),
+    ("graphsafe.collectors",),
+    ("graphsafe.contract",),
+    ("graphsafe.report",),
+    ("graphsafe.adapters",),
+    ("graphsafe.testing",),
+    ("graphsafe.cli", "graphsafe.__main__"),
+)
+
+#: Test modules that reach into a private module, and why (fault injection or white-box checks of internals).
+PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
+    # the walker's internal table of torch's own Module attributes, checked against a fresh nn.Module
+    "tests/test_walker.py": {"graphsafe.collectors.walker._walk"},
+    # the soak test watches internal caches and stores for unbounded growth
+    "tests/test_soak.py": {"graphsafe.collectors.walker._walk", "graphsafe.registry._store"},
+    # the manifest's per-reload check must not walk: the walk is replaced by a tripwire
+    "tests/test_manifest.py": {"graphsafe.collectors._classify"},
+    # the contract's fast path for "is the layer still in the model" is compared against get_submodule
+    "tests/test_restore_plan.py": {"graphsafe.contract._access"},
+    # a copy that raises halfway is injected into the copy batch
+    "tests/test_adversarial.py": {"graphsafe.contract._copy"},
+    # the weak store must not keep layers alive
+    "tests/test_declarations.py": {"graphsafe.registry._store"},
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # the importing module
+    target: str  # the imported module (a name imported from a package counts as that package)
+    line: int
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _source_modules() -> dict[str, Path]:
+    return {_module_name(p, SRC): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(module: str, level: int, name: str | None, is_package: bool) -> str:
+    """The absolute name of ``from <level dots><name>`` written in ``module``."""
+    if level == 0:
+        return name or ""
+    base = module.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join([*base, name] if name else base)
+
+
+def _imports(path: Path, module: str, known: set[str]) -> Iterator[Import]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("graphsafe"):
+                    yield Import(module, alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, node.level, node.module, is_package)
+            if not target.startswith("graphsafe"):
+                continue
+            for alias in node.names:
+                # ``from graphsafe.collectors import _classify`` imports the module graphsafe.collectors._classify
+                sub = f"{target}.{alias.name}"
+                yield Import(module, sub if sub in known else target, node.lineno)
+
+
+def _all_imports() -> list[Import]:
+    modules = _source_modules()
+    known = set(modules)
+    return [imp for name, path in modules.items() for imp in _imports(path, name, known)]
+
+
+def _layer_of(module: str) -> int:
+    for rank, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    raise AssertionError(f"{module} is in no layer of LAYERS: add it there and to docs/design.md")
+
+
+def _package_of(module: str) -> str:
+    """The package a module belongs to (``graphsafe.collectors.walker._walk`` -> ``graphsafe.collectors.walker``)."""
+    return module.rsplit(".", 1)[0]
+
+
+def _is_private(module: str) -> bool:
+    return any(part.startswith("_") and part != "__main__" for part in module.split(".")[1:])
+
+
+def _owner_package(module: str) -> str:
+    """The package whose private module this is: everything before the first private part."""
+    parts = module.split(".")
+    for index, part in enumerate(parts[1:], start=1):
+        if part.startswith("_"):
+            return ".".join(parts[:index])
+    return module
+
+
+def test_every_module_has_a_layer() -> None:
+    for module in _source_modules():
+        if module != "graphsafe":
+            _layer_of(module)
+
+
+def test_imports_point_down() -> None:
+    upward = [
+        f"{imp.source}:{imp.line} imports {imp.target} (layer {_layer_of(imp.target)} > {_layer_of(imp.source)})"
+        for imp in _all_imports()
+        if "graphsafe" not in (imp.source, imp.target) and _layer_of(imp.target) > _layer_of(imp.source)
+    ]
+    assert not upward, "imports that point up:\n" + "\n".join(upward)
+
+
+def test_no_module_imports_the_top_level_package() -> None:
+    # ``graphsafe/__init__`` re-exports every layer: importing it from inside would import upward.
+    offenders = [
+        f"{imp.source}:{imp.line}" for imp in _all_imports() if imp.target == "graphsafe" and imp.source != "graphsafe"
+    ]
+    assert not offenders, "modules importing the top-level package: " + ", ".join(offenders)
+
+
+def test_no_import_cycles() -> None:
+    graph: dict[str, set[str]] = {}
+    for imp in _all_imports():
+        if imp.source != "graphsafe" and imp.target != imp.source:
+            graph.setdefault(imp.source, set()).add(imp.target)
+    # A package's __init__ re-exports its modules: an edge to a package is an edge to its face only, and the
+    # face's own edges to its modules are kept, so a module importing its own package's face is a cycle.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_private_modules_stay_in_their_package() -> None:
+    crossing = [
+        f"{imp.source}:{imp.line} imports {imp.target}"
+        for imp in _all_imports()
+        if _is_private(imp.target) and not (imp.source + ".").startswith(_owner_package(imp.target) + ".")
+    ]
+    assert not crossing, "imports of another package's private module:\n" + "\n".join(crossing)
+
+
+def _test_imports() -> Iterator[tuple[str, Import]]:
+    known = set(_source_modules())
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for imp in _imports(path, "tests." + path.stem, known):
+            yield rel, imp
+
+
+def test_tests_use_public_names_with_documented_exceptions() -> None:
+    used: dict[str, set[str]] = {}
+    for rel, imp in _test_imports():
+        if _is_private(imp.target):
+            used.setdefault(rel, set()).add(imp.target)
+    undocumented = {
+        rel: sorted(targets - PRIVATE_IMPORTS_IN_TESTS.get(rel, set()))
+        for rel, targets in used.items()
+        if targets - PRIVATE_IMPORTS_IN_TESTS.get(rel, set())
+    }
+    assert not undocumented, f"tests importing private modules without a documented reason: {undocumented}"
+    stale = {rel for rel, targets in PRIVATE_IMPORTS_IN_TESTS.items() if not targets <= used.get(rel, set())}
+    assert not stale, f"documented exceptions no test needs any more (remove them): {sorted(stale)}"
+
+
+def _docs() -> Iterator[Path]:
+    yield ROOT / "README.md"
+    yield from sorted((ROOT / "docs").glob("*.md"))
+
+
+@pytest.mark.parametrize("doc", list(_docs()), ids=lambda p: p.name)
+def test_docs_name_only_public_modules(doc: Path) -> None:
+    text = doc.read_text(encoding="utf-8")
+    private = sorted(set(re.findall(r"graphsafe(?:\.[A-Za-z0-9_]+)*\._[a-z][A-Za-z0-9_]*", text)))
+    assert not private, f"{doc.name} names private modules: {private}"
+
+
+def test_design_doc_draws_every_layer() -> None:
+    design = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    for prefixes in LAYERS:
+        for prefix in prefixes:
+            short = prefix.removeprefix("graphsafe.")
+            assert short in design, f"docs/design.md does not mention the layer {short}"
+
+
+def test_each_package_has_a_face_with_all() -> None:
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        tree = ast.parse(init.read_text(encoding="utf-8"))
+        names = {
+            t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)
+        }
+        names |= {
+            node.target.id
+            for node in tree.body
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        }
+        assert "__all__" in names, f"{init.relative_to(ROOT)} has no __all__"
