@@ -1,6 +1,6 @@
 """The demo job behind ``graphsafe demo``, and the zoo targets of ``graphsafe report``.
 
-For every example of the zoo (:mod:`graphsafe.examples`), in both variants and under each mode: build (first
+For every example of the zoo (:mod:`graphsafe.testing.zoo`), in both variants and under each mode: build (first
 load and PWAL), warm up, seal a contract, record a capture of one forward (a CPU stand-in for CUDA graph capture:
 :func:`~graphsafe.collectors._manifest.record_capture`), reload with new weights, and check the result against
 what graphsafe promises. Beside it, the same reload without a contract (upstream behaviour) shows which addresses
@@ -22,8 +22,8 @@ from graphsafe.collectors._manifest import record_capture
 from graphsafe.contract import GraphContract, ReloadOutcome
 from graphsafe.contract._contract import Mode
 from graphsafe.errors import ContractViolation, UndeclaredDriftError
-from graphsafe.examples import EXAMPLES, Example, Variant
 from graphsafe.report import MigrationReport, migration_report
+from graphsafe.testing.zoo import EXAMPLES, Example, Variant
 
 __all__ = [
     "FIRST_SEED",
@@ -87,7 +87,7 @@ def zoo_target(variant: Variant, names: Iterable[str] | None = None) -> ReloadTa
 
 
 def legacy_zoo() -> ReloadTarget:
-    """The zoo as sites are written today (nothing declared): ``graphsafe report graphsafe._demo:legacy_zoo``."""
+    """The zoo as sites are written today (nothing declared): ``graphsafe report graphsafe.cli._demo:legacy_zoo``."""
     return zoo_target("legacy")
 
 

@@ -24,7 +24,7 @@ _TARGET_HELP = (
     "'module:callable' (e.g. mypkg.serving:reload_target). Calling it with no arguments returns either an object "
     "with `model` (an nn.Module, already loaded) and `reload(model, seed)` (loads weights made from seed, in "
     "place, then PWAL), optionally `warmup(model)` (one forward), or a tuple (model, reload) or (model, reload, "
-    "warmup). Default: the example zoo, legacy variants (graphsafe._demo:legacy_zoo)."
+    "warmup). Default: the example zoo, legacy variants (graphsafe.cli._demo:legacy_zoo)."
 )
 
 
@@ -38,7 +38,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _as_target(value: Any, spec: str) -> Any:
-    from graphsafe._demo import ReloadTarget
+    from graphsafe.cli._demo import ReloadTarget
 
     expected = "expected an object with `model` (nn.Module) and `reload(model, seed)`, or a tuple (model, reload_fn)"
     if isinstance(value, ReloadTarget):
@@ -92,13 +92,13 @@ def load_target(spec: str) -> Any:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from graphsafe._demo import legacy_zoo
+    from graphsafe.cli._demo import legacy_zoo
     from graphsafe.collectors._manifest import record_capture
     from graphsafe.contract import GraphContract
     from graphsafe.errors import ContractViolation
     from graphsafe.report import migration_report
 
-    spec = args.target or "graphsafe._demo:legacy_zoo"
+    spec = args.target or "graphsafe.cli._demo:legacy_zoo"
     try:
         target = load_target(args.target) if args.target else legacy_zoo()
     except TargetError as exc:
@@ -148,8 +148,8 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from graphsafe._demo import run_demo
-    from graphsafe.examples import EXAMPLES
+    from graphsafe.cli._demo import run_demo
+    from graphsafe.testing.zoo import EXAMPLES
 
     unknown = [name for name in args.examples if name not in EXAMPLES]
     if unknown:
