@@ -12,8 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from graphsafe.cli import main
-from graphsafe.cli._demo import run_demo
+from graphsafe.cli import main, run_demo
 from graphsafe.report import FORMATS, SCHEMA_ID, report_schema
 from graphsafe.testing.zoo import EXAMPLES, _marlin
 
@@ -141,7 +140,7 @@ def test_report_strict_mode_and_output_file(tmp_path: Path) -> None:
 
 
 def test_report_on_a_fully_migrated_model_is_empty_and_exits_0() -> None:
-    result = graphsafe("report", "graphsafe.cli._demo:migrated_zoo")
+    result = graphsafe("report", "graphsafe.cli:migrated_zoo")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "nothing to migrate" in result.stdout
     assert "reload committed" in result.stderr

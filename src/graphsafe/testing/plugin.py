@@ -38,8 +38,7 @@ import pytest
 if TYPE_CHECKING:
     from torch import nn
 
-    from graphsafe.contract import GraphContract, ReloadOutcome, ReloadTransaction
-    from graphsafe.contract._contract import Mode
+    from graphsafe.contract import GraphContract, Mode, ReloadOutcome, ReloadTransaction
 
 __all__ = ["REPORT_SCHEMA", "ContractFactory"]
 
@@ -105,7 +104,7 @@ def _marker_mode(item: pytest.Item) -> str | None:
             f"kwargs={sorted(marker.kwargs)!r})"
         )
     mode = marker.args[0] if marker.args else marker.kwargs.get("mode", "strict")
-    from graphsafe.contract._contract import MODES
+    from graphsafe.contract import MODES
 
     if mode not in MODES:
         raise ValueError(f"{item.nodeid}: @pytest.mark.graphsafe(mode={mode!r}): choose one of {', '.join(MODES)}")
