@@ -21,7 +21,7 @@ import torch
 
 from graphsafe import ContractViolation, GraphContract
 from graphsafe.adapters.torch import capture, run_reload
-from graphsafe.examples import EXAMPLES, Example
+from graphsafe.testing.zoo import EXAMPLES, Example
 
 
 def run(ex: Example, variant: str, mode: str, steps: int, device: torch.device) -> bool:

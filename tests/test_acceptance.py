@@ -33,7 +33,7 @@ from graphsafe import (
 )
 from graphsafe.adapters import torch as torch_adapter
 from graphsafe.contract import AgreementGroup, StoreAgreement
-from graphsafe.examples import EXAMPLES
+from graphsafe.testing.zoo import EXAMPLES
 
 ROOT = Path(__file__).resolve().parents[1]
 

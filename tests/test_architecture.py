@@ -20,7 +20,7 @@ PACKAGE = SRC / "graphsafe"
 
 #: Every module of graphsafe, lowest layer first. A module may import from its own layer or any layer below.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("graphsafe.outcome",),
+    ("graphsafe.outcome", "graphsafe._version"),
     ("graphsafe.errors", "graphsafe.handles"),
     ("graphsafe.paths", "graphsafe.devices"),
     ("graphsafe.registry",),

@@ -12,10 +12,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from graphsafe._demo import run_demo
-from graphsafe.cli import main
-from graphsafe.examples import EXAMPLES, _marlin
+from graphsafe.cli import main, run_demo
 from graphsafe.report import FORMATS, SCHEMA_ID, report_schema
+from graphsafe.testing.zoo import EXAMPLES, _marlin
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,7 +126,7 @@ def test_report_on_the_legacy_zoo_in_each_format(fmt: str) -> None:
     elif fmt == "markdown":
         assert out.startswith("# graphsafe migration report") and "```python" in out
     else:
-        assert "graphsafe.examples._marlin.MarlinLinearMethod.process_weights_after_loading" in out
+        assert "graphsafe.testing.zoo._marlin.MarlinLinearMethod.process_weights_after_loading" in out
         assert 'register_derived(layer, "_permute_scratch")' in out
 
 
@@ -141,7 +140,7 @@ def test_report_strict_mode_and_output_file(tmp_path: Path) -> None:
 
 
 def test_report_on_a_fully_migrated_model_is_empty_and_exits_0() -> None:
-    result = graphsafe("report", "graphsafe._demo:migrated_zoo")
+    result = graphsafe("report", "graphsafe.cli:migrated_zoo")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "nothing to migrate" in result.stdout
     assert "reload committed" in result.stderr

@@ -22,7 +22,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from graphsafe.examples import (
+from graphsafe.paths import SlotPath
+from graphsafe.registry import declarations_of
+from graphsafe.testing.zoo import (
     EXAMPLES,
     HIDDEN,
     TOKENS,
@@ -36,8 +38,6 @@ from graphsafe.examples import (
     _marlin,
     _module_cache,
 )
-from graphsafe.paths import SlotPath
-from graphsafe.registry import declarations_of
 
 SITES = (
     "marlin_workspace",

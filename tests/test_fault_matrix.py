@@ -40,9 +40,9 @@ from graphsafe import (
 )
 from graphsafe.collectors import record_capture
 from graphsafe.devices import WalkBudget
-from graphsafe.examples import EXAMPLES, Example, ZooModel
 from graphsafe.outcome import Origin
 from graphsafe.paths import SlotPath
+from graphsafe.testing.zoo import EXAMPLES, Example, ZooModel
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "fault-matrix.md"

@@ -23,8 +23,9 @@ from graphsafe import (
     UndeclaredDriftError,
     register_derived,
 )
-from graphsafe.collectors import Manifest, _classify, grade, record_capture
+from graphsafe.collectors import Manifest, _classify, record_capture
 from graphsafe.outcome import Origin
+from graphsafe.testing import grade
 
 N = 4
 _CACHE: dict[int, torch.Tensor] = {}

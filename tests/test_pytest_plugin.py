@@ -24,7 +24,7 @@ HEADER = textwrap.dedent(
     """
     import pytest
     from graphsafe import ContractViolation
-    from graphsafe.examples import EXAMPLES
+    from graphsafe.testing.zoo import EXAMPLES
 
     EX = EXAMPLES["act_order"]
 

@@ -28,9 +28,9 @@ import torch
 
 from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status
 from graphsafe.collectors.walker import _walk as _walker
-from graphsafe.examples import EXAMPLES, ZooModel
 from graphsafe.paths import SlotPath
 from graphsafe.registry._store import iter_declared_layers
+from graphsafe.testing.zoo import EXAMPLES, ZooModel
 
 pytestmark = pytest.mark.slow
 

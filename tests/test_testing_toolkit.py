@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from graphsafe import graph_visible
-from graphsafe.examples import EXAMPLES, Example, Variant, ZooModel
 from graphsafe.testing import StabilityResult, assert_reload_stable
+from graphsafe.testing.zoo import EXAMPLES, Example, Variant, ZooModel
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "making-a-kernel-reload-safe.md"
 #: Zoo slots the migrated variants allocate with stable_empty (static: address-checked, not value-checked).

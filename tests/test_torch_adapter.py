@@ -25,7 +25,7 @@ from graphsafe import (
 )
 from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, run_reload
 from graphsafe.collectors import Manifest
-from graphsafe.examples import EXAMPLES
+from graphsafe.testing.zoo import EXAMPLES
 
 N = 4
 

@@ -17,6 +17,7 @@ import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
+from graphsafe._version import __version__
 from graphsafe.errors import (
     ContractViolation,
     DeclarationError,
@@ -42,7 +43,6 @@ if _TYPE_CHECKING:
     from graphsafe.registry import graph_visible, graph_visible_spec, register_derived, stable_empty
     from graphsafe.report import MigrationReport, migration_report
 
-__version__ = "0.1.0"
 
 # Where each torch-dependent public name lives.
 _LAZY = {

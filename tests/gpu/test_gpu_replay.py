@@ -25,7 +25,7 @@ from torch import nn
 from graphsafe import ContractViolation, Finding, GraphContract, NotServingSafeError, Status
 from graphsafe.adapters.torch import CapturedGraph, capture, run_reload
 from graphsafe.collectors import Manifest
-from graphsafe.examples import EXAMPLES, Example
+from graphsafe.testing.zoo import EXAMPLES, Example
 
 pytestmark = pytest.mark.gpu
 

@@ -17,11 +17,8 @@ from graphsafe.collectors._classify import (
 )
 from graphsafe.collectors._manifest import (
     CapturedStorage,
-    GradedStorage,
-    Grading,
     Holder,
     Manifest,
-    grade,
     record_capture,
 )
 from graphsafe.collectors.walker import TensorRef, WalkResult, collect, walk
@@ -29,8 +26,6 @@ from graphsafe.collectors.walker import TensorRef, WalkResult, collect, walk
 __all__ = [
     "CapturedStorage",
     "Classified",
-    "GradedStorage",
-    "Grading",
     "Holder",
     "LayerTensors",
     "Manifest",
@@ -40,7 +35,6 @@ __all__ = [
     "classify",
     "classify_walk",
     "collect",
-    "grade",
     "record_capture",
     "tracked_storages",
     "walk",

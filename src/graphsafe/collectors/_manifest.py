@@ -36,11 +36,8 @@ from graphsafe.paths import SlotPath
 
 __all__ = [
     "CapturedStorage",
-    "GradedStorage",
-    "Grading",
     "Holder",
     "Manifest",
-    "grade",
     "record_capture",
 ]
 
@@ -573,110 +570,3 @@ def _finding(
         before=entry.first_view,
         detail=f"capture manifest: unowned captured storage (no model path held it at capture): {touched}; {what}",
     )
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Grading the registry and the walker against what the graphs touched.
-
-
-@dataclass(frozen=True, slots=True)
-class GradedStorage:
-    """One recorded storage and the paths each source knows it by (``layer:path``)."""
-
-    entry: CapturedStorage
-    state: tuple[str, ...]
-    registry: tuple[str, ...]
-    walker: tuple[str, ...]
-
-    @property
-    def covered(self) -> bool:
-        """Whether any source names it (parameters and buffers count: an in-place load keeps them)."""
-        return bool(self.state or self.registry or self.walker)
-
-
-@dataclass(frozen=True, slots=True)
-class Grading:
-    """How the registry and the walker cover what the graphs touched (live storages; ``dead`` separately)."""
-
-    storages: tuple[GradedStorage, ...]
-    dead: tuple[CapturedStorage, ...]
-
-    @property
-    def state_covered(self) -> tuple[GradedStorage, ...]:
-        """Held as a parameter or buffer."""
-        return tuple(g for g in self.storages if g.state)
-
-    @property
-    def registry_covered(self) -> tuple[GradedStorage, ...]:
-        """Named by a registry declaration."""
-        return tuple(g for g in self.storages if g.registry)
-
-    @property
-    def walker_covered(self) -> tuple[GradedStorage, ...]:
-        """Found by the walker."""
-        return tuple(g for g in self.storages if g.walker)
-
-    @property
-    def derived(self) -> tuple[GradedStorage, ...]:
-        """Not a parameter or buffer: what reloads re-create and the registry or walker must keep."""
-        return tuple(g for g in self.storages if not g.state)
-
-    @property
-    def uncovered(self) -> tuple[GradedStorage, ...]:
-        """Named by no source at all: unowned captured storage."""
-        return tuple(g for g in self.storages if not g.covered)
-
-    @property
-    def walker_only(self) -> tuple[GradedStorage, ...]:
-        """Derived storage the walker finds but nobody declared (migration candidates)."""
-        return tuple(g for g in self.derived if g.walker and not g.registry)
-
-    @property
-    def registry_only(self) -> tuple[GradedStorage, ...]:
-        """Derived storage declared but out of the walker's reach (private containers, depth, closures)."""
-        return tuple(g for g in self.derived if g.registry and not g.walker)
-
-    def summary(self) -> str:
-        """A few lines of counts and the uncovered storages."""
-        derived = self.derived
-        lines = [
-            f"{len(self.storages)} captured storage(s) alive, {len(self.dead)} freed: {len(self.state_covered)} "
-            f"parameter/buffer, {len(derived)} derived; of the derived, registry covers "
-            f"{sum(1 for g in derived if g.registry)}, walker covers {sum(1 for g in derived if g.walker)}, "
-            f"neither {sum(1 for g in derived if not g.registry and not g.walker)}"
-        ]
-        for graded in self.uncovered:
-            lines.append(f"  - unowned captured storage: {graded.entry.describe()}")
-        return "\n".join(lines)
-
-
-def grade(target: SealedModel | nn.Module, manifest: Manifest) -> Grading:
-    """Grade the registry and the walker against ``manifest``, on the model's current state.
-
-    Call it right after capture (before any reload): for every storage the graphs touched, which parameters or
-    buffers, which declarations and which walker paths name it now.
-    """
-    model = target if isinstance(target, nn.Module) else target.model
-    sources: dict[str, _PathIndex] = {"state": _PathIndex(), "registry": _PathIndex(), "walker": _PathIndex()}
-    for qualname, layer in model.named_modules():
-        layer_class = type(layer).__name__
-        for found in classify(layer).tensors:
-            source = "state" if found.origin.is_state else "registry" if found.origin is Origin.DECLARED else None
-            for name in (source, "walker" if found.walked else None):
-                if name is not None:
-                    sources[name].add(found.tensor, qualname, layer_class, found.path.text, found.origin)
-
-    def named(source: str, storage: Any) -> tuple[str, ...]:
-        return tuple(h.where for h in sources[source].holders(storage))
-
-    graded: list[GradedStorage] = []
-    dead: list[CapturedStorage] = []
-    for entry in manifest.storages():
-        storage = entry.storage_ref()
-        if storage is None:
-            dead.append(entry)
-            continue
-        graded.append(
-            GradedStorage(entry, named("state", storage), named("registry", storage), named("walker", storage))
-        )
-    return Grading(tuple(graded), tuple(dead))

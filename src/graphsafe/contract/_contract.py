@@ -234,9 +234,7 @@ class GraphContract:
             # Nothing to track now; with every-reload the layer stays, so tensors it allocates later (scratch on a
             # first forward) are still walked at each reload.
             return None
-        return SealedLayer(
-            weakref.ref(layer), qualname, type(layer).__name__, slots, generation, exhausted
-        )
+        return SealedLayer(weakref.ref(layer), qualname, type(layer).__name__, slots, generation, exhausted)
 
     # -- reload ------------------------------------------------------------------------------------------------
     def reload(self, *, layerwise: bool = False, agreement: Agreement | None = None) -> ReloadTransaction:

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphsafe.collectors._manifest import Manifest, record_capture
-from graphsafe.contract._contract import MODES, GraphContract, Mode
+from graphsafe.collectors import Manifest, record_capture
+from graphsafe.contract import MODES, GraphContract, Mode
 from graphsafe.errors import ContractViolation
 from graphsafe.outcome import Fingerprint, Origin, ReloadOutcome, SlotInfo, Status, fingerprint
 from graphsafe.paths import SlotPath
-from graphsafe.registry._store import declarations_of
+from graphsafe.registry import declarations_of
 from graphsafe.report import migration_report
 
 __all__ = ["ExampleInput", "LoadWeights", "MakeLayer", "StabilityResult", "assert_reload_stable"]

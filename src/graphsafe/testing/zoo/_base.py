@@ -89,7 +89,7 @@ class ZooModel(nn.Module):
 class Example:
     """One site of the zoo: a layer kind in a ``legacy`` (undeclared) and a ``migrated`` (declared) variant."""
 
-    #: Key in :data:`graphsafe.examples.EXAMPLES`.
+    #: Key in :data:`graphsafe.testing.zoo.EXAMPLES`.
     name: str
     #: Which real site it models, in one sentence.
     models: str

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphsafe import graph_visible
-from graphsafe.examples._base import HIDDEN, Example, Variant, new_param
+from graphsafe.registry import graph_visible
+from graphsafe.testing.zoo._base import HIDDEN, Example, Variant, new_param
 
 __all__ = ["EXAMPLE", "FlashInferExperts", "FlashInferMoE", "MigratedNvFp4MoEMethod", "NvFp4MoEMethod"]
 

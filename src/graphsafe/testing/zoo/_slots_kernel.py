@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphsafe import graph_visible
-from graphsafe.examples._base import HIDDEN, Example, Variant, new_param
+from graphsafe.registry import graph_visible
+from graphsafe.testing.zoo._base import HIDDEN, Example, Variant, new_param
 
 __all__ = ["EXAMPLE", "Int8Kernel", "Int8Linear", "MigratedInt8Linear"]
 

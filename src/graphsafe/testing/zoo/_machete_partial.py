@@ -13,8 +13,8 @@ import functools
 import torch
 from torch import nn
 
-from graphsafe import graph_visible
-from graphsafe.examples._base import HIDDEN, Example, Variant, new_param
+from graphsafe.registry import graph_visible
+from graphsafe.testing.zoo._base import HIDDEN, Example, Variant, new_param
 
 __all__ = ["EXAMPLE", "MachetePartialLinear", "apply_act_perm", "process_machete", "process_machete_migrated"]
 

@@ -1,100 +1,46 @@
-"""The demo job behind ``graphsafe demo``, and the zoo targets of ``graphsafe report``.
+"""The demo job behind ``graphsafe demo``.
 
-For every example of the zoo (:mod:`graphsafe.examples`), in both variants and under each mode: build (first
+For every example of the zoo (:mod:`graphsafe.testing.zoo`), in both variants and under each mode: build (first
 load and PWAL), warm up, seal a contract, record a capture of one forward (a CPU stand-in for CUDA graph capture:
-:func:`~graphsafe.collectors._manifest.record_capture`), reload with new weights, and check the result against
-what graphsafe promises. Beside it, the same reload without a contract (upstream behaviour) shows which addresses
-a captured graph would have lost.
+:func:`~graphsafe.collectors.record_capture`), reload with new weights, and check the result against what
+graphsafe promises. Beside it, the same reload without a contract (upstream behaviour) shows which addresses a
+captured graph would have lost.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TextIO, get_args
 
 import torch
 from torch import nn
 
-from graphsafe.collectors._manifest import record_capture
-from graphsafe.contract import GraphContract
-from graphsafe.contract._contract import Mode
+from graphsafe.cli._exit import EXIT_CLEAN, EXIT_FINDINGS
+from graphsafe.collectors import record_capture
+from graphsafe.contract import GraphContract, Mode
 from graphsafe.errors import ContractViolation, UndeclaredDriftError
-from graphsafe.examples import EXAMPLES, Example, Variant
-from graphsafe.outcome import ReloadOutcome
+from graphsafe.outcome import Status
 from graphsafe.report import MigrationReport, migration_report
+from graphsafe.testing.zoo import EXAMPLES, VARIANTS, Example, Variant
 
-__all__ = [
-    "FIRST_SEED",
-    "NEW_SEED",
-    "Case",
-    "ReloadTarget",
-    "legacy_zoo",
-    "migrated_zoo",
-    "run_case",
-    "run_demo",
-    "upstream_moves",
-    "zoo_target",
-]
+__all__ = ["FIRST_SEED", "NEW_SEED", "Case", "run_case", "run_demo", "upstream_moves"]
 
 #: Seed of the first load, and of the reload: different values, so staleness cannot hide.
 FIRST_SEED = 0
 NEW_SEED = 1
 
-_MODE_BLURBS = {
+_MODE_BLURBS: dict[Mode, str] = {
     "strict": "any drift raises; the contract stays unsafe until reseal()",
     "recapture": "drift a new capture fixes gives needs_recapture",
     "migrate": "undeclared drift is restored like declared slots where it can be (auto-restored)",
 }
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# Targets (the protocol of `graphsafe report TARGET`).
-
-
-@dataclass(frozen=True)
-class ReloadTarget:
-    """What ``graphsafe report`` needs of a model: loaded, reloadable with other weights, and warmed up.
-
-    ``reload(model, seed)`` loads weights made from ``seed`` into the model the way the engine does (in place,
-    then PWAL). ``warmup(model)``, if given, runs a forward: the CLI seals right after the load, then warms up
-    (as an engine does before capture), so tensors the first forward allocates show as allocated after PWAL.
-    """
-
-    model: nn.Module
-    reload: Callable[[nn.Module, int], None]
-    warmup: Callable[[nn.Module], None] | None = None
-
-
-def zoo_target(variant: Variant, names: Iterable[str] | None = None) -> ReloadTarget:
-    """Every example (or those in ``names``) of ``variant`` in one model: ``model[name]`` is that example's model."""
-    examples = {name: EXAMPLES[name] for name in (names if names is not None else EXAMPLES)}
-    model = nn.ModuleDict({name: ex.build(variant, seed=FIRST_SEED) for name, ex in examples.items()})
-
-    def reload(model: nn.Module, seed: int) -> None:
-        for name, ex in examples.items():
-            sub = model.get_submodule(name)
-            ex.load_weights(sub, ex.make_weights(sub, seed))
-
-    def warmup(model: nn.Module) -> None:
-        with torch.no_grad():
-            for name, ex in examples.items():
-                sub = model.get_submodule(name)
-                ex.forward(sub, ex.example_input(sub))
-
-    return ReloadTarget(model, reload, warmup)
-
-
-def legacy_zoo() -> ReloadTarget:
-    """The zoo as sites are written today (nothing declared): ``graphsafe report graphsafe._demo:legacy_zoo``."""
-    return zoo_target("legacy")
-
-
-def migrated_zoo() -> ReloadTarget:
-    """The zoo with graphsafe declarations added: its migration report is empty."""
-    return zoo_target("migrated")
+#: Table cells of reloads that did not commit (the demo's own words; every decision uses the enum).
+_UNCOMMITTED_CELLS: dict[Status, str] = {Status.NEEDS_RECAPTURE: "needs_recapture", Status.FAILED: "failed"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -106,11 +52,14 @@ class Case:
     """What graphsafe did for one (example, variant, mode), and whether that is what it promises."""
 
     example: str
-    variant: str
-    mode: str
-    #: ``restored``, ``auto-restored``, ``needs_recapture``, ``failed`` or ``raised``.
-    status: str
-    error: str | None
+    variant: Variant
+    mode: Mode
+    #: How the reload ended (``None``: no outcome was recorded).
+    status: Status | None
+    #: The violation the reload raised (strict mode), if any.
+    raised: type[ContractViolation] | None
+    #: Undeclared slots that migrate mode restored.
+    auto_restored: int
     problems: int
     report: MigrationReport
     #: Every derived tensor is at its sealed address after the reload.
@@ -119,6 +68,22 @@ class Case:
     fresh: bool | None
     #: ``None`` when as expected, else what was expected.
     unexpected: str | None
+
+    @property
+    def committed(self) -> bool:
+        """Whether the reload committed without raising."""
+        return self.raised is None and self.status is Status.COMMITTED
+
+    @property
+    def label(self) -> str:
+        """The table cell: ``restored``, ``auto-restored``, ``needs_recapture``, ``failed`` or ``raised``."""
+        if self.raised is not None:
+            return "raised"
+        if self.status is None:
+            return "no outcome"
+        if self.status is Status.COMMITTED:
+            return "auto-restored" if self.auto_restored else "restored"
+        return _UNCOMMITTED_CELLS[self.status]
 
 
 Addresses = dict[tuple[int, str], int]
@@ -143,32 +108,25 @@ def upstream_moves(ex: Example, variant: Variant) -> tuple[int, int]:
     return sum(1 for key, ptr in before.items() if after.get(key) != ptr), len(before)
 
 
-def _status(outcome: ReloadOutcome | None, error: BaseException | None) -> str:
-    if error is not None:
-        return "raised"
-    if outcome is None:
-        return "no outcome"
-    if outcome.committed:
-        return "auto-restored" if outcome.auto_restored else "restored"
-    return outcome.status.value
-
-
 def _expectation(case: Case) -> str | None:
     """What graphsafe promises for this case, or ``None`` when the case keeps the promise."""
     committed_ok = case.kept and case.fresh is True
     if case.variant == "migrated":
-        if case.status == "restored" and case.problems == 0 and not case.report.entries and committed_ok:
+        restored = case.committed and not case.auto_restored
+        if restored and case.problems == 0 and not case.report.entries and committed_ok:
             return None
         return "restored in place, no finding, an empty report"
     found = not case.report.clean
+    needs_recapture = case.raised is None and case.status is Status.NEEDS_RECAPTURE
     if case.mode == "strict":
-        ok = case.status == "raised" and case.error == UndeclaredDriftError.__name__ and found
+        ok = case.raised is UndeclaredDriftError and found
         return None if ok else "raised UndeclaredDriftError with a non-empty report"
     if case.mode == "recapture":
-        return None if case.status == "needs_recapture" and found else "needs_recapture with a non-empty report"
-    auto = case.status == "auto-restored" and committed_ok and bool(case.report.entries)
-    recapture = case.status == "needs_recapture" and found
-    return None if auto or recapture else "auto-restored (addresses kept, values fresh) or needs_recapture"
+        return None if needs_recapture and found else "needs_recapture with a non-empty report"
+    auto = case.committed and case.auto_restored > 0 and committed_ok and bool(case.report.entries)
+    if auto or (needs_recapture and found):
+        return None
+    return "auto-restored (addresses kept, values fresh) or needs_recapture"
 
 
 def run_case(ex: Example, variant: Variant, mode: Mode) -> Case:
@@ -183,14 +141,13 @@ def run_case(ex: Example, variant: Variant, mode: Mode) -> Case:
         with record_capture(contract, ignore=[x]):
             ex.forward(model, x)
     sealed = _addresses(ex, model)
-    error: BaseException | None = None
+    raised: type[ContractViolation] | None = None
     try:
         with contract.reload():
             ex.load_weights(model, ex.make_weights(model, NEW_SEED))
     except ContractViolation as exc:
-        error = exc
+        raised = type(exc)
     outcome = contract.last_outcome
-    status = _status(outcome, error)
     kept = _addresses(ex, model) == sealed
     fresh: bool | None = None
     if outcome is not None and outcome.committed:
@@ -202,15 +159,16 @@ def run_case(ex: Example, variant: Variant, mode: Mode) -> Case:
         example=ex.name,
         variant=variant,
         mode=mode,
-        status=status,
-        error=type(error).__name__ if error is not None else None,
+        status=outcome.status if outcome is not None else None,
+        raised=raised,
+        auto_restored=len(outcome.auto_restored) if outcome is not None else 0,
         problems=len(outcome.problems) if outcome is not None else 0,
         report=migration_report(contract),
         kept=kept,
         fresh=fresh,
         unexpected=None,
     )
-    return Case(**{**case.__dict__, "unexpected": _expectation(case)})
+    return dataclasses.replace(case, unexpected=_expectation(case))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -246,7 +204,7 @@ def run_demo(out: TextIO | None = None, names: Iterable[str] | None = None) -> i
     rows = [["example", "legacy", "migrated"]]
     for ex in examples:
         cells = [ex.name]
-        for variant in ("legacy", "migrated"):
+        for variant in VARIANTS:
             moved, total = upstream_moves(ex, variant)
             cells.append(f"{moved}/{total} moved")
         rows.append(cells)
@@ -262,7 +220,7 @@ def run_demo(out: TextIO | None = None, names: Iterable[str] | None = None) -> i
             migrated = run_case(ex, "migrated", mode)
             cases += [legacy, migrated]
             ok = "ok" if legacy.unexpected is None and migrated.unexpected is None else "UNEXPECTED"
-            rows.append([ex.name, legacy.status, migrated.status, _report_cell(legacy.report), ok])
+            rows.append([ex.name, legacy.label, migrated.label, _report_cell(legacy.report), ok])
         write("\n".join(_table(rows)) + "\n")
 
     write("\nmigration report of each legacy example (migrate mode), fixes grouped by owner:\n")
@@ -289,10 +247,10 @@ def run_demo(out: TextIO | None = None, names: Iterable[str] | None = None) -> i
         write(f"\n{len(wrong)} of {len(cases)} result(s) NOT as expected:\n")
         for case in wrong:
             write(
-                f"  {case.example} [{case.variant}, mode={case.mode}]: got {case.status}"
-                f"{f' ({case.error})' if case.error else ''}, kept={case.kept}, fresh={case.fresh}, "
+                f"  {case.example} [{case.variant}, mode={case.mode}]: got {case.label}"
+                f"{f' ({case.raised.__name__})' if case.raised else ''}, kept={case.kept}, fresh={case.fresh}, "
                 f"report: {_report_cell(case.report)}; expected {case.unexpected}\n"
             )
-        return 1
+        return EXIT_FINDINGS
     write(f"\nall {len(cases)} results as expected ({elapsed:.1f} s). `graphsafe report` prints the full report.\n")
-    return 0
+    return EXIT_CLEAN

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphsafe import graph_visible, stable_empty
-from graphsafe.examples._base import HIDDEN, Example, Variant, new_param
+from graphsafe.registry import graph_visible, stable_empty
+from graphsafe.testing.zoo._base import HIDDEN, Example, Variant, new_param
 
 __all__ = ["EXAMPLE", "MigratedPermuteMoE", "PermuteMoE"]
 

@@ -13,7 +13,7 @@ captured before a reload would replay stale or freed memory -- in two variants:
 
 Usage::
 
-    from graphsafe.examples import EXAMPLES
+    from graphsafe.testing.zoo import EXAMPLES
 
     ex = EXAMPLES["act_order"]
     model = ex.build("legacy", seed=0)           # two layers, first load done
@@ -29,7 +29,7 @@ graph; the one exception is ``lazy_permute_scratch``, whose first forward after 
 
 from __future__ import annotations
 
-from graphsafe.examples import (
+from graphsafe.testing.zoo import (
     _act_order,
     _cutlass_moe,
     _flashinfer,
@@ -42,7 +42,7 @@ from graphsafe.examples import (
     _slots_kernel,
     _underscore,
 )
-from graphsafe.examples._base import HIDDEN, TOKENS, VARIANTS, Example, Variant, ZooModel, run_pwal
+from graphsafe.testing.zoo._base import HIDDEN, TOKENS, VARIANTS, Example, Variant, ZooModel, run_pwal
 
 __all__ = ["EXAMPLES", "HIDDEN", "TOKENS", "VARIANTS", "Example", "Variant", "ZooModel", "run_pwal"]
 

@@ -1,0 +1,109 @@
+"""The ``graphsafe`` command: ``graphsafe demo`` and ``graphsafe report [TARGET]`` (also ``python -m graphsafe``).
+
+Exit status: 0 clean (or every demo result as expected), 1 findings (or an unexpected demo result), 2 usage
+errors (bad arguments, a TARGET that cannot be loaded or reloaded, an output file that cannot be written), 3 a bug.
+
+Besides :func:`main`, the names a TARGET or a script may want: :class:`ReloadTarget` (what a TARGET may return),
+:func:`load_target`, the zoo targets :func:`legacy_zoo` and :func:`migrated_zoo`, and :func:`run_demo`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+from graphsafe._version import __version__
+from graphsafe.cli._demo import run_demo
+from graphsafe.cli._exit import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, first_line, usage
+from graphsafe.cli._report_command import run_report
+from graphsafe.cli._target import (
+    TARGET_HELP,
+    ReloadTarget,
+    TargetError,
+    legacy_zoo,
+    load_target,
+    migrated_zoo,
+    zoo_target,
+)
+from graphsafe.contract import MODES
+from graphsafe.report import FORMATS
+from graphsafe.testing.zoo import EXAMPLES
+
+__all__ = [
+    "ReloadTarget",
+    "TargetError",
+    "legacy_zoo",
+    "load_target",
+    "main",
+    "migrated_zoo",
+    "run_demo",
+    "zoo_target",
+]
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    unknown = [name for name in args.examples if name not in EXAMPLES]
+    if unknown:
+        return usage(f"unknown example(s) {', '.join(unknown)}: choose from {', '.join(EXAMPLES)}")
+    return run_demo(sys.stdout, args.examples or None)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="graphsafe",
+        description="Hot weight reload that keeps captured CUDA graphs correct.",
+        epilog="Exit status: 0 clean, 1 findings, 2 usage errors.",
+    )
+    parser.add_argument("--version", action="version", version=f"graphsafe {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    demo = commands.add_parser(
+        "demo",
+        help="reload the example zoo under each mode and show what graphsafe does",
+        description="Load the example zoo, seal, reload with new weights under each mode, and print what an "
+        "upstream reload would do, what graphsafe did, and the migration report. Exit 0 when every result is "
+        "the expected one, 1 otherwise.",
+    )
+    demo.add_argument("examples", nargs="*", metavar="EXAMPLE", help="only these examples (default: all)")
+    demo.set_defaults(run=_run_demo)
+
+    report = commands.add_parser(
+        "report",
+        help="seal, reload once with other weights, print the migration report",
+        description="Seal a contract on TARGET's model, reload once with other weights, and print the migration "
+        "report: every undeclared graph-visible tensor and the exact line that declares it. Exit 0 clean, "
+        "1 findings, 2 usage errors.",
+    )
+    report.add_argument("target", nargs="?", metavar="TARGET", help=TARGET_HELP)
+    report.add_argument("--format", "-f", choices=FORMATS, default="text", help="output format (default: text)")
+    report.add_argument("--mode", "-m", choices=MODES, default="migrate", help="contract mode (default: migrate)")
+    report.add_argument("--seed", type=int, default=1, help="seed passed to reload(model, seed) (default: 1)")
+    report.add_argument(
+        "--capture",
+        action="store_true",
+        help="record TARGET's warmup as a capture (CPU stand-in) so storage no layer path holds is reported",
+    )
+    report.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
+    report.set_defaults(run=run_report)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    run: Callable[[argparse.Namespace], int] | None = getattr(args, "run", None)
+    if run is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("graphsafe: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        print(f"graphsafe: internal error ({first_line(exc)}); this is a bug, the traceback follows", file=sys.stderr)
+        traceback.print_exc()
+        return EXIT_INTERNAL
