@@ -4,7 +4,8 @@ The golden model below is deterministic (fixed shapes, seeded weights) and cover
 quant method owning tensors on a kernel object, two paths onto one tensor, a declared slot and an undeclared
 alias of it, a path only some layers of an owner have, a layer's own PWAL, views sharing a storage, a tensor whose
 shape changes every reload, a partial, a lazily allocated scratch the PWAL drops, and a module-level table only a
-capture manifest sees. Regenerate the goldens with ``GRAPHSAFE_REGEN_GOLDEN=1``.
+capture manifest sees. ``ViewLinear`` keeps a view of its own parameter: an alias, never work. Regenerate the
+goldens with ``GRAPHSAFE_REGEN_GOLDEN=1``.
 """
 
 from __future__ import annotations
@@ -29,8 +30,17 @@ from graphsafe import (
     register_derived,
 )
 from graphsafe.collectors import record_capture
+from graphsafe.outcome import FindingKind, Origin, SlotRef, Status
 from graphsafe.registry._store import layer_store
-from graphsafe.report import FORMATS, SCHEMA_ID, STABLE, MigrationReport, migration_report, report_schema
+from graphsafe.report import (
+    FORMATS,
+    SCHEMA_ID,
+    STABLE,
+    AliasEntry,
+    MigrationReport,
+    migration_report,
+    report_schema,
+)
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 REGEN = os.environ.get("GRAPHSAFE_REGEN_GOLDEN") == "1"
@@ -369,12 +379,16 @@ def test_drift_comes_from_the_reload_findings(golden: tuple[GoldenModel, GraphCo
     _, contract, report = golden
     entries = _by_where(report)
     assert contract.last_outcome is not None and contract.last_outcome.needs_recapture
-    assert report.status == "needs_recapture" and report.mode == "migrate" and report.reloaded
-    assert entries[("layers.0", "quant_method.kernel.workspace")].drift == "auto-restored"
-    assert entries[("layers.2", "topk")].drift == "respecified"
-    assert entries[("layers.2", "_scratch")].drift == "vanished"
-    assert entries[("layers.2", "rope")].drift == STABLE  # never replaced
+    assert report.status is Status.NEEDS_RECAPTURE and report.mode == "migrate" and report.reloaded
+    kinds = {where: entry.drift_kind for where, entry in entries.items()}
+    assert kinds[("layers.0", "quant_method.kernel.workspace")] is FindingKind.AUTO_RESTORED
+    assert kinds[("layers.2", "topk")] is FindingKind.RESPECIFIED
+    assert kinds[("layers.2", "_scratch")] is FindingKind.VANISHED
+    assert kinds[("layers.2", "rope")] is None  # never replaced
+    # The JSON spelling follows from the kind.
+    assert entries[("layers.2", "topk")].drift == "respecified" and entries[("layers.2", "rope")].drift == STABLE
     assert not entries[("layers.2", "rope")].problem and entries[("layers.2", "topk")].problem
+    assert not entries[("layers.0", "quant_method.kernel.workspace")].problem  # a repair, not a problem
 
 
 def test_the_alias_of_a_declared_slot_appears_once_it_is_undeclared() -> None:
@@ -390,6 +404,74 @@ def test_the_alias_of_a_declared_slot_appears_once_it_is_undeclared() -> None:
     _load(model, 0)
     paths = {e.path for e in migration_report(model).entries}
     assert {"scale", "quant_method.kernel.scale_view"} <= paths
+
+
+@_pinned
+class ViewLinear(nn.Module):
+    """Keeps a transposed view of its own weight: ``w_t`` is an alias of the parameter ``weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(OUT, IN, generator=torch.Generator().manual_seed(3)), False)
+        self.w_t = self.weight.data.t()
+        self.workspace = torch.zeros(4)  # the control: a tensor of its own, undeclared work
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w_t + self.workspace.sum()
+
+
+def _sealed_aliases(contract: GraphContract) -> tuple[AliasEntry, ...]:
+    """The seal's answer: its alias slots, as report values."""
+    return tuple(
+        AliasEntry(s.layer, s.layer_class, s.path, s.alias_of)
+        for s in contract.slots()
+        if s.origin is Origin.ALIAS and s.alias_of is not None
+    )
+
+
+def test_a_view_of_a_parameter_is_an_alias_to_the_model_the_contract_and_the_seal_alike() -> None:
+    """``self.w_t = self.weight.data.t()``: restored with ``weight``, so nothing to declare, from either source."""
+    model = GoldenModel([ViewLinear()])
+    contract = GraphContract(model, "strict").seal()
+    sealed = _sealed_aliases(contract)
+    assert sealed == (AliasEntry("layers.0", "ViewLinear", "w_t", "weight"),)
+    from_model, from_contract = migration_report(model), migration_report(contract)
+    for report in (from_model, from_contract):
+        assert [e.path for e in report.entries] == ["workspace"], report.render()
+        assert report.aliases == sealed
+        assert report.aliases[0].target == SlotRef("layers.0", "weight")
+    # A reload that writes the weight in place keeps the alias; the report still has nothing more to say.
+    with contract.reload():
+        _load(model, 1)
+    after = migration_report(contract)
+    assert contract.last_outcome is not None and contract.last_outcome.committed
+    assert [e.path for e in after.entries] == ["workspace"] and after.aliases == sealed
+    assert json.loads(after.render("json"))["aliases"] == [
+        {"layer": "layers.0", "layer_class": "ViewLinear", "path": "w_t", "alias_of": "weight"}
+    ]
+
+
+def test_model_and_contract_agree_with_the_seal_on_the_golden_aliases(
+    golden: tuple[GoldenModel, GraphContract, MigrationReport],
+) -> None:
+    model, contract, report = golden
+    sealed = _sealed_aliases(contract)
+    assert {(a.layer, a.path, a.alias_of) for a in sealed} == {
+        ("layers.0", "quant_method.kernel.scale_view", "scale"),
+        ("layers.1", "quant_method.kernel.scale_view", "scale"),
+    }
+    assert report.aliases == sealed == migration_report(model).aliases
+
+
+def test_an_alias_made_after_the_seal_is_an_alias_not_work() -> None:
+    layer = ViewLinear()
+    model = GoldenModel([layer])
+    contract = GraphContract(model, "migrate").seal()
+    layer.w_head = layer.weight.data[:2]  # after the seal: the contract report classifies it now
+    report = migration_report(contract)
+    assert [e.path for e in report.entries] == ["workspace"], report.render()
+    assert [(a.path, a.alias_of) for a in report.aliases] == [("w_t", "weight"), ("w_head", "weight")]
+    assert report.aliases == migration_report(model).aliases
 
 
 def test_owner_is_the_quant_method_else_the_layer(golden: tuple[GoldenModel, GraphContract, MigrationReport]) -> None:
@@ -523,7 +605,7 @@ def test_applying_the_fixes_makes_the_report_empty_and_strict_mode_commit() -> N
     legacy = GoldenModel([QLinear(False), QLinear(True), Attention(growing=False, reset_scratch=False)])
     _load(legacy, 0)
     before = migration_report(_run(legacy, mode="strict", capture=False))
-    assert len(before.fixes) == 4 and before.status == "failed"
+    assert len(before.fixes) == 4 and before.status is Status.FAILED
     fixed_method, fixed_attention = _apply_fixes(before)
     model = GoldenModel([QLinear(False, fixed_method), QLinear(True, fixed_method), fixed_attention()])
     _load(model, 0)
@@ -606,6 +688,25 @@ def test_unowned_captured_storage_comes_from_the_manifest(
     assert migration_report(_run(_golden_model(), capture=False)).unowned == ()
 
 
+def test_only_a_capture_manifest_is_read_for_unowned_storage() -> None:
+    """A manifest check of another kind is the contract's business; the report reads only a typed Manifest."""
+
+    class OtherCheck:
+        def reindex(self, contract: GraphContract) -> None:
+            pass
+
+        def check(self, contract: GraphContract) -> list[Any]:
+            return []
+
+        def unowned(self) -> list[torch.Tensor]:
+            return [torch.zeros(3)]
+
+    model = _golden_model()
+    contract = _run(model, capture=False)
+    contract.manifest = OtherCheck()
+    assert migration_report(contract).unowned == ()
+
+
 def test_bad_source_is_a_type_error() -> None:
     with pytest.raises(TypeError, match=r"nn\.Module, a GraphContract or a ReloadOutcome, got int"):
         migration_report(42)  # type: ignore[arg-type]
@@ -650,8 +751,9 @@ def test_json_carries_addresses_and_the_summary(golden: tuple[GoldenModel, Graph
         lambda d: d["entries"][0].pop("owner"),
         lambda d: d["fixes"][0].update(kind="monkeypatch"),
         lambda d: d.update(extra=1),
+        lambda d: d["aliases"][0].pop("alias_of"),
     ],
-    ids=["version", "drift", "missing-owner", "fix-kind", "extra-field"],
+    ids=["version", "drift", "missing-owner", "fix-kind", "extra-field", "alias-without-target"],
 )
 def test_the_schema_rejects_a_corrupted_report(
     golden: tuple[GoldenModel, GraphContract, MigrationReport], corrupt: Any

@@ -2,24 +2,23 @@
 
 Sits above the contract: it reads a model, a contract or a reload outcome and renders text, markdown, JSON (with
 a versioned schema), a tree or a Graphviz graph.
+
+* :func:`migration_report` builds a :class:`MigrationReport` from any of the three sources.
+* :class:`ReportEntry` (an undeclared tensor), :class:`AliasEntry` (a path restored with the slot it aliases),
+  :class:`UnownedEntry` (captured storage no layer holds) and :class:`Fix` (the code to add) are what it holds.
+* :data:`FORMATS` names the renderings; :func:`report_schema` is the JSON document's schema (:data:`SCHEMA_ID`).
 """
 
-from graphsafe.report._build import (
-    FORMATS,
-    SCHEMA_ID,
-    STABLE,
-    Fix,
-    MigrationReport,
-    ReportEntry,
-    UnownedEntry,
-    migration_report,
-    report_schema,
-)
+from graphsafe.report._build import migration_report
+from graphsafe.report._entries import STABLE, AliasEntry, Fix, MigrationReport, ReportEntry, UnownedEntry
+from graphsafe.report._render import FORMATS
+from graphsafe.report._schema import SCHEMA_ID, report_schema
 
 __all__ = [
     "FORMATS",
     "SCHEMA_ID",
     "STABLE",
+    "AliasEntry",
     "Fix",
     "MigrationReport",
     "ReportEntry",

@@ -1,21 +1,26 @@
-"""Renderers of a :class:`~graphsafe.collectors.MigrationReport`: text, markdown, tree and Graphviz dot.
+"""Renderings of a :class:`~graphsafe.report.MigrationReport`: text, markdown, JSON, tree and Graphviz dot.
 
-None of them prints device addresses, so their output is stable across runs for the same model (the JSON
-rendering, built in ``_report``, carries them for tools).
+Only JSON carries device addresses (``data_ptr``, for tools); the others never print one, so their output is
+stable across runs for the same model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
-from graphsafe.paths import Attr, Cell, Token, parse_path
+from graphsafe.outcome import FindingKind, SlotRef
+from graphsafe.paths import format_token, parse_path
 
 if TYPE_CHECKING:
-    from graphsafe.report._build import Fix, MigrationReport, ReportEntry
+    from graphsafe.report._entries import Fix, MigrationReport, ReportEntry, UnownedEntry
 
-__all__ = ["dot", "human_bytes", "markdown", "text", "tree"]
+__all__ = ["FORMATS", "dot", "human_bytes", "json_text", "markdown", "render", "text", "tree"]
+
+#: What :meth:`~graphsafe.report.MigrationReport.render` accepts.
+FORMATS: Final = ("text", "markdown", "json", "tree", "dot")
 
 _PROBLEM_FILL = "#f4cccc"
 _REPAIRED_FILL = "#fce5cd"
@@ -41,6 +46,11 @@ def _shape(shape: Sequence[int] | None) -> str:
 
 def _restorable(value: bool | None) -> str:
     return "?" if value is None else ("yes" if value else "no")
+
+
+def _layer_name(layer: str) -> str:
+    """A layer's qualified name as people read it (``<model>`` for the root; see :class:`SlotRef`)."""
+    return str(SlotRef(layer, ""))
 
 
 def _entry_note(entry: ReportEntry) -> str:
@@ -73,7 +83,7 @@ def _source_line(report: MigrationReport) -> str:
     if report.mode is not None:
         text += f" (mode={report.mode})"
     if report.status is not None:
-        text += f", last reload: {report.status}"
+        text += f", last reload: {report.status.value}"
     if report.declared_problems:
         text += f"; {report.declared_problems} problem(s) on declared slots (not listed: see the outcome)"
     return text
@@ -98,7 +108,7 @@ def text(report: MigrationReport) -> str:
         for e in report.entries:
             rows.append(
                 [
-                    e.layer or "<model>",
+                    _layer_name(e.layer),
                     e.layer_class,
                     e.path,
                     _shape(e.shape),
@@ -115,26 +125,28 @@ def text(report: MigrationReport) -> str:
         lines += ["", "Fixes, grouped by owner (each covers every layer listed):"]
         for number, fix in enumerate(report.fixes, 1):
             lines.append(f"  [{number}] {_fix_heading(fix)}")
-            lines.append(f"      layers: {', '.join(n or '<model>' for n in fix.layers)}")
+            lines.append(f"      layers: {', '.join(_layer_name(n) for n in fix.layers)}")
             lines += [f"        {line}" for line in fix.lines]
             if fix.note:
                 lines.append(f"      note: {fix.note}")
     if report.unowned:
         lines += ["", "Unowned captured storage (a captured graph reads it; no layer path reaches it):"]
-        rows = [
-            [
-                u.description,
-                u.dtype or "?",
-                _shape(u.shape),
-                u.device or "?",
-                human_bytes(u.nbytes) if u.nbytes is not None else "?",
-            ]
-            for u in report.unowned
-        ]
+        rows = [_unowned_cells(u, human_bytes) for u in report.unowned]
         lines += ["  " + row for row in _table(rows)]
     if report.notes:
         lines += ["", "Notes:"] + [f"  - {note}" for note in report.notes]
     return "\n".join(lines) + "\n"
+
+
+def _unowned_cells(unowned: UnownedEntry, size: Callable[[int], str]) -> list[str]:
+    """Description, dtype, shape, device and size (``?`` where the manifest did not say)."""
+    return [
+        unowned.description,
+        unowned.dtype or "?",
+        _shape(unowned.shape),
+        unowned.device or "?",
+        size(unowned.nbytes) if unowned.nbytes is not None else "?",
+    ]
 
 
 def _md(cell: str) -> str:
@@ -161,7 +173,7 @@ def markdown(report: MigrationReport) -> str:
         ]
         for e in report.entries:
             cells = [
-                f"`{e.layer or '<model>'}`",
+                f"`{_layer_name(e.layer)}`",
                 f"`{e.layer_class}`",
                 f"`{e.path}`",
                 _shape(e.shape),
@@ -184,7 +196,7 @@ def markdown(report: MigrationReport) -> str:
             ]
             if fix.kind != "graph_visible":
                 lines += [f"In {fix.target}.", ""]
-            layers = ", ".join(f"`{name or '<model>'}`" for name in fix.layers)
+            layers = ", ".join(f"`{_layer_name(name)}`" for name in fix.layers)
             lines += [f"Layers: {layers}.", "", "```python", *fix.lines, "```"]
             if fix.note:
                 lines += ["", f"Note: {fix.note}."]
@@ -197,14 +209,7 @@ def markdown(report: MigrationReport) -> str:
             "|---|---|---|---|---:|",
         ]
         for u in report.unowned:
-            cells = [
-                u.description,
-                u.dtype or "?",
-                _shape(u.shape),
-                u.device or "?",
-                str(u.nbytes) if u.nbytes is not None else "?",
-            ]
-            lines.append("| " + " | ".join(_md(c) for c in cells) + " |")
+            lines.append("| " + " | ".join(_md(c) for c in _unowned_cells(u, str)) + " |")
     if report.notes:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in report.notes]
     return "\n".join(lines) + "\n"
@@ -230,24 +235,17 @@ class _Node:
         return f"{self.name}\n{self.cls}" if self.cls else self.name
 
 
-def _token_label(token: Token) -> str:
-    if isinstance(token, Attr):
-        return token.name
-    if isinstance(token, Cell):
-        return f"__closure__[{token.index}]"
-    return f"[{token.key!r}]"
-
-
-def _layer_tries(report: MigrationReport) -> list[_Node]:
+def _layer_tries(report: MigrationReport) -> dict[str, _Node]:
+    """A trie of path tokens per layer, keyed by the layer's qualified name, in order of first entry."""
     roots: dict[str, _Node] = {}
     for entry in report.entries:
         root = roots.get(entry.layer)
         if root is None:
-            root = roots[entry.layer] = _Node(entry.layer or "<model>", entry.layer_class)
+            root = roots[entry.layer] = _Node(_layer_name(entry.layer), entry.layer_class)
         tokens = parse_path(entry.path)
         node = root
         for depth, token in enumerate(tokens):
-            name = _token_label(token)
+            name = format_token(token, first=True)  # each step on a line of its own: no leading dot
             last = depth == len(tokens) - 1
             cls = entry.via[depth] if not last and depth < len(entry.via) else None
             key = f"{name} ({cls})" if cls else name
@@ -256,7 +254,7 @@ def _layer_tries(report: MigrationReport) -> list[_Node]:
                 child = node.children[key] = _Node(name, cls)
             node = child
         node.entry = entry
-    return list(roots.values())
+    return roots
 
 
 def _leaf_text(entry: ReportEntry) -> str:
@@ -280,7 +278,7 @@ def tree(report: MigrationReport) -> str:
             lines.append(f"{prefix}{'└── ' if last else '├── '}{label}")
             walk(child, prefix + ("    " if last else "│   "))
 
-    for root in _layer_tries(report):
+    for root in _layer_tries(report).values():
         lines.append(root.label)
         walk(root, "")
     return "\n".join(lines) + "\n"
@@ -291,7 +289,7 @@ def _dot_string(value: str) -> str:
 
 
 def _fill(entry: ReportEntry) -> str:
-    if entry.drift == "auto-restored":
+    if entry.drift_kind is FindingKind.AUTO_RESTORED:
         return _REPAIRED_FILL
     return _PROBLEM_FILL if entry.problem else _STABLE_FILL
 
@@ -328,9 +326,9 @@ def dot(report: MigrationReport) -> str:
             lines.append(f"  {node_id(node)} -> {cid};")
             emit(child)
 
-    for root in _layer_tries(report):
+    for layer, root in _layer_tries(report).items():
         rid = node_id(root)
-        layer_ids[root.name] = rid
+        layer_ids[layer] = rid
         fill, label = _dot_string(_LAYER_FILL), _dot_string(root.dot_label)
         lines.append(f"  {rid} [style=filled, fillcolor={fill}, label={label}];")
         emit(root)
@@ -339,7 +337,7 @@ def dot(report: MigrationReport) -> str:
         label = "\n".join(fix.lines) + "\n" + ("on " if fix.kind == "graph_visible" else "in ") + fix.target
         lines.append(f"  {fid} [shape=note, label={_dot_string(label)}];")
         for layer in fix.layers:
-            target = layer_ids.get(layer or "<model>")
+            target = layer_ids.get(layer)
             if target is not None:
                 lines.append(f"  {fid} -> {target} [style=dashed, arrowhead=none];")
     for number, unowned in enumerate(report.unowned):
@@ -350,3 +348,25 @@ def dot(report: MigrationReport) -> str:
         )
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def json_text(report: MigrationReport) -> str:
+    """The JSON document (:meth:`~graphsafe.report.MigrationReport.to_dict`), indented."""
+    return json.dumps(report.to_dict(), indent=2) + "\n"
+
+
+_RENDERERS: Final[dict[str, Callable[[MigrationReport], str]]] = {
+    "text": text,
+    "markdown": markdown,
+    "json": json_text,
+    "tree": tree,
+    "dot": dot,
+}
+
+
+def render(report: MigrationReport, fmt: str) -> str:
+    """``report`` in one of :data:`FORMATS`; raises ``ValueError`` naming the choices for any other."""
+    renderer = _RENDERERS.get(fmt)
+    if renderer is None:
+        raise ValueError(f"unknown report format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    return renderer(report)

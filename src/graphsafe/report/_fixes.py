@@ -1,0 +1,144 @@
+"""The code an author should write: entries grouped by the code to edit, one :class:`Fix` per group.
+
+* one ``@graph_visible(...)`` line per PWAL for the paths every layer it runs for has (a second line with
+  ``static=True`` for tensors a reload left alone), and ``register_derived`` calls for the paths only some have;
+* ``register_derived`` right after the assignment for lazy tensors (not there when PWAL returns), with a
+  ``stable_empty`` call when the tensor vanished;
+* ``register_derived`` where the owner assigns the tensor when nobody defines a PWAL.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Iterable, Sequence
+from typing import Final, Literal
+
+from graphsafe.outcome import FindingKind
+from graphsafe.report._drafts import Drafted
+from graphsafe.report._entries import Fix, ReportEntry
+from graphsafe.report._owners import PWAL
+
+__all__ = ["fixes"]
+
+_STATIC_NOTE: Final = (
+    "static=True: {paths} kept {their} storage and was not written in the reload, so {it} does not follow the "
+    "weights (declared without it, graphsafe would flag it stale); if PWAL does rebuild {it} in place, drop "
+    "static=True so graphsafe checks that"
+)
+
+_Group = Literal["lazy", "no-pwal", "pwal"]
+
+
+def _quote(path: str) -> str:
+    return json.dumps(path)  # a double-quoted string literal, valid Python for every slot path
+
+
+def _register_lines(paths: Iterable[str], static: Collection[str] = ()) -> tuple[str, ...]:
+    return tuple(f"register_derived(layer, {_quote(p)}{', static=True' if p in static else ''})" for p in paths)
+
+
+def _decorator(paths: Sequence[str], static: bool) -> str:
+    return "@graph_visible(" + ", ".join(_quote(p) for p in paths) + (", static=True" if static else "") + ")"
+
+
+def _stable_empty_call(entry: ReportEntry) -> str:
+    shape = "(" + ", ".join(str(n) for n in entry.shape) + ("," if len(entry.shape) == 1 else "") + ")"
+    return f"stable_empty(layer, {_quote(entry.path)}, {shape}, torch.{entry.dtype}, {_quote(entry.device)})"
+
+
+def _lazy_note(members: Sequence[ReportEntry]) -> str:
+    vanished = list({e.path: e for e in members if e.drift_kind is FindingKind.VANISHED}.values())
+    if not vanished:
+        return (
+            "scratch whose contents are not derived from the weights can instead be allocated with stable_empty(layer, "
+            "path, shape, dtype, device), which hands back the same storage every time"
+        )
+    calls = "; ".join(_stable_empty_call(e) for e in vanished)
+    names = ", ".join(e.path for e in vanished)
+    return (
+        f"{names} vanished during the reload (something dropped it; the graph still reads the old storage), so "
+        f"declaring is not enough: keep the storage, by not resetting it in PWAL or by allocating it with {calls}, "
+        "which hands back the same storage every time"
+    )
+
+
+def _static_paths(members: Sequence[ReportEntry], reloaded: bool) -> set[str]:
+    """Paths a reload neither replaced nor wrote: they do not follow the weights, so they are declared static
+    (else the contract's freshness check would call them stale). Without a reload nothing is known."""
+    if not reloaded:
+        return set()
+    moved = {e.path for e in members if e.drift_kind is not None}
+    return {e.path for e in members if e.path not in moved}
+
+
+def _pwal_fixes(members: Sequence[ReportEntry], static: set[str]) -> list[Fix]:
+    """One decorator covers every layer the PWAL runs for, but only for the paths every such layer has (a declared
+    path that does not resolve raises); the rest get ``register_derived`` in that PWAL."""
+    owner = members[0].owner
+    layers = tuple(dict.fromkeys(e.layer for e in members))
+    layers_with: dict[str, set[str]] = {}
+    for entry in members:
+        layers_with.setdefault(entry.path, set()).add(entry.layer)
+    common = tuple(p for p, have in layers_with.items() if len(have) == len(layers))
+    partial = tuple(p for p, have in layers_with.items() if len(have) < len(layers))
+    pwal = members[0].pwal
+    where = pwal if pwal is not None else f"the {PWAL} that runs for {owner} (its quant_method's, if it has one)"
+    fixes: list[Fix] = []
+    if common:
+        derived = [p for p in common if p not in static]
+        frozen = [p for p in common if p in static]
+        lines = tuple(_decorator(group, group is frozen) for group in (derived, frozen) if group)
+        note = ""
+        if frozen:
+            many = len(frozen) > 1
+            note = _STATIC_NOTE.format(
+                paths=", ".join(frozen), their="their" if many else "its", it="they" if many else "it"
+            )
+        fixes.append(Fix("graph_visible", owner, where, common, layers, lines, note))
+    if partial:
+        having = set().union(*(layers_with[p] for p in partial))
+        fixes.append(
+            Fix(
+                "register_derived",
+                owner,
+                f"{where}, after it assigns each path",
+                partial,
+                tuple(n for n in layers if n in having),
+                _register_lines(partial, static),
+                "only some of its layers have these paths, so a decorator "
+                "(which requires every path on every layer) cannot declare them",
+            )
+        )
+    return fixes
+
+
+def fixes(drafted: Drafted, reloaded: bool) -> tuple[Fix, ...]:
+    """Group the entries by the code to edit, in order of first appearance, and write each group's fix."""
+    groups: dict[tuple[_Group, str], list[ReportEntry]] = {}
+    for entry, owner_known in zip(drafted.entries, drafted.owner_known, strict=True):
+        if entry.lazy:
+            key: tuple[_Group, str] = ("lazy", entry.owner)
+        elif entry.pwal is None and owner_known:
+            key = ("no-pwal", entry.owner)
+        else:
+            key = ("pwal", entry.pwal or entry.owner)
+        groups.setdefault(key, []).append(entry)
+    result: list[Fix] = []
+    for (group, _), members in groups.items():
+        owner = members[0].owner
+        layers = tuple(dict.fromkeys(e.layer for e in members))
+        paths = tuple(dict.fromkeys(e.path for e in members))
+        static = _static_paths(members, reloaded)
+        if group == "lazy":
+            target = (
+                f"{owner}: right after the code that assigns each path (it is not "
+                "there when PWAL returns, e.g. the first forward allocates it)"
+            )
+            lines = _register_lines(paths, static)
+            result.append(Fix("register_derived", owner, target, paths, layers, lines, _lazy_note(members)))
+        elif group == "no-pwal":
+            target = f"{owner}: where it assigns each path ({owner} has no {PWAL})"
+            result.append(Fix("register_derived", owner, target, paths, layers, _register_lines(paths, static)))
+        else:
+            result += _pwal_fixes(members, static)
+    return tuple(result)
