@@ -31,7 +31,7 @@ from graphsafe import (
 )
 from graphsafe.collectors import record_capture
 from graphsafe.outcome import FindingKind, Origin, SlotRef, Status
-from graphsafe.registry._store import layer_store
+from graphsafe.registry import undeclare
 from graphsafe.report import (
     FORMATS,
     SCHEMA_ID,
@@ -397,8 +397,7 @@ def test_the_alias_of_a_declared_slot_appears_once_it_is_undeclared() -> None:
     class Undeclaring(WorkspaceMethod):
         def process_weights_after_loading(self, layer: QLinear) -> None:
             super().process_weights_after_loading(layer)
-            store = layer_store(layer, create=False)
-            assert store is not None and store.drop("scale")
+            assert undeclare(layer, "scale")
 
     model = GoldenModel([QLinear(False, Undeclaring)])
     _load(model, 0)

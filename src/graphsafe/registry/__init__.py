@@ -13,6 +13,7 @@ from graphsafe.registry._declarations import (
     layer_of_call,
     register_derived,
     stable_empty,
+    undeclare,
 )
 from graphsafe.registry._store import Declaration, declarations_generation, declarations_of, declared_layers
 
@@ -29,4 +30,5 @@ __all__ = [
     "layer_of_call",
     "register_derived",
     "stable_empty",
+    "undeclare",
 ]

@@ -26,6 +26,7 @@ __all__ = [
     "layer_of_call",
     "register_derived",
     "stable_empty",
+    "undeclare",
 ]
 
 P = ParamSpec("P")
@@ -194,9 +195,9 @@ def _handle(layer: nn.Module, path: SlotPath) -> RemovableHandle:
         return layer_store(owner, create=False) if owner is not None else None
 
     def remove() -> None:
-        entry = store()
-        if entry is not None:
-            entry.drop(path.text)
+        owner = layer_ref()
+        if owner is not None:
+            undeclare(owner, path.text)
 
     def active() -> bool:
         entry = store()
@@ -268,6 +269,14 @@ def declare(
     except PathSyntaxError as exc:
         raise DeclarationError(f"declare on {type(layer).__name__} ({source}): {exc}") from exc
     return _declare(layer, slot, None, _normalize_derived_from(derived_from), static, source, source)
+
+
+def undeclare(layer: nn.Module, path: str | SlotPath) -> bool:
+    """Remove the declaration of ``path`` on ``layer``; ``False`` when there was none. Stable storage handed out by
+    :func:`stable_empty` stays with the layer."""
+    text = path.text if isinstance(path, SlotPath) else SlotPath(path).text
+    entry = layer_store(layer, create=False)
+    return entry is not None and entry.drop(text)
 
 
 def stable_empty(

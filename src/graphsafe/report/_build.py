@@ -7,8 +7,9 @@ from collections.abc import Collection
 import torch
 from torch import nn
 
-from graphsafe.contract import GraphContract, ReloadOutcome
+from graphsafe.contract import GraphContract
 from graphsafe.devices import DeviceSet, WalkBudget
+from graphsafe.outcome import ReloadOutcome
 from graphsafe.report._drafts import to_entries
 from graphsafe.report._entries import MigrationReport, SourceKind, UnownedEntry
 from graphsafe.report._fixes import fixes

@@ -256,7 +256,8 @@ class _ReportSink:
             fixes = tuple(f for f in report.fixes if layer in f.layers)
             # Unowned storage belongs to no layer: it goes with the model's root.
             unowned = report.unowned if layer == "" else ()
-            own = dataclasses.replace(report, entries=entries, fixes=fixes, unowned=unowned)
+            aliases = tuple(a for a in report.aliases if a.layer == layer)
+            own = dataclasses.replace(report, entries=entries, fixes=fixes, unowned=unowned, aliases=aliases)
             self.layers.append(
                 {
                     "test": nodeid,
