@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from graphsafe.collectors.walker import TensorRef, WalkResult, collect, walk
-from graphsafe.collectors.walker._walk import _MODULE_INTERNALS
+from graphsafe.collectors.walker._readers import MODULE_INTERNALS
 from graphsafe.devices import WalkBudget
 from graphsafe.errors import PathError
 from graphsafe.paths import SlotPath, format_path, parse_path
@@ -266,10 +266,10 @@ def test_parameter_held_outside_parameters_is_reported() -> None:
 
 
 def test_module_internals_come_from_a_bare_module() -> None:
-    assert set(nn.Module().__dict__) <= _MODULE_INTERNALS
+    assert set(nn.Module().__dict__) <= MODULE_INTERNALS
     for name in ("_parameters", "_buffers", "_modules", "_forward_hooks", "_state_dict_pre_hooks", "training"):
-        assert name in _MODULE_INTERNALS
-    assert "_fc2_input_scale" not in _MODULE_INTERNALS
+        assert name in MODULE_INTERNALS
+    assert "_fc2_input_scale" not in MODULE_INTERNALS
 
 
 def test_module_internals_and_hooks_are_not_walked() -> None:

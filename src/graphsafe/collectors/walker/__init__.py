@@ -1,5 +1,35 @@
-"""The walker: every device tensor reachable from a layer, named by a slot path (see :func:`walk`)."""
+"""The walker: every device tensor reachable from a layer, named by a slot path.
 
-from graphsafe.collectors.walker._walk import TensorRef, WalkResult, collect, walk
+After a reload, ``process_weights_after_loading`` re-creates derived tensors (workspaces, strides, permutations,
+scales) wherever it likes under a layer; a captured graph keeps reading the old memory. :func:`walk` finds those
+tensors so undeclared drift can be detected.
+
+What is walked: the layer's own instance attributes that are not torch's ``nn.Module`` bookkeeping (parameters,
+buffers and child modules are someone else's business), then, recursively, plain objects (``__dict__`` and
+``__slots__``), dicts (``str``/``int`` keys), lists, deques, tuples, NamedTuples, ``functools.partial``
+(``func``, ``args``, ``keywords``), functions (closure cells, ``__defaults__``, ``__kwdefaults__``), bound
+methods (``__func__``, and ``__self__`` unless it is a module), builtin methods (``__self__``) and
+mappingproxies. Never entered: child modules (each is its own reload unit), classes, Python modules, enums,
+streams/events/graphs, dtypes, devices, scalars, strings, weak references, generators and files.
+
+The walker never runs user code: attributes are read through the C-level ``__dict__``/slot descriptors found in
+the class dictionaries, containers through the builtin methods of ``dict``/``list``/``tuple``/``set``, type
+tests compare ids along the MRO, and no user object is hashed or compared. Tensor metadata is read with
+subclass ``__torch_function__`` disabled.
+
+Alias policy: every distinct object is read once (``objects_visited`` counts them, which also makes cycles
+harmless), but a tensor is reported under *every* simple path (one that passes through no object twice) from the
+layer to it, through whatever containers: an aliased workspace, or a dict shared by two owners, shows up under
+each path. Restoring needs all of them, since a rebound tuple or a replaced attribute only changes one parent.
+Tensors that no path can name (members of sets, values under non-``str``/``int`` dict keys, attributes shadowed
+by a data descriptor) are not reported; :attr:`WalkResult.notes` says where they are.
+
+Budgets: ``max_objects`` bounds how many distinct objects are read (each container is read in full) and how many
+path steps the alias enumeration takes; ``max_depth`` bounds path length. Hitting either is never silent:
+:attr:`WalkResult.exhausted` names the budget and the first path where it cut.
+"""
+
+from graphsafe.collectors.walker._results import TensorRef, WalkResult
+from graphsafe.collectors.walker._walk import collect, walk
 
 __all__ = ["TensorRef", "WalkResult", "collect", "walk"]

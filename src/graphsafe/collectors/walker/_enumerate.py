@@ -1,0 +1,151 @@
+"""Phases 2 and 3 of a walk: which objects lead to a tensor, and one ref per simple path from the layer to each.
+
+Phase 2 (:func:`useful`) marks, from every tensor upwards, the nodes some tensor can be reached from; phase 3
+(:func:`enumerate_paths`) follows every simple path (one that passes through no node twice) through marked nodes,
+depth first, and makes a :class:`~._results.TensorRef` wherever one ends at a tensor. A ref is restorable when
+assign can write its last step in place, possibly after rebuilding immutable containers into their parents, and
+resolving the path runs no user code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any, Final
+
+import torch
+
+from graphsafe.collectors.walker._edges import (
+    INPLACE,
+    NO_WRITE,
+    STEP_TEXTS,
+    UNNAMED,
+    UNRESOLVED,
+    first_step_text,
+    step_text,
+)
+from graphsafe.collectors.walker._graph import WalkGraph
+from graphsafe.collectors.walker._plans import TENSOR, TYPE_NAME
+from graphsafe.collectors.walker._results import TensorRef
+from graphsafe.outcome import Fingerprint, fingerprint
+
+_UNSEEN: Final[Any] = object()
+
+
+def useful(graph: WalkGraph) -> bytearray:
+    """1 for every node from which some tensor node can be reached (tensors included)."""
+    marks = bytearray(len(graph.objs))
+    parent, extra_in = graph.parent, graph.extra_in
+    stack = [i for i, kind in enumerate(graph.kinds) if kind == TENSOR]
+    while stack:
+        node = stack.pop()
+        # Climb the discovery tree until a marked node; shared nodes queue their other parents.
+        while not marks[node]:
+            marks[node] = 1
+            if node == 0:
+                break
+            more = extra_in.get(node)
+            if more:
+                stack.extend(more)
+            node = parent[node]
+    return marks
+
+
+def enumerate_paths(graph: WalkGraph, skip: Collection[str] = ()) -> list[TensorRef]:
+    """One ref per simple path to a tensor, but those whose text is in ``skip``; records notes and cuts."""
+    marks = useful(graph)
+    refs: list[TensorRef] = []
+    if not marks[0] or graph.estart[0] < 0:
+        return refs
+    kinds, objs, estart, eend = graph.kinds, graph.objs, graph.estart, graph.eend
+    e_tk, e_key, e_child, e_mode = graph.e_tk, graph.e_key, graph.e_child, graph.e_mode
+    max_depth, budget = graph.max_depth, graph.max_objects
+    step_texts = STEP_TEXTS
+    prints: dict[int, Fingerprint | None] = {}  # per tensor node: one fingerprint however many paths
+    pos, ends = [estart[0]], [eend[0]]  # per level of the current path: next edge, end of the node's edges
+    trail: list[int] = []  # the edges of the current path
+    texts = [""]  # texts[k]: the path text of the first k edges of the trail
+    clean = [True]  # clean[k]: no edge among the first k makes resolution run user code
+    on_trail = {0}
+    steps = 0
+    while pos:
+        e = pos[-1]
+        if e >= ends[-1]:
+            pos.pop()
+            ends.pop()
+            if trail:
+                on_trail.discard(e_child[trail.pop()])
+                texts.pop()
+                clean.pop()
+            continue
+        pos[-1] = e + 1
+        child = e_child[e]
+        if not marks[child] or child in on_trail:
+            continue
+        tk, key, mode = e_tk[e], e_key[e], e_mode[e]
+        if tk == UNNAMED:  # not a path step: no slot path goes through it
+            where = texts[-1] or "<layer>"
+            graph.notes[f"{where}: {key} leads to device tensors that no slot path can name"] = None
+            continue
+        steps += 1
+        if steps > budget:
+            where = graph.render([*trail, e])
+            graph.paths_cut = f"max_objects={budget} reached while enumerating alias paths at {where!r}"
+            break
+        if len(trail) >= max_depth:
+            if graph.cut_depth():
+                graph.depth_cut = graph.render([*trail, e])
+            continue
+        text = texts[-1] + (step_texts[tk].get(key) or step_text(tk, key)) if trail else first_step_text(tk, key)
+        if kinds[child] == TENSOR:
+            if skip and text in skip:
+                continue  # the caller knows this path: no ref, no fingerprint
+            tensor = objs[child]
+            print_ = prints.get(child, _UNSEEN)
+            if print_ is _UNSEEN:
+                print_ = _fingerprint(graph, child, tensor, text, prints)
+            if print_ is None:
+                continue
+            if mode == INPLACE and clean[-1]:  # the common case: written in place, plainly resolved
+                refs.append(TensorRef(text, tensor, print_, True, None))
+            else:
+                restorable, reason = _restorability(graph, [*trail, e], texts)
+                refs.append(TensorRef(text, tensor, print_, restorable, reason))
+            continue
+        if estart[child] < 0:  # not read: cut by a budget
+            continue
+        trail.append(e)
+        texts.append(text)
+        clean.append(clean[-1] and mode != UNRESOLVED)
+        on_trail.add(child)
+        pos.append(estart[child])
+        ends.append(eend[child])
+    return refs
+
+
+def _restorability(graph: WalkGraph, edges: list[int], texts: list[str]) -> tuple[bool, str | None]:
+    """Whether assign can write a tensor at the end of ``edges`` (``texts[i]``: the path before edge i)."""
+    modes, reasons = graph.e_mode, graph.e_reason
+    for i, e in enumerate(edges):
+        if modes[e] == UNRESOLVED:  # resolving the path runs user code: no guarantee it finds this tensor
+            return False, f"{reasons[e]} at {texts[i] or '<layer>'!r}"
+    # assign writes the last step; immutable containers are rebuilt into their parents, upwards.
+    for i in range(len(edges) - 1, -1, -1):
+        mode = modes[edges[i]]
+        if mode == INPLACE:
+            return True, None
+        if mode == NO_WRITE:
+            return False, f"{reasons[edges[i]]} at {texts[i] or '<layer>'!r}"
+    return True, None  # unreachable: the layer's own attributes are written in place
+
+
+def _fingerprint(
+    graph: WalkGraph, node: int, tensor: torch.Tensor, path: str, prints: dict[int, Fingerprint | None]
+) -> Fingerprint | None:
+    """The fingerprint of a tensor node, remembered in ``prints``; None (and a note) where it cannot be taken."""
+    try:
+        print_: Fingerprint | None = fingerprint(tensor)
+    except Exception as exc:  # sparse, or a wrapper subclass without storage
+        print_ = None
+        graph.notes[f"{path}: cannot fingerprint a {TYPE_NAME(type(tensor))} ({exc})"] = None
+    prints[node] = print_
+    return print_

@@ -1,0 +1,167 @@
+"""The graph of one walk: every reachable object read once (phase 1), the edges between them, and what was cut.
+
+Phase 1 (:meth:`WalkGraph.read`) reads objects breadth first, each with the reader :data:`~._readers.READERS`
+holds for its kind, and links their children: a new child becomes a node (unless the depth budget cuts it), a
+known one only gains an edge. Tensors become nodes when the device set holds their device, and are never read.
+
+Edges live in flat parallel lists (a node's edges are the contiguous range ``estart[n]:eend[n]``) rather than in
+a tuple per edge: per-edge container objects would feed the cyclic GC, which then costs as much as the walk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphsafe.collectors.walker._edges import Kid, render
+from graphsafe.collectors.walker._plans import OBJECT, PLANS, SKIP, TENSOR, TENSOR_DEVICE, TYPE_NAME, plan_of
+from graphsafe.collectors.walker._readers import MODULE_INTERNALS, READERS, read_attributes
+from graphsafe.devices import DeviceSet, WalkBudget
+
+
+class WalkGraph:
+    """One walk's nodes (node 0 is the layer), edges, notes and budget cuts."""
+
+    def __init__(self, layer: object, budget: WalkBudget, devices: DeviceSet) -> None:
+        self.max_depth = budget.max_depth
+        self.max_objects = budget.max_objects
+        self.devices = devices
+        # Node columns. Holding the objects keeps their ids unique until the walk ends.
+        self.objs: list[Any] = [layer]
+        self.kinds: list[int] = [OBJECT]
+        self.parent: list[int] = [-1]  # the node each node was first discovered from
+        self.estart: list[int] = [-1]  # -1: not read (a tensor, or cut by a budget)
+        self.eend: list[int] = [-1]
+        # Edge columns: token kind, name/key/index (or, for unnamed edges, why), child node, write mode, reason.
+        self.e_tk: list[int] = []
+        self.e_key: list[Any] = []
+        self.e_child: list[int] = []
+        self.e_mode: list[int] = []
+        self.e_reason: list[str | None] = []
+        self.extra_in: dict[int, list[int]] = {}  # further parents of shared objects
+        self.objects_visited = 0
+        self.depth_cut: str | None = None  # the first place the depth budget cut a path
+        self.depth_cuts = 0
+        self.objects_cut: str | None = None
+        self.paths_cut: str | None = None
+        self.notes: dict[str, None] = {}  # an ordered set
+
+    # -- messages ----------------------------------------------------------------------------------------------
+
+    def render(self, edges: list[int]) -> str:
+        """The path of a list of edges, for messages."""
+        return render((self.e_tk[e], self.e_key[e]) for e in edges)
+
+    def path_of(self, node: int, extra: tuple[int, Any] | None = None) -> str:
+        """The discovery path of ``node`` (for messages only: it searches the parents' edges)."""
+        steps: list[tuple[int, Any]] = []
+        while node > 0:
+            pnode = self.parent[node]
+            e = next(e for e in range(self.estart[pnode], self.eend[pnode]) if self.e_child[e] == node)
+            steps.append((self.e_tk[e], self.e_key[e]))
+            node = pnode
+        steps.reverse()
+        if extra is not None:
+            steps.append(extra)
+        return render(steps)
+
+    def cut_depth(self) -> bool:
+        """Count one more place the depth budget cut; True for the first, whose path the caller then records."""
+        self.depth_cuts += 1
+        return self.depth_cuts == 1
+
+    def exhausted(self) -> str | None:
+        """Every budget that cut the walk, and where; None when none did."""
+        parts: list[str] = []
+        if self.depth_cut is not None:
+            more = self.depth_cuts - 1
+            tail = f" and {more} more place(s)" if more else ""
+            parts.append(f"max_depth={self.max_depth} reached at {self.depth_cut!r}{tail}; nothing deeper was read")
+        if self.objects_cut:
+            parts.append(self.objects_cut)
+        if self.paths_cut:
+            parts.append(self.paths_cut)
+        return "; ".join(parts) if parts else None
+
+    # -- phase 1 -----------------------------------------------------------------------------------------------
+
+    def read(self) -> None:
+        """Read every object reachable within the budgets once, recording the edges to its children."""
+        objs, kinds, parent, estart, eend = self.objs, self.kinds, self.parent, self.estart, self.eend
+        e_tk, e_key, e_child, e_mode, e_reason = self.e_tk, self.e_key, self.e_child, self.e_mode, self.e_reason
+        index: dict[int, int] = {id(objs[0]): 0}
+        extra_in = self.extra_in
+        plans_get, readers_get = PLANS.get, READERS.get
+        devices = self.devices
+        wanted: dict[torch.device, bool] = {}  # the device set's answer per device, asked once per walk
+        max_depth, max_objects = self.max_depth, self.max_objects
+        head = 0
+        visited = 0
+        level, boundary = 0, 1  # breadth first: nodes before `boundary` are at depth <= `level`
+        while head < len(objs):
+            node = head
+            head += 1
+            if node == boundary:
+                level += 1
+                boundary = len(objs)
+            if kinds[node] == TENSOR:
+                continue
+            if visited >= max_objects:
+                queued = sum(1 for k in kinds[node:] if k != TENSOR)
+                self.objects_cut = (
+                    f"max_objects={max_objects} reached at {self.path_of(node)!r}; "
+                    f"{queued} queued object(s) and whatever lies beyond them were not read"
+                )
+                break
+            visited += 1
+            obj = objs[node]
+            plan = plans_get(id(type(obj))) or plan_of(type(obj))
+            kids: list[Kid] = []
+            if plan.attrs:
+                read_attributes(obj, plan, kids, MODULE_INTERNALS if node == 0 and plan.kind == SKIP else None)
+            if node:  # the layer itself contributes only its attributes (a path starts with a name)
+                reader = readers_get(plan.kind)
+                if reader is not None:
+                    reader(obj, plan, kids)
+
+            estart[node] = len(e_child)
+            child_depth = level + 1
+            for tk, key, child, ck, mode, reason in kids:
+                if ck == TENSOR:
+                    try:
+                        device = TENSOR_DEVICE(child)
+                    except Exception as exc:  # an exotic tensor subclass: say so rather than fail the walk
+                        where = self.path_of(node, (tk, key))
+                        self.notes[f"{where}: cannot read the device of a {TYPE_NAME(type(child))} ({exc})"] = None
+                        continue
+                    ok = wanted.get(device)
+                    if ok is None:
+                        ok = wanted[device] = device in devices
+                    if not ok:
+                        continue
+                cid = id(child)
+                idx = index.get(cid)
+                if idx is None:
+                    if child_depth > max_depth:
+                        if self.cut_depth():
+                            self.depth_cut = self.path_of(node, (tk, key))
+                        continue
+                    idx = len(objs)
+                    index[cid] = idx
+                    objs.append(child)
+                    kinds.append(ck)
+                    parent.append(node)
+                    estart.append(-1)
+                    eend.append(-1)
+                elif idx in extra_in:
+                    extra_in[idx].append(node)
+                else:
+                    extra_in[idx] = [node]
+                e_tk.append(tk)
+                e_key.append(key)
+                e_child.append(idx)
+                e_mode.append(mode)
+                e_reason.append(reason)
+            eend[node] = len(e_child)
+        self.objects_visited = visited

@@ -1,0 +1,333 @@
+"""Per-class plans: what the walker reads of a class's instances, worked out once per class without running its code.
+
+A class's kind (leaf, tensor, module, object, or which container) comes from :data:`KIND_BASES` along its MRO;
+its :class:`Plan` adds where instance state lives (``__dict__``, slots), which attribute names a data descriptor
+shadows, and how assign can write through its attributes and items. Every accessor here is a C-level descriptor
+taken from a builtin type's dictionary, so none of them can dispatch to Python code defined by a user class.
+"""
+
+from __future__ import annotations
+
+import _io
+import collections
+import enum
+import functools
+import io
+import logging
+import threading
+import types
+import weakref
+from typing import Any, Final
+
+import torch
+from torch import nn
+
+from graphsafe.collectors.walker._edges import INPLACE, NO_WRITE, REBUILD, UNRESOLVED, nameable
+
+# --------------------------------------------------------------------------------------------------------------
+# C-level accessors.
+
+TYPE_DICT: Final = type.__dict__["__dict__"].__get__
+TYPE_MRO: Final = type.__dict__["__mro__"].__get__
+TYPE_NAME: Final = type.__dict__["__qualname__"].__get__
+
+FUNC_CLOSURE: Final = types.FunctionType.__dict__["__closure__"].__get__
+FUNC_DEFAULTS: Final = types.FunctionType.__dict__["__defaults__"].__get__
+FUNC_KWDEFAULTS: Final = types.FunctionType.__dict__["__kwdefaults__"].__get__
+CELL_CONTENTS: Final = types.CellType.__dict__["cell_contents"].__get__
+METHOD_FUNC: Final = types.MethodType.__dict__["__func__"].__get__
+METHOD_SELF: Final = types.MethodType.__dict__["__self__"].__get__
+BUILTIN_SELF: Final = types.BuiltinFunctionType.__dict__["__self__"].__get__
+WRAPPER_SELF: Final = types.MethodWrapperType.__dict__["__self__"].__get__
+PARTIAL_FUNC: Final = functools.partial.__dict__["func"].__get__
+PARTIAL_ARGS: Final = functools.partial.__dict__["args"].__get__
+PARTIAL_KEYWORDS: Final = functools.partial.__dict__["keywords"].__get__
+TENSOR_DEVICE: Final = torch._C.TensorBase.__dict__["device"].__get__
+
+DICT_ITEMS: Final = dict.items
+DICT_VALUES: Final = dict.values
+LIST_ITER: Final = list.__iter__
+TUPLE_ITER: Final = tuple.__iter__
+DEQUE_ITER: Final = collections.deque.__iter__
+SET_ITER: Final = set.__iter__
+FROZENSET_ITER: Final = frozenset.__iter__
+
+_DESCRIPTOR_TYPES: Final = (types.GetSetDescriptorType, types.MemberDescriptorType)
+_TUPLEGETTER: Final = type(TYPE_DICT(collections.namedtuple("_NT", "a"))["a"])  # a NamedTuple field's descriptor
+_C_CODE_TYPES: Final = (
+    types.WrapperDescriptorType,
+    types.MethodDescriptorType,
+    types.ClassMethodDescriptorType,
+    types.BuiltinFunctionType,
+    types.MethodWrapperType,
+)
+
+# --------------------------------------------------------------------------------------------------------------
+# Kinds. LEAF and SKIP are the lowest codes: a child of kind <= SKIP is never followed.
+
+LEAF, SKIP, TENSOR, OBJECT, DICT, LIST, DEQUE, TUPLE, NTUPLE, SET, FSET, PROXY = range(12)
+PARTIAL, FUNCTION, METHOD, BUILTIN, WRAPPER = range(12, 17)
+
+
+def _resolve_names(dotted: tuple[str, ...]) -> list[type]:
+    """Classes by dotted name, skipping those this torch build lacks."""
+    found: list[type] = []
+    for name in dotted:
+        obj: Any = torch if name.startswith("torch.") else None
+        parts = name.split(".")[1:] if obj is not None else []
+        for part in parts:
+            obj = getattr(obj, part, None)
+        if isinstance(obj, type):
+            found.append(obj)
+    return found
+
+
+_LEAF_BASES: Final[tuple[type, ...]] = (
+    type,
+    types.ModuleType,
+    str,
+    bytes,
+    bytearray,
+    memoryview,
+    int,
+    float,
+    complex,
+    type(None),
+    type(Ellipsis),
+    type(NotImplemented),
+    range,
+    slice,
+    enum.Enum,
+    types.GeneratorType,
+    types.CoroutineType,
+    types.AsyncGeneratorType,
+    types.CodeType,
+    types.FrameType,
+    types.TracebackType,
+    types.CellType,
+    types.GetSetDescriptorType,
+    types.MemberDescriptorType,
+    property,
+    weakref.ReferenceType,
+    weakref.ProxyType,
+    weakref.CallableProxyType,
+    io.IOBase,
+    _io._IOBase,  # the C base of every file object (io.IOBase is an ABC they are only registered with)
+    logging.Logger,
+    logging.Handler,
+    logging.Manager,
+    threading.Thread,
+    type(threading.Lock()),
+    type(threading.RLock()),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.Size,
+    torch.Generator,
+    torch.finfo,
+    torch.iinfo,
+    *_resolve_names(
+        (
+            "torch.qscheme",
+            "torch.Stream",
+            "torch.Event",
+            "torch.cuda.Stream",
+            "torch.cuda.Event",
+            "torch.cuda.CUDAGraph",
+            "torch._C._CudaStreamBase",
+            "torch._C._CudaEventBase",
+            "torch._C._CUDAGraph",
+            "torch._utils._CudaStreamBase",
+            "torch._utils._CudaEventBase",
+            "torch._utils._CUDAGraph",
+            "torch.UntypedStorage",
+            "torch.TypedStorage",
+            "torch._C.StorageBase",
+            "torch._ops.OperatorBase",
+            "torch._ops.OpOverloadPacket",
+            "torch._ops._OpNamespace",
+            "torch.SymInt",
+            "torch.SymFloat",
+            "torch.SymBool",
+        )
+    ),
+)
+
+# Checked in this order along the MRO (first match wins), so a Module or tensor subclass is never a plain object.
+KIND_BASES: Final[tuple[tuple[type, int], ...]] = (
+    (torch._C.TensorBase, TENSOR),
+    (nn.Module, SKIP),
+    *((base, LEAF) for base in _LEAF_BASES),
+    (dict, DICT),
+    (list, LIST),
+    (collections.deque, DEQUE),
+    (tuple, TUPLE),
+    (set, SET),
+    (frozenset, FSET),
+    (types.MappingProxyType, PROXY),
+    (functools.partial, PARTIAL),
+    (types.FunctionType, FUNCTION),
+    (types.MethodType, METHOD),
+    (types.BuiltinFunctionType, BUILTIN),
+    (types.MethodWrapperType, WRAPPER),
+)
+_KIND_BY_ID: Final = {id(base): kind for base, kind in KIND_BASES}
+_KIND_ORDER: Final = {id(base): order for order, (base, _) in enumerate(KIND_BASES)}
+# Containers whose subclasses may carry instance state of their own (the builtin types themselves have none).
+_CONTAINERS: Final[dict[int, type]] = {
+    DICT: dict,
+    LIST: list,
+    DEQUE: collections.deque,
+    TUPLE: tuple,
+    NTUPLE: tuple,
+    PARTIAL: functools.partial,
+}
+
+
+def _base_kind(mro: tuple[type, ...]) -> int:
+    """The kind of the most specific known base (a dict subclass of a leaf type stays a leaf); else OBJECT."""
+    best: tuple[int, int] | None = None
+    for klass in mro:
+        order = _KIND_ORDER.get(id(klass))
+        if order is not None and (best is None or order < best[0]):
+            best = (order, _KIND_BY_ID[id(klass)])
+    return best[1] if best is not None else OBJECT
+
+
+def _python_owner(pairs: list[tuple[type, Any]], name: str) -> str | None:
+    """The class that defines ``name`` (first along the MRO) when that definition is Python code, else None."""
+    for klass, d in pairs:
+        if name in d:
+            # type identity, not isinstance: isinstance may consult a user-defined __class__
+            return None if any(type(d[name]) is t for t in _C_CODE_TYPES) else TYPE_NAME(klass)
+    return None
+
+
+def _is_data_descriptor(value: object) -> bool:
+    return any("__set__" in d or "__delete__" in d for d in map(TYPE_DICT, TYPE_MRO(type(value))))
+
+
+def _item_writes(kind: int, caveat: str | None, rebuild_reason: str | None) -> tuple[int, str | None]:
+    """How assign writes an item of a container of ``kind`` (write mode, reason)."""
+    if caveat is not None:
+        return UNRESOLVED, caveat
+    if kind == PROXY:
+        return NO_WRITE, "inside a mappingproxy"
+    if kind in (TUPLE, NTUPLE):
+        return (NO_WRITE, rebuild_reason) if rebuild_reason is not None else (REBUILD, None)
+    return INPLACE, None
+
+
+class Plan:
+    """What the walker needs to know about one class, computed once."""
+
+    __slots__ = (
+        "attr_mode",
+        "attr_reason",
+        "attrs",
+        "cls",
+        "data_descriptors",
+        "dict_get",
+        "fields",
+        "item_mode",
+        "item_reason",
+        "kind",
+        "name",
+        "shadowed_slots",
+        "slots",
+    )
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls  # keeps the class (and so its id) alive while the plan is cached
+        self.name: str = TYPE_NAME(cls)
+        mro: tuple[type, ...] = TYPE_MRO(cls)
+        dicts = [TYPE_DICT(klass) for klass in mro]
+        pairs = list(zip(mro, dicts, strict=True))
+        kind = _base_kind(mro)
+
+        # First definition of every name along the MRO: what attribute lookup would find on the class.
+        first: dict[str, Any] = {}
+        for d in reversed(dicts):
+            first.update(d)
+
+        owner = _python_owner(pairs, "__getattribute__")
+        self.attr_reason: str | None = None if owner is None else f"resolving it runs {owner}.__getattribute__"
+        self.attr_mode: int = INPLACE if owner is None else UNRESOLVED
+
+        item_caveat: str | None = None
+        if kind in (DICT, LIST, DEQUE, TUPLE):
+            owner = _python_owner(pairs, "__getitem__")
+            if owner is not None:
+                item_caveat = f"resolving it runs {owner}.__getitem__"
+
+        # Per position of a NamedTuple: the field name a path uses, or None where only the index can name it.
+        self.fields: tuple[str | None, ...] = ()
+        rebuild_reason: str | None = None
+        if kind == TUPLE:
+            fields = first.get("_fields")
+            if type(fields) is tuple and all(type(f) is str for f in fields) and "_make" in first:
+                kind = NTUPLE
+                self.fields = tuple(f if type(first.get(f)) is _TUPLEGETTER and nameable(f) else None for f in fields)
+            elif _python_owner(pairs, "__new__") or _python_owner(pairs, "__init__"):
+                rebuild_reason = f"inside a {self.name} (a tuple subclass assign cannot rebuild)"
+        self.item_mode, self.item_reason = _item_writes(kind, item_caveat, rebuild_reason)
+        self.kind = kind
+
+        self.dict_get: Any = None
+        self.slots: tuple[tuple[str, Any], ...] = ()  # (name, getter)
+        self.shadowed_slots: tuple[tuple[str, Any], ...] = ()  # (why no path names it, getter)
+        self.data_descriptors: frozenset[str] = frozenset()
+        # Instance state of plain objects, and of user subclasses of containers (builtin containers have none).
+        if kind in (OBJECT, SKIP) or (kind in _CONTAINERS and _CONTAINERS[kind] is not cls):
+            dict_descr: Any = first.get("__dict__")
+            if any(type(dict_descr) is t for t in _DESCRIPTOR_TYPES):
+                self.dict_get = dict_descr.__get__
+            slots: list[tuple[str, Any]] = []
+            shadowed: list[tuple[str, Any]] = []
+            for klass, d in pairs:
+                if "__slots__" not in d:  # C types' own members (partial.func, ...) are not instance slots
+                    continue
+                for name, value in d.items():
+                    if type(value) is not types.MemberDescriptorType or name in ("__dict__", "__weakref__"):
+                        continue
+                    getter: Any = value.__get__
+                    if first.get(name) is value:
+                        slots.append((name, getter))
+                    else:
+                        why = f"slot {name!r} of {TYPE_NAME(klass)} is shadowed by a class attribute"
+                        shadowed.append((why, getter))
+            self.slots = tuple(slots)
+            self.shadowed_slots = tuple(shadowed)
+            self.data_descriptors = frozenset(
+                name
+                for name, value in first.items()
+                if type(name) is str and not name.startswith("__") and _is_data_descriptor(value)
+            )
+            if kind == OBJECT and self.dict_get is None and not slots and not shadowed:
+                self.kind = LEAF  # a C type without instance state we could read
+        self.attrs = self.dict_get is not None or bool(self.slots) or bool(self.shadowed_slots)
+
+
+# The caches, by id(cls): hashing a class could run a metaclass's __hash__. KINDS is the hot loops' leaf test.
+PLANS: Final[dict[int, Plan]] = {}
+KINDS: Final[dict[int, int]] = {}
+_PLAN_CACHE_LIMIT: Final = 20_000
+
+
+def plan_of(cls: type) -> Plan:
+    """The plan of ``cls``, from the cache or made now."""
+    plan = PLANS.get(id(cls))
+    if plan is None:
+        if len(PLANS) >= _PLAN_CACHE_LIMIT:  # dynamically created classes must not accumulate forever
+            PLANS.clear()
+            KINDS.clear()
+        plan = PLANS[id(cls)] = Plan(cls)
+        KINDS[id(cls)] = plan.kind
+    return plan
+
+
+def kind_of(obj: object) -> int:
+    """The kind of ``obj``'s class."""
+    kind = KINDS.get(id(type(obj)))
+    return plan_of(type(obj)).kind if kind is None else kind

@@ -1,0 +1,252 @@
+"""Readers: one per kind of container, each listing an object's children as :data:`~._edges.Kid` edges.
+
+:data:`READERS` maps a kind to its reader; :func:`read_attributes` reads instance state (``__dict__`` and slots)
+of plain objects and of container subclasses alike. Readers go through the C-level accessors of
+:mod:`._plans` only, never hash or compare a user object, and drop leaves and modules where the child's kind is
+at hand. The loops over dict items, sequence items and attributes are written out: they run once per child.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+from torch import nn
+
+from graphsafe.collectors.walker._edges import (
+    ATTR,
+    CELL,
+    INPLACE,
+    ITEM,
+    NAMEABLE,
+    NO_WRITE,
+    REBUILD,
+    UNNAMED,
+    Kid,
+    nameable,
+)
+from graphsafe.collectors.walker._plans import (
+    BUILTIN,
+    BUILTIN_SELF,
+    CELL_CONTENTS,
+    DEQUE,
+    DEQUE_ITER,
+    DICT,
+    DICT_ITEMS,
+    FROZENSET_ITER,
+    FSET,
+    FUNC_CLOSURE,
+    FUNC_DEFAULTS,
+    FUNC_KWDEFAULTS,
+    FUNCTION,
+    KINDS,
+    LIST,
+    LIST_ITER,
+    METHOD,
+    METHOD_FUNC,
+    METHOD_SELF,
+    NTUPLE,
+    PARTIAL,
+    PARTIAL_ARGS,
+    PARTIAL_FUNC,
+    PARTIAL_KEYWORDS,
+    PROXY,
+    SET,
+    SET_ITER,
+    SKIP,
+    TUPLE,
+    TUPLE_ITER,
+    TYPE_NAME,
+    WRAPPER,
+    WRAPPER_SELF,
+    Plan,
+    kind_of,
+    plan_of,
+)
+
+# torch's own per-instance Module state; anything a subclass adds (with or without a leading underscore) is walked.
+MODULE_INTERNALS: Final = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
+
+Reader = Callable[[Any, Plan, list[Kid]], None]
+
+
+def add_kid(kids: list[Kid], kind: int, key: Any, child: Any, mode: int, reason: str | None) -> None:
+    """Append ``child`` unless it is a leaf or a module (the general, not written-out, form of the loops)."""
+    ck = KINDS.get(id(type(child)))
+    if ck is None:
+        ck = plan_of(type(child)).kind
+    if ck > SKIP:
+        kids.append((kind, key, child, ck, mode, reason))
+
+
+def read_attributes(obj: Any, plan: Plan, kids: list[Kid], exclude: frozenset[str] | None) -> None:
+    """Instance attributes: ``__dict__`` entries (but ``exclude``), then slots. Only ``str`` names make paths."""
+    mode, reason = plan.attr_mode, plan.attr_reason
+    if plan.dict_get is not None:
+        state = plan.dict_get(obj)
+        if type(state) is dict or kind_of(state) == DICT:
+            append = kids.append
+            kinds_get, known_names = KINDS.get, NAMEABLE.get
+            shadow = plan.data_descriptors
+            for name, value in DICT_ITEMS(state):
+                ck = kinds_get(id(type(value)))
+                if ck is None:
+                    ck = plan_of(type(value)).kind
+                if ck <= SKIP:
+                    continue
+                if type(name) is not str:  # possible through __dict__ tricks; never hash or repr it
+                    why = f"an attribute keyed by a {TYPE_NAME(type(name))}"
+                    append((UNNAMED, why, value, ck, NO_WRITE, None))
+                    continue
+                if exclude is not None and name in exclude:
+                    continue
+                ok = known_names(name)
+                if ok is None:
+                    ok = nameable(name)
+                if not ok:
+                    append((UNNAMED, f"attribute {name!r} is not a path name", value, ck, NO_WRITE, None))
+                elif name in shadow:
+                    why = f"attribute {name!r} is shadowed by a data descriptor of {plan.name}"
+                    append((UNNAMED, why, value, ck, NO_WRITE, None))
+                else:
+                    append((ATTR, name, value, ck, mode, reason))
+    for name, get in plan.slots:
+        try:
+            value = get(obj)
+        except AttributeError:  # an unset slot
+            continue
+        add_kid(kids, ATTR, name, value, mode, reason)
+    for why, get in plan.shadowed_slots:
+        try:
+            value = get(obj)
+        except AttributeError:
+            continue
+        add_kid(kids, UNNAMED, why, value, NO_WRITE, None)
+
+
+def _read_items(items: Iterable[tuple[Any, Any]], plan: Plan, kids: list[Kid]) -> None:
+    """``(key, value)`` items of a dict or (by index) a sequence; other keys than ``str``/``int`` make no paths."""
+    append = kids.append
+    kinds_get = KINDS.get
+    mode, reason = plan.item_mode, plan.item_reason
+    for key, value in items:
+        ck = kinds_get(id(type(value)))
+        if ck is None:
+            ck = plan_of(type(value)).kind
+        key_type = type(key)
+        if key_type is str or key_type is int:
+            if ck > SKIP:
+                append((ITEM, key, value, ck, mode, reason))
+            continue
+        key_name = TYPE_NAME(key_type)
+        add_kid(kids, UNNAMED, f"a dict key of type {key_name}", key, NO_WRITE, None)
+        if ck > SKIP:
+            append((UNNAMED, f"the value under a {key_name} dict key", value, ck, NO_WRITE, None))
+
+
+def read_dict(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    _read_items(DICT_ITEMS(obj), plan, kids)
+
+
+def read_mappingproxy(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """The proxied dict, read as a dict under the proxy's plan (its items cannot be written through it)."""
+    # The mapping is reachable only through the GC protocol (C code, no user hooks).
+    inner = gc.get_referents(obj)
+    _read_items(DICT_ITEMS(inner[0]) if len(inner) == 1 and kind_of(inner[0]) == DICT else (), plan, kids)
+
+
+def read_list(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    _read_items(enumerate(LIST_ITER(obj)), plan, kids)
+
+
+def read_deque(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    _read_items(enumerate(DEQUE_ITER(obj)), plan, kids)
+
+
+def read_tuple(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    _read_items(enumerate(TUPLE_ITER(obj)), plan, kids)
+
+
+def read_namedtuple(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """Fields by name where a path can use it, else by index."""
+    fields = plan.fields
+    for i, value in enumerate(TUPLE_ITER(obj)):
+        name = fields[i] if i < len(fields) else None
+        if name is None:
+            add_kid(kids, ITEM, i, value, plan.item_mode, plan.item_reason)
+        else:
+            add_kid(kids, ATTR, name, value, plan.item_mode, plan.item_reason)
+
+
+def read_function(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """Closure cells (empty ones skipped), ``__defaults__`` and ``__kwdefaults__``; all writable in place."""
+    closure = FUNC_CLOSURE(obj)
+    if closure is not None:
+        for i, cell in enumerate(closure):
+            try:
+                value = CELL_CONTENTS(cell)
+            except ValueError:  # an empty cell
+                continue
+            add_kid(kids, CELL, i, value, INPLACE, None)
+    defaults = FUNC_DEFAULTS(obj)
+    if defaults is not None:
+        add_kid(kids, ATTR, "__defaults__", defaults, INPLACE, None)
+    kwdefaults = FUNC_KWDEFAULTS(obj)
+    if kwdefaults is not None:
+        add_kid(kids, ATTR, "__kwdefaults__", kwdefaults, INPLACE, None)
+
+
+def read_partial(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """``func``, ``args`` and ``keywords``; assign rebuilds the partial into its parent."""
+    add_kid(kids, ATTR, "func", PARTIAL_FUNC(obj), REBUILD, None)
+    add_kid(kids, ATTR, "args", PARTIAL_ARGS(obj), REBUILD, None)
+    add_kid(kids, ATTR, "keywords", PARTIAL_KEYWORDS(obj), REBUILD, None)
+
+
+_METHOD_FUNC_READ_ONLY: Final = "through the read-only __func__ of a method"
+_METHOD_SELF_READ_ONLY: Final = "through the read-only __self__ of a method"
+_BUILTIN_SELF_READ_ONLY: Final = "through the read-only __self__ of a builtin method"
+
+
+def read_method(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """``__func__`` and ``__self__`` (a module ``__self__`` is dropped as every module is)."""
+    add_kid(kids, ATTR, "__func__", METHOD_FUNC(obj), NO_WRITE, _METHOD_FUNC_READ_ONLY)
+    add_kid(kids, ATTR, "__self__", METHOD_SELF(obj), NO_WRITE, _METHOD_SELF_READ_ONLY)
+
+
+def read_builtin_method(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    add_kid(kids, ATTR, "__self__", BUILTIN_SELF(obj), NO_WRITE, _BUILTIN_SELF_READ_ONLY)
+
+
+def read_method_wrapper(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    add_kid(kids, ATTR, "__self__", WRAPPER_SELF(obj), NO_WRITE, _BUILTIN_SELF_READ_ONLY)
+
+
+def read_set(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """Members no path can name (read so the walk can say where unnamed tensors are)."""
+    for value in SET_ITER(obj):
+        add_kid(kids, UNNAMED, "a member of a set", value, NO_WRITE, None)
+
+
+def read_frozenset(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    for value in FROZENSET_ITER(obj):
+        add_kid(kids, UNNAMED, "a member of a frozenset", value, NO_WRITE, None)
+
+
+# Kinds without a reader: leaves and modules (never entered), tensors (never read), plain objects (attributes only).
+READERS: Final[dict[int, Reader]] = {
+    DICT: read_dict,
+    PROXY: read_mappingproxy,
+    LIST: read_list,
+    DEQUE: read_deque,
+    TUPLE: read_tuple,
+    NTUPLE: read_namedtuple,
+    FUNCTION: read_function,
+    PARTIAL: read_partial,
+    METHOD: read_method,
+    BUILTIN: read_builtin_method,
+    WRAPPER: read_method_wrapper,
+    SET: read_set,
+    FSET: read_frozenset,
+}

@@ -1,0 +1,35 @@
+"""What a walk returns: one :class:`TensorRef` per path to a device tensor, gathered in a :class:`WalkResult`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphsafe.outcome import Fingerprint
+
+
+# Not frozen: construction is per tensor on the walk's hot path, and a frozen dataclass pays an
+# object.__setattr__ per field. Treat instances as immutable.
+@dataclass(slots=True, eq=False)
+class TensorRef:
+    """One device tensor and one path to it (a tensor reachable by several paths gets one ref per path).
+
+    ``eq=False``: comparing two refs field by field would compare tensors elementwise.
+    """
+
+    path: str
+    tensor: torch.Tensor
+    fingerprint: Fingerprint
+    restorable: bool
+    reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class WalkResult:
+    """What :func:`~graphsafe.collectors.walker.walk` found, how much it read, and whether a budget cut it short."""
+
+    refs: tuple[TensorRef, ...]
+    objects_visited: int
+    exhausted: str | None
+    notes: tuple[str, ...] = ()
