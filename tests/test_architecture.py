@@ -35,9 +35,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 #: Test modules that reach into a private module, and why (fault injection or white-box checks of internals).
 PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     # the walker's internal table of torch's own Module attributes, checked against a fresh nn.Module
-    "tests/test_walker.py": {"graphsafe.collectors.walker._walk"},
+    "tests/test_walker.py": {"graphsafe.collectors.walker._readers"},
     # the soak test watches internal caches and stores for unbounded growth
-    "tests/test_soak.py": {"graphsafe.collectors.walker._walk", "graphsafe.registry._store"},
+    "tests/test_soak.py": {"graphsafe.collectors.walker._plans", "graphsafe.registry._store"},
     # the manifest's per-reload check must not walk: the walk is replaced by a tripwire
     "tests/test_manifest.py": {"graphsafe.collectors._classify"},
     # white-box tests of the restore plan: the "layer still in the model" fast path against get_submodule, and
@@ -60,6 +60,7 @@ class Import:
     source: str  # the importing module
     target: str  # the imported module (a name imported from a package counts as that package)
     line: int
+    typing_only: bool = False  # under ``if TYPE_CHECKING:``: an annotation, not a runtime dependency
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -83,22 +84,39 @@ def _resolve(module: str, level: int, name: str | None, is_package: bool) -> str
     return ".".join([*base, name] if name else base)
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id.endswith("TYPE_CHECKING")) or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_nodes(tree: ast.AST) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement, and whether it sits under ``if TYPE_CHECKING:``."""
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            typing_only.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node, id(node) in typing_only
+
+
 def _imports(path: Path, module: str, known: set[str]) -> Iterator[Import]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     is_package = path.name == "__init__.py"
-    for node in ast.walk(tree):
+    for node, typing_only in _import_nodes(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("graphsafe"):
-                    yield Import(module, alias.name, node.lineno)
-        elif isinstance(node, ast.ImportFrom):
-            target = _resolve(module, node.level, node.module, is_package)
-            if not target.startswith("graphsafe"):
-                continue
-            for alias in node.names:
-                # ``from graphsafe.collectors import _classify`` imports the module graphsafe.collectors._classify
-                sub = f"{target}.{alias.name}"
-                yield Import(module, sub if sub in known else target, node.lineno)
+                    yield Import(module, alias.name, node.lineno, typing_only)
+            continue
+        target = _resolve(module, node.level, node.module, is_package)
+        if not target.startswith("graphsafe"):
+            continue
+        for alias in node.names:
+            # ``from graphsafe.collectors import _classify`` imports the module graphsafe.collectors._classify
+            sub = f"{target}.{alias.name}"
+            yield Import(module, sub if sub in known else target, node.lineno, typing_only)
 
 
 def _all_imports() -> list[Import]:
@@ -156,9 +174,11 @@ def test_no_module_imports_the_top_level_package() -> None:
 
 
 def test_no_import_cycles() -> None:
+    # Imports under ``if TYPE_CHECKING:`` are annotations: they never run, so they cannot form a runtime cycle
+    # (they still count for the direction of imports above).
     graph: dict[str, set[str]] = {}
     for imp in _all_imports():
-        if imp.source != "graphsafe" and imp.target != imp.source:
+        if imp.source != "graphsafe" and imp.target != imp.source and not imp.typing_only:
             graph.setdefault(imp.source, set()).add(imp.target)
     # A package's __init__ re-exports its modules: an edge to a package is an edge to its face only, and the
     # face's own edges to its modules are kept, so a module importing its own package's face is a cycle.
@@ -247,3 +267,11 @@ def test_each_package_has_a_face_with_all() -> None:
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
         }
         assert "__all__" in names, f"{init.relative_to(ROOT)} has no __all__"
+
+
+@pytest.mark.parametrize("doc", list(_docs()), ids=lambda p: p.name)
+def test_relative_links_resolve_inside_the_repo(doc: Path) -> None:
+    text = doc.read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    missing = [t for t in targets if "://" not in t and not (doc.parent / t).exists()]
+    assert not missing, f"{doc.name} links to files that are not in the repo: {missing}"

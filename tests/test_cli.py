@@ -14,7 +14,7 @@ import pytest
 
 from graphsafe.cli import main, run_demo
 from graphsafe.report import FORMATS, SCHEMA_ID, report_schema
-from graphsafe.testing.zoo import EXAMPLES, _marlin
+from graphsafe.testing.zoo import EXAMPLES, marlin
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,9 +86,9 @@ def test_demo_exits_0_and_shows_every_example_under_every_mode() -> None:
 def test_demo_fails_when_a_migrated_example_misbehaves(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fault injection: the migrated Marlin method loses its declarations, so its reloads produce findings."""
     monkeypatch.setattr(
-        _marlin.MigratedMarlinLinearMethod,
+        marlin.MigratedMarlinLinearMethod,
         "process_weights_after_loading",
-        _marlin.MarlinLinearMethod.process_weights_after_loading,
+        marlin.MarlinLinearMethod.process_weights_after_loading,
     )
     out = io.StringIO()
     assert run_demo(out, ["marlin_workspace", "act_order"]) == 1
@@ -126,7 +126,7 @@ def test_report_on_the_legacy_zoo_in_each_format(fmt: str) -> None:
     elif fmt == "markdown":
         assert out.startswith("# graphsafe migration report") and "```python" in out
     else:
-        assert "graphsafe.testing.zoo._marlin.MarlinLinearMethod.process_weights_after_loading" in out
+        assert "graphsafe.testing.zoo.marlin.MarlinLinearMethod.process_weights_after_loading" in out
         assert 'register_derived(layer, "_permute_scratch")' in out
 
 

@@ -31,12 +31,12 @@ from graphsafe.testing.zoo import (
     VARIANTS,
     Example,
     ZooModel,
-    _act_order,
-    _base,
-    _cutlass_moe,
-    _machete_closure,
-    _marlin,
-    _module_cache,
+    act_order,
+    base,
+    cutlass_moe,
+    machete_closure,
+    marlin,
+    module_cache,
 )
 
 SITES = (
@@ -214,23 +214,23 @@ def test_skipping_pwal_breaks_the_differential(example: Example, variant: Any, m
     cold_b = example.build(variant, seed=1)
     model = example.build(variant, seed=0)
     warm(example, model)
-    monkeypatch.setattr(_base, "run_pwal", lambda layer: None)
+    monkeypatch.setattr(base, "run_pwal", lambda layer: None)
     reload(example, model, 1)
     x = example.example_input(model)
     assert not torch.equal(example.forward(model, x), example.forward(cold_b, x))
 
 
 SITE_PWALS = [
-    pytest.param(_act_order, "process_act_order", "act_order", "legacy", id="act_order-function"),
-    pytest.param(_act_order, "process_act_order_migrated", "act_order", "migrated", id="act_order-migrated"),
+    pytest.param(act_order, "process_act_order", "act_order", "legacy", id="act_order-function"),
+    pytest.param(act_order, "process_act_order_migrated", "act_order", "migrated", id="act_order-migrated"),
     pytest.param(
-        _cutlass_moe.CutlassMoEMethod,
+        cutlass_moe.CutlassMoEMethod,
         "process_weights_after_loading",
         "cutlass_moe_strides",
         "migrated",
         id="cutlass-quant-method",
     ),
-    pytest.param(_module_cache, "process_cached_migrated", "module_cache", "migrated", id="module_cache"),
+    pytest.param(module_cache, "process_cached_migrated", "module_cache", "migrated", id="module_cache"),
 ]
 
 
@@ -291,7 +291,7 @@ def test_marlin_forward_reads_the_lock_workspace() -> None:
     model = example.build("legacy")
     x = example.example_input(model)
     fresh = example.forward(model, x)
-    workspace = SlotPath(_marlin.WORKSPACE).resolve(model.layers[0])
+    workspace = SlotPath(marlin.WORKSPACE).resolve(model.layers[0])
     workspace.fill_(3)  # what a reused, no-longer-zero block would hold
     assert not torch.equal(example.forward(model, x), fresh)
 
@@ -333,7 +333,7 @@ def test_migrated_declares_exactly_its_slots(example: Example) -> None:
         assert set(declared) == {SlotPath(p).text for p in example.slot_paths}
         for path, declaration in declared.items():
             assert isinstance(SlotPath(path).resolve(layer), torch.Tensor)
-            assert declaration.static == (path in example.lazy_paths or path == _marlin.WORKSPACE)
+            assert declaration.static == (path in example.lazy_paths or path == marlin.WORKSPACE)
     reload(example, model, 1)
     warm(example, model)
     for layer in example.layers(model):
@@ -343,9 +343,9 @@ def test_migrated_declares_exactly_its_slots(example: Example) -> None:
 @pytest.mark.parametrize(
     ("name", "path"),
     [
-        ("marlin_workspace", _marlin.WORKSPACE),
+        ("marlin_workspace", marlin.WORKSPACE),
         ("lazy_permute_scratch", "_permute_scratch"),
-        ("module_cache", f"{_module_cache.__name__}._DERIVED_CACHE[id(layer)]"),
+        ("module_cache", f"{module_cache.__name__}._DERIVED_CACHE[id(layer)]"),
     ],
 )
 def test_migrated_stable_storage_survives_reload(name: str, path: str) -> None:
@@ -412,9 +412,9 @@ def test_machete_partial_holds_the_permutation(variant: Any) -> None:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_machete_closure_cell_index_is_act_perm(variant: Any) -> None:
     layer = EXAMPLES["machete_closure"].build(variant).layers[0]
-    assert _machete_closure.PERM == "act_fn.__closure__[0]"
-    assert layer.act_fn.__code__.co_freevars[_machete_closure.PERM_CELL] == "act_perm"
-    perm = SlotPath(_machete_closure.PERM).resolve(layer)
+    assert machete_closure.PERM == "act_fn.__closure__[0]"
+    assert layer.act_fn.__code__.co_freevars[machete_closure.PERM_CELL] == "act_perm"
+    perm = SlotPath(machete_closure.PERM).resolve(layer)
     assert torch.equal(perm, torch.argsort(layer.g_idx, stable=True))
 
 
@@ -432,14 +432,14 @@ def test_module_cache_is_unreachable_from_the_layer_and_leaves_with_it(variant: 
     layer = model.layers[0]
     (tensor,) = example.derived(layer).values()
     holders = [ref for ref in gc.get_referrers(tensor) if isinstance(ref, dict)]
-    assert holders and all(ref is _module_cache._DERIVED_CACHE for ref in holders)
+    assert holders and all(ref is module_cache._DERIVED_CACHE for ref in holders)
     assert not any(t is tensor for t in layer.__dict__.values())
     assert not declarations_of(layer)
     keys = {id(layer) for layer in example.layers(model)}
-    assert keys <= _module_cache._DERIVED_CACHE.keys()
+    assert keys <= module_cache._DERIVED_CACHE.keys()
     del model, layer, tensor
     gc.collect()
-    assert not keys & _module_cache._DERIVED_CACHE.keys()
+    assert not keys & module_cache._DERIVED_CACHE.keys()
 
 
 # ----------------------------------------------------------------------------------------------------

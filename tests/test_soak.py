@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status
-from graphsafe.collectors.walker import _walk as _walker
+from graphsafe.collectors.walker import _plans
 from graphsafe.paths import SlotPath
 from graphsafe.registry._store import iter_declared_layers
 from graphsafe.testing.zoo import EXAMPLES, ZooModel
@@ -93,7 +93,7 @@ def graphsafe_sizes(contract: GraphContract) -> dict[str, int]:
         "sealed slots": sum(1 for _ in contract.slots()),
         "quarantine": len(contract._quarantine),
         "callbacks": len(contract._callbacks),
-        "walker class plans": len(_walker._PLANS),
+        "walker class plans": len(_plans.PLANS),
         "open transaction": int(contract._active is not None),
     }
 

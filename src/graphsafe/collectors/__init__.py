@@ -19,6 +19,7 @@ from graphsafe.collectors._manifest import (
     CapturedStorage,
     Holder,
     Manifest,
+    SealedModel,
     record_capture,
 )
 from graphsafe.collectors.walker import TensorRef, WalkResult, collect, walk
@@ -29,6 +30,7 @@ __all__ = [
     "Holder",
     "LayerTensors",
     "Manifest",
+    "SealedModel",
     "TensorRef",
     "Unresolved",
     "WalkResult",

@@ -38,6 +38,7 @@ __all__ = [
     "CapturedStorage",
     "Holder",
     "Manifest",
+    "SealedModel",
     "record_capture",
 ]
 

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Final
 
 import torch
 from torch import nn
 
 from graphsafe.collectors.walker._enumerate import enumerate_paths
 from graphsafe.collectors.walker._graph import WalkGraph
-from graphsafe.collectors.walker._plans import DICT_VALUES, PLANS, TENSOR, TENSOR_DEVICE, kind_of, plan_of
+from graphsafe.collectors.walker._plans import DICT_VALUES, TENSOR, TENSOR_DEVICE, kind_of, plan_of
 from graphsafe.collectors.walker._results import TensorRef, WalkResult
 from graphsafe.devices import DeviceSet, WalkBudget
 
 __all__ = ["collect", "walk"]
-
-# The class-plan cache under the name tests/test_soak.py reads to check that it stays bounded.
-_PLANS: Final = PLANS
 
 
 def _layer_devices(layer: object) -> set[torch.device]:

@@ -30,19 +30,19 @@ graph; the one exception is ``lazy_permute_scratch``, whose first forward after 
 from __future__ import annotations
 
 from graphsafe.testing.zoo import (
-    _act_order,
-    _cutlass_moe,
-    _flashinfer,
-    _lazy_scratch,
-    _machete_closure,
-    _machete_partial,
-    _marlin,
-    _mla,
-    _module_cache,
-    _slots_kernel,
-    _underscore,
+    act_order,
+    cutlass_moe,
+    flashinfer,
+    lazy_scratch,
+    machete_closure,
+    machete_partial,
+    marlin,
+    mla,
+    module_cache,
+    slots_kernel,
+    underscore,
 )
-from graphsafe.testing.zoo._base import HIDDEN, TOKENS, VARIANTS, Example, Variant, ZooModel, run_pwal
+from graphsafe.testing.zoo.base import HIDDEN, TOKENS, VARIANTS, Example, Variant, ZooModel, run_pwal
 
 __all__ = ["EXAMPLES", "HIDDEN", "TOKENS", "VARIANTS", "Example", "Variant", "ZooModel", "run_pwal"]
 
@@ -50,16 +50,16 @@ __all__ = ["EXAMPLES", "HIDDEN", "TOKENS", "VARIANTS", "Example", "Variant", "Zo
 EXAMPLES: dict[str, Example] = {
     example.name: example
     for example in (
-        _marlin.EXAMPLE,
-        _act_order.EXAMPLE,
-        _cutlass_moe.EXAMPLE,
-        _mla.EXAMPLE,
-        _flashinfer.EXAMPLE,
-        _underscore.EXAMPLE,
-        _machete_partial.EXAMPLE,
-        _machete_closure.EXAMPLE,
-        _slots_kernel.EXAMPLE,
-        _lazy_scratch.EXAMPLE,
-        _module_cache.EXAMPLE,
+        marlin.EXAMPLE,
+        act_order.EXAMPLE,
+        cutlass_moe.EXAMPLE,
+        mla.EXAMPLE,
+        flashinfer.EXAMPLE,
+        underscore.EXAMPLE,
+        machete_partial.EXAMPLE,
+        machete_closure.EXAMPLE,
+        slots_kernel.EXAMPLE,
+        lazy_scratch.EXAMPLE,
+        module_cache.EXAMPLE,
     )
 }

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from graphsafe.registry import graph_visible
-from graphsafe.testing.zoo._base import HIDDEN, Example, Variant, new_param
+from graphsafe.testing.zoo.base import HIDDEN, Example, Variant, new_param
 
 __all__ = [
     "EXAMPLE",

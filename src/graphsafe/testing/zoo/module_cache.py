@@ -13,7 +13,7 @@ import weakref
 import torch
 from torch import nn
 
-from graphsafe.testing.zoo._base import HIDDEN, Example, Variant, new_param
+from graphsafe.testing.zoo.base import HIDDEN, Example, Variant, new_param
 
 __all__ = [
     "EXAMPLE",

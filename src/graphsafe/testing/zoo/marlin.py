@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from graphsafe.registry import graph_visible, stable_empty
-from graphsafe.testing.zoo._base import HIDDEN, Example, Variant, new_param
+from graphsafe.testing.zoo.base import HIDDEN, Example, Variant, new_param
 
 __all__ = ["EXAMPLE", "MarlinKernel", "MarlinLinear", "MarlinLinearMethod", "MigratedMarlinLinearMethod"]
 
