@@ -7,12 +7,13 @@ handle is also a context manager that removes on exit, for registrations scoped 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import TracebackType
 
 __all__ = ["RemovableHandle"]
 
 
-class RemovableHandle:
+class RemovableHandle(AbstractContextManager["RemovableHandle"]):
     """Undoes one registration. Made by graphsafe (``register_derived``, ``on_recapture``, ``on_outcome``)."""
 
     __slots__ = ("_active", "_remove", "description")
@@ -31,9 +32,6 @@ class RemovableHandle:
     def remove(self) -> None:
         """Undo the registration (idempotent)."""
         self._remove()
-
-    def __enter__(self) -> RemovableHandle:
-        return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ __all__ = [
     "Origin",
     "ReloadOutcome",
     "SlotInfo",
+    "SlotNamed",
     "SlotRef",
     "Status",
     "fingerprint",
@@ -250,8 +251,43 @@ _KIND_ORDER: tuple[FindingKind, ...] = (
 )
 
 
+def _json_value(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (Fingerprint, Finding)):
+        return value.to_dict()
+    if isinstance(value, BaseException):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return [_json_value(item) for item in value]
+    return value
+
+
+def _record_json(record: Any) -> dict[str, Any]:
+    """Every field of a dataclass record, made JSON-friendly (the one encoder of the shared values)."""
+    return {item.name: _json_value(getattr(record, item.name)) for item in fields(record)}
+
+
+class SlotNamed:
+    """A record that names a slot by ``layer`` and ``path`` (findings, report entries, manifest holders)."""
+
+    __slots__ = ()
+    layer: str
+    path: str
+
+    @property
+    def slot(self) -> SlotRef:
+        """The slot (an empty path for a record about the layer as a whole)."""
+        return SlotRef(self.layer, self.path)
+
+    @property
+    def where(self) -> str:
+        """``layer:path`` (see :class:`SlotRef`)."""
+        return str(SlotRef(self.layer, self.path))
+
+
 @dataclass(frozen=True, slots=True)
-class Finding:
+class Finding(SlotNamed):
     """One slot's problem: which layer (qualified name in the model), which path, what kind, before vs after."""
 
     kind: FindingKind
@@ -263,16 +299,6 @@ class Finding:
     after: Fingerprint | None = None
     detail: str = ""
     rank: int | None = None
-
-    @property
-    def slot(self) -> SlotRef:
-        """The slot this finding is about (an empty path for a finding about the layer as a whole)."""
-        return SlotRef(self.layer, self.path)
-
-    @property
-    def where(self) -> str:
-        """``layer:path`` (see :class:`SlotRef`)."""
-        return str(SlotRef(self.layer, self.path))
 
     def describe(self) -> str:
         """One line naming the layer, the path, what changed and (when known) the old and new fingerprints."""
@@ -289,18 +315,8 @@ class Finding:
         return text
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-friendly rendering."""
-        return {
-            "kind": self.kind.value,
-            "layer": self.layer,
-            "layer_class": self.layer_class,
-            "path": self.path,
-            "declared": self.declared,
-            "detail": self.detail,
-            "rank": self.rank,
-            "before": self.before.to_dict() if self.before is not None else None,
-            "after": self.after.to_dict() if self.after is not None else None,
-        }
+        """A JSON-friendly rendering: every field, enums as their values, fingerprints as dicts."""
+        return _record_json(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,23 +366,12 @@ class ReloadOutcome:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-friendly rendering."""
-        return {
-            "status": self.status.value,
-            "mode": self.mode,
-            "needs_recapture": self.needs_recapture,
-            "slots_restored": self.slots_restored,
-            "bytes_copied": self.bytes_copied,
-            "seconds": self.seconds,
-            "layers": self.layers,
-            "error": repr(self.error) if self.error is not None else None,
-            "rank_statuses": [[rank, status.value] for rank, status in self.rank_statuses],
-            "findings": [f.to_dict() for f in self.findings],
-        }
+        """A JSON-friendly rendering: every field (the error as its ``repr``) and ``needs_recapture``."""
+        return {**_record_json(self), "needs_recapture": self.needs_recapture}
 
 
 @dataclass(frozen=True, slots=True)
-class SlotInfo:
+class SlotInfo(SlotNamed):
     """A tracked slot as the contract sealed it (for reports, the manifest and tools)."""
 
     layer: str
@@ -377,8 +382,3 @@ class SlotInfo:
     restorable: bool
     alias_of: str | None
     source: str | None
-
-    @property
-    def ref(self) -> SlotRef:
-        """``layer:path``."""
-        return SlotRef(self.layer, self.path)

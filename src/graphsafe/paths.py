@@ -284,26 +284,23 @@ class SlotPath:
     def chain(self, root: object) -> list[Any]:
         """Every object along the path: ``[root, step1, ..., value]``. Raises :class:`PathError`."""
         objects: list[Any] = [root]
-        obj: Any = root
         for index, token in enumerate(self.tokens):
-            nxt = _step(obj, token)
-            if nxt is MISSING:
-                where = self.prefix(index) if index else "<layer>"
-                raise PathError(_owner_name(root), self.text, where, _describe_miss(obj, token))
-            objects.append(nxt)
-            obj = nxt
+            objects.append(self._step_or_raise(root, objects[-1], index, token))
         return objects
 
     def resolve(self, root: object) -> Any:
         """The value at this path on ``root``. Raises :class:`PathError` naming the failing prefix."""
         obj: Any = root
         for index, token in enumerate(self.tokens):
-            nxt = _step(obj, token)
-            if nxt is MISSING:
-                where = self.prefix(index) if index else "<layer>"
-                raise PathError(_owner_name(root), self.text, where, _describe_miss(obj, token))
-            obj = nxt
+            obj = self._step_or_raise(root, obj, index, token)
         return obj
+
+    def _step_or_raise(self, root: object, obj: Any, index: int, token: Token) -> Any:
+        nxt = _step(obj, token)
+        if nxt is MISSING:
+            where = self.prefix(index) if index else "<layer>"
+            raise PathError(_owner_name(root), self.text, where, _describe_miss(obj, token))
+        return nxt
 
     def resolve_or(self, root: object, default: Any = None) -> Any:
         """The value at this path, or ``default`` when it does not resolve."""

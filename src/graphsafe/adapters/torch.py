@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
@@ -307,7 +308,7 @@ def run_reload(
     return txn.outcome
 
 
-class GraphRunner:
+class GraphRunner(AbstractContextManager["GraphRunner"]):
     """A model, its contract, and the graphs captured for it.
 
     ``GraphRunner(model)`` makes a ``recapture``-mode contract; pass ``contract=`` (or ``mode=``) to choose.
@@ -374,9 +375,6 @@ class GraphRunner:
         for graph in self._graphs:
             graph.close()
         self._graphs.clear()
-
-    def __enter__(self) -> GraphRunner:
-        return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

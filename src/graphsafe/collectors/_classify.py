@@ -37,10 +37,7 @@ __all__ = ["Classified", "LayerTensors", "Unresolved", "classify", "classify_wal
 
 @dataclass(slots=True, eq=False)
 class Classified:
-    """One path to one tensor of a layer, and why it is tracked.
-
-    ``eq=False``: comparing two entries field by field would compare tensors elementwise.
-    """
+    """One path to one tensor of a layer, and why it is tracked (compared by identity, never by value)."""
 
     path: SlotPath
     tensor: torch.Tensor

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphsafe.collectors._classify import classify
 from graphsafe.errors import GraphSafeError
-from graphsafe.outcome import Finding, FindingKind, Fingerprint, Origin, SlotInfo, SlotRef, fingerprint
+from graphsafe.outcome import Finding, FindingKind, Fingerprint, Origin, SlotInfo, SlotNamed, fingerprint
 from graphsafe.paths import SlotPath
 
 __all__ = [
@@ -44,7 +44,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class Holder:
+class Holder(SlotNamed):
     """One model path that held a recorded storage at capture: ``layer`` (qualified name) and ``path`` on it."""
 
     layer: str
@@ -52,17 +52,12 @@ class Holder:
     path: str
     #: How :func:`~graphsafe.collectors.classify` (or the contract's seal) classified the path.
     origin: Origin
-    slot: SlotPath = field(repr=False, compare=False)
+    slot_path: SlotPath = field(repr=False, compare=False)
 
     @property
     def declared(self) -> bool:
         """Whether an author named this path (a registry declaration or an alias of a tracked slot)."""
         return self.origin is Origin.DECLARED or self.origin is Origin.ALIAS
-
-    @property
-    def where(self) -> str:
-        """``layer:path`` (see :class:`~graphsafe.outcome.SlotRef`)."""
-        return str(SlotRef(self.layer, self.path))
 
 
 @dataclass(slots=True, eq=False)
@@ -514,7 +509,7 @@ class Manifest:
                 continue
             first = entry.holders[0]
             layer = _layer(model, layers, first.layer)
-            now = first.slot.resolve_or(layer, None) if layer is not None else None
+            now = first.slot_path.resolve_or(layer, None) if layer is not None else None
             findings.append(_finding(FindingKind.ORPHANED, entry, model, now))
         return findings
 
@@ -532,7 +527,7 @@ def _holds(model: nn.Module, cache: dict[str, nn.Module | None], holder: Holder,
     layer = _layer(model, cache, holder.layer)
     if layer is None:
         return False
-    value = holder.slot.resolve_or(layer, None)
+    value = holder.slot_path.resolve_or(layer, None)
     return isinstance(value, torch.Tensor) and value.layout is torch.strided and value.untyped_storage() is storage
 
 

@@ -17,18 +17,6 @@ from graphsafe.handles import RemovableHandle
 from graphsafe.paths import SlotPath
 from graphsafe.registry._store import Declaration, LayerDeclarations, layer_store
 
-__all__ = [
-    "GRAPH_VISIBLE_ATTR",
-    "GraphVisibleSpec",
-    "declare",
-    "graph_visible",
-    "graph_visible_spec",
-    "layer_of_call",
-    "register_derived",
-    "stable_empty",
-    "undeclare",
-]
-
 P = ParamSpec("P")
 R = TypeVar("R")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from graphsafe.outcome import FindingKind, SlotRef, Status
+from graphsafe.outcome import FindingKind, SlotNamed, SlotRef, Status
 from graphsafe.report._render import render
 from graphsafe.report._schema import SCHEMA_ID
 
@@ -59,7 +59,7 @@ _ENTRY_KEYS: Final = (
 
 
 @dataclass(frozen=True, slots=True)
-class ReportEntry:
+class ReportEntry(SlotNamed):
     """One undeclared graph-visible tensor at one path of one layer."""
 
     #: Qualified name of the layer in the model (``""`` for the root).
@@ -97,16 +97,6 @@ class ReportEntry:
     data_ptr: int | None = None
 
     @property
-    def slot(self) -> SlotRef:
-        """The slot this entry is about."""
-        return SlotRef(self.layer, self.path)
-
-    @property
-    def where(self) -> str:
-        """``layer:path`` (``<model>`` for the root; see :class:`~graphsafe.outcome.SlotRef`)."""
-        return str(self.slot)
-
-    @property
     def drift(self) -> str:
         """The drift as the JSON document spells it: the finding kind's value, or ``"stable so far"``."""
         return STABLE if self.drift_kind is None else self.drift_kind.value
@@ -122,7 +112,7 @@ class ReportEntry:
 
 
 @dataclass(frozen=True, slots=True)
-class AliasEntry:
+class AliasEntry(SlotNamed):
     """An undeclared path onto the storage of a tracked slot of the same layer (a declared slot, a parameter or a
     buffer): restored with that slot, so there is nothing to declare. ``self.w_t = self.weight.data.t()`` is an
     alias of ``weight``."""
@@ -132,11 +122,6 @@ class AliasEntry:
     path: str
     #: The path of the tracked slot whose storage it shares.
     alias_of: str
-
-    @property
-    def slot(self) -> SlotRef:
-        """The aliasing path."""
-        return SlotRef(self.layer, self.path)
 
     @property
     def target(self) -> SlotRef:

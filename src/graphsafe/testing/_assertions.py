@@ -370,7 +370,7 @@ def _manifest_problems(manifest: Manifest, subject: nn.Module) -> list[_Moved]:
             problem = "freed: the graph would read freed memory"
         elif storage.data_ptr() != entry.data_ptr:
             problem = f"now at @0x{storage.data_ptr():x}"
-        elif entry.holders and not any(_holds(subject, h.layer, h.slot, storage) for h in entry.holders):
+        elif entry.holders and not any(_holds(subject, h.layer, h.slot_path, storage) for h in entry.holders):
             problem = "no longer held at any of those paths"
         else:
             continue
