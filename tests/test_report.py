@@ -37,6 +37,7 @@ from graphsafe.report import (
     SCHEMA_ID,
     STABLE,
     AliasEntry,
+    FixKind,
     MigrationReport,
     migration_report,
     report_schema,
@@ -502,10 +503,10 @@ def test_lazy_tensors_get_register_derived_not_a_decorator(
     scratch = _by_where(report)[("layers.2", "_scratch")]
     assert scratch.lazy and scratch.evidence == "after-seal"  # sealed before the warm-up allocated it
     fix = next(f for f in report.fixes if "_scratch" in f.paths)
-    assert fix.kind == "register_derived" and fix.lines == ('register_derived(layer, "_scratch")',)
+    assert fix.kind is FixKind.REGISTER_DERIVED and fix.lines == ('register_derived(layer, "_scratch")',)
     # It vanished in the reload: declaring alone would not keep the storage; the note says what does.
     assert 'stable_empty(layer, "_scratch", (4, 6), torch.float32, "cpu")' in fix.note
-    assert all("_scratch" not in line for f in report.fixes if f.kind == "graph_visible" for line in f.lines)
+    assert all("_scratch" not in line for f in report.fixes if f.kind is FixKind.GRAPH_VISIBLE for line in f.lines)
 
 
 def test_a_tensor_found_only_after_the_seal_is_lazy_even_if_it_did_not_drift() -> None:
@@ -536,24 +537,24 @@ def test_fix_lines_are_grouped_by_owner_and_exact(golden: tuple[GoldenModel, Gra
     method = f"{GOLDEN_MODULE}.WorkspaceMethod.process_weights_after_loading"
     attention = f"{GOLDEN_MODULE}.Attention.process_weights_after_loading"
     assert fixes[0] == (
-        "graph_visible",
+        FixKind.GRAPH_VISIBLE,
         method,
         ("layers.0", "layers.1"),  # one line for both layers of the owner
         ('@graph_visible("quant_method.kernel.workspace", "quant_method.kernel.ab_strides", '
          '"quant_method.kernel.c_strides", "w_t")',),
     )
     # bias_t exists on layers.1 only: a decorator would raise on layers.0, so it is declared per layer.
-    assert fixes[1][0] == "register_derived" and fixes[1][2] == ("layers.1",)
+    assert fixes[1][0] is FixKind.REGISTER_DERIVED and fixes[1][2] == ("layers.1",)
     assert fixes[1][3] == ('register_derived(layer, "bias_t")',) and method in fixes[1][1]
     # rope kept its storage and was not written by the reload: it is declared static, on a line of its own.
     assert fixes[2] == (
-        "graph_visible",
+        FixKind.GRAPH_VISIBLE,
         attention,
         ("layers.2",),
         ('@graph_visible("W_UV", "W_UK_T", "topk", "act.keywords[\'perm\']")',
          '@graph_visible("rope", static=True)'),
     )
-    assert fixes[3][0] == "register_derived" and fixes[3][3] == ('register_derived(layer, "_scratch")',)
+    assert fixes[3][0] is FixKind.REGISTER_DERIVED and fixes[3][3] == ('register_derived(layer, "_scratch")',)
     assert len(fixes) == 4
 
 
@@ -565,14 +566,15 @@ def _apply_fixes(report: MigrationReport) -> tuple[type[WorkspaceMethod], type[A
     def decorated(base: Any) -> Any:
         function = base.process_weights_after_loading
         for fix in report.fixes:
-            if fix.kind == "graph_visible" and fix.target.endswith(f"{base.__name__}.process_weights_after_loading"):
+            target = f"{base.__name__}.process_weights_after_loading"
+            if fix.kind is FixKind.GRAPH_VISIBLE and fix.target.endswith(target):
                 for line in reversed(fix.lines):  # stacked decorators apply bottom-up
                     function = eval(line.removeprefix("@"), namespace)(function)
         return function
 
     def run(paths: tuple[str, ...], layer: nn.Module) -> None:
         for fix in report.fixes:
-            if fix.kind == "register_derived" and set(fix.paths) & set(paths):
+            if fix.kind is FixKind.REGISTER_DERIVED and set(fix.paths) & set(paths):
                 for line in fix.lines:
                     eval(line, namespace, {"layer": layer})
 
@@ -645,7 +647,7 @@ def test_model_source_walks_now_and_reports_no_drift() -> None:
     assert {e.drift for e in report.entries} == {STABLE}
     assert {e.evidence for e in report.entries} == {"walk"}
     assert ("layers.2", "_scratch") in _by_where(report)
-    assert report.fixes and report.fixes[0].kind == "graph_visible"
+    assert report.fixes and report.fixes[0].kind is FixKind.GRAPH_VISIBLE
 
 
 def test_outcome_source_without_the_model_falls_back_to_layer_classes(

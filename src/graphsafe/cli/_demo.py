@@ -24,7 +24,7 @@ from graphsafe.collectors import record_capture
 from graphsafe.contract import GraphContract, Mode
 from graphsafe.errors import ContractViolation, UndeclaredDriftError
 from graphsafe.outcome import Status
-from graphsafe.report import MigrationReport, migration_report
+from graphsafe.report import FixKind, MigrationReport, migration_report
 from graphsafe.testing.zoo import EXAMPLES, VARIANTS, Example, Variant
 
 __all__ = ["FIRST_SEED", "NEW_SEED", "Case", "run_case", "run_demo", "upstream_moves"]
@@ -229,7 +229,7 @@ def run_demo(out: TextIO | None = None, names: Iterable[str] | None = None) -> i
             continue
         write(f"  {case.example}\n")
         for fix in case.report.fixes:
-            where = "on" if fix.kind == "graph_visible" else "in"
+            where = "on" if fix.kind is FixKind.GRAPH_VISIBLE else "in"
             write(f"    {where} {fix.target}\n")
             for line in fix.lines:
                 write(f"        {line}\n")

@@ -11,6 +11,7 @@ a versioned schema), a tree or a Graphviz graph.
 
 from graphsafe.report._build import migration_report
 from graphsafe.report._entries import STABLE, AliasEntry, Fix, MigrationReport, ReportEntry, UnownedEntry
+from graphsafe.report._fix_kind import FixKind
 from graphsafe.report._render import FORMATS
 from graphsafe.report._schema import SCHEMA_ID, report_schema
 
@@ -20,6 +21,7 @@ __all__ = [
     "STABLE",
     "AliasEntry",
     "Fix",
+    "FixKind",
     "MigrationReport",
     "ReportEntry",
     "UnownedEntry",

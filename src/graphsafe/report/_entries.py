@@ -7,10 +7,12 @@ Every value is frozen and renders itself to the JSON document described by ``sch
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from graphsafe.outcome import FindingKind, SlotNamed, SlotRef, Status
+from graphsafe.report._fix_kind import FixKind
 from graphsafe.report._render import render
 from graphsafe.report._schema import SCHEMA_ID
 
@@ -31,6 +33,8 @@ def _json_fields(record: object, keys: tuple[str, ...]) -> dict[str, Any]:
     document: dict[str, Any] = {}
     for key in keys:
         value = getattr(record, "nbytes" if key == "bytes" else key)
+        if isinstance(value, enum.Enum):
+            value = value.value
         document[key] = list(value) if isinstance(value, tuple) else value
     return document
 
@@ -137,7 +141,7 @@ class AliasEntry(SlotNamed):
 class Fix:
     """The code to add for one owner: one ``@graph_visible`` line, or ``register_derived`` calls."""
 
-    kind: Literal["graph_visible", "register_derived"]
+    kind: FixKind
     #: Qualified class name of the owner.
     owner: str
     #: For ``graph_visible``, the function to decorate; for ``register_derived``, where to call it.

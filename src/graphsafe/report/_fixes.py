@@ -16,6 +16,7 @@ from typing import Final, Literal
 from graphsafe.outcome import FindingKind
 from graphsafe.report._drafts import Drafted
 from graphsafe.report._entries import Fix, ReportEntry
+from graphsafe.report._fix_kind import FixKind
 from graphsafe.report._owners import PWAL
 
 __all__ = ["fixes"]
@@ -94,12 +95,12 @@ def _pwal_fixes(members: Sequence[ReportEntry], static: set[str]) -> list[Fix]:
             note = _STATIC_NOTE.format(
                 paths=", ".join(frozen), their="their" if many else "its", it="they" if many else "it"
             )
-        fixes.append(Fix("graph_visible", owner, where, common, layers, lines, note))
+        fixes.append(Fix(FixKind.GRAPH_VISIBLE, owner, where, common, layers, lines, note))
     if partial:
         having = set().union(*(layers_with[p] for p in partial))
         fixes.append(
             Fix(
-                "register_derived",
+                FixKind.REGISTER_DERIVED,
                 owner,
                 f"{where}, after it assigns each path",
                 partial,
@@ -135,10 +136,10 @@ def fixes(drafted: Drafted, reloaded: bool) -> tuple[Fix, ...]:
                 "there when PWAL returns, e.g. the first forward allocates it)"
             )
             lines = _register_lines(paths, static)
-            result.append(Fix("register_derived", owner, target, paths, layers, lines, _lazy_note(members)))
+            result.append(Fix(FixKind.REGISTER_DERIVED, owner, target, paths, layers, lines, _lazy_note(members)))
         elif group == "no-pwal":
             target = f"{owner}: where it assigns each path ({owner} has no {PWAL})"
-            result.append(Fix("register_derived", owner, target, paths, layers, _register_lines(paths, static)))
+            result.append(Fix(FixKind.REGISTER_DERIVED, owner, target, paths, layers, _register_lines(paths, static)))
         else:
             result += _pwal_fixes(members, static)
     return tuple(result)

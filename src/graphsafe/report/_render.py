@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Final
 
 from graphsafe.outcome import FindingKind, SlotRef
 from graphsafe.paths import format_token, parse_path
+from graphsafe.report._fix_kind import FixKind
 
 if TYPE_CHECKING:
     from graphsafe.report._entries import Fix, MigrationReport, ReportEntry, UnownedEntry
@@ -90,7 +91,7 @@ def _source_line(report: MigrationReport) -> str:
 
 
 def _fix_heading(fix: Fix) -> str:
-    if fix.kind == "graph_visible":
+    if fix.kind is FixKind.GRAPH_VISIBLE:
         return f"@graph_visible on {fix.target}"
     return f"register_derived in {fix.target}"
 
@@ -188,13 +189,15 @@ def markdown(report: MigrationReport) -> str:
     if report.fixes:
         lines += ["", "## Fixes", "", "Grouped by owner: each fix covers every layer it lists."]
         for number, fix in enumerate(report.fixes, 1):
-            what = "Decorate" if fix.kind == "graph_visible" else "Call `register_derived`"
+            what = "Decorate" if fix.kind is FixKind.GRAPH_VISIBLE else "Call `register_derived`"
             lines += [
                 "",
-                f"### {number}. {what}: `{fix.target}`" if fix.kind == "graph_visible" else f"### {number}. {what}",
+                f"### {number}. {what}: `{fix.target}`"
+                if fix.kind is FixKind.GRAPH_VISIBLE
+                else f"### {number}. {what}",
                 "",
             ]
-            if fix.kind != "graph_visible":
+            if fix.kind is not FixKind.GRAPH_VISIBLE:
                 lines += [f"In {fix.target}.", ""]
             layers = ", ".join(f"`{_layer_name(name)}`" for name in fix.layers)
             lines += [f"Layers: {layers}.", "", "```python", *fix.lines, "```"]
@@ -334,7 +337,7 @@ def dot(report: MigrationReport) -> str:
         emit(root)
     for number, fix in enumerate(report.fixes):
         fid = f"fix{number}"
-        label = "\n".join(fix.lines) + "\n" + ("on " if fix.kind == "graph_visible" else "in ") + fix.target
+        label = "\n".join(fix.lines) + "\n" + ("on " if fix.kind is FixKind.GRAPH_VISIBLE else "in ") + fix.target
         lines.append(f"  {fid} [shape=note, label={_dot_string(label)}];")
         for layer in fix.layers:
             target = layer_ids.get(layer)
