@@ -212,29 +212,41 @@ def test_report_option_writes_one_entry_per_layer(pytester: pytest.Pytester) -> 
 
         def test_plain():
             assert True
+
+        def test_buffer(graphsafe_contract):
+            import torch
+            from torch import nn
+
+            layer = nn.Linear(2, 2)
+            layer.register_buffer("offset", torch.zeros(2))
+            with graphsafe_contract(nn.Sequential(layer)).reload():
+                layer.offset.copy_(torch.ones(2))
         """,
     )
     result = run(pytester, "--graphsafe-report=out/report.json")
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=4)
     document = json.loads((pytester.path / "out" / "report.json").read_text())
     assert document["schema"] == plugin_module.REPORT_SCHEMA and document["errors"] == []
-    assert document["tests"] == ["test_inner.py::test_clean", "test_inner.py::test_drift"]
+    assert document["tests"] == ["test_inner.py::test_buffer", "test_inner.py::test_clean", "test_inner.py::test_drift"]
     layers = {(entry["test"].split("::")[1], entry["layer"]): entry for entry in document["layers"]}
+    buffer = layers.pop(("test_buffer", "0"))
+    assert buffer["slots"] == {"declared": 0, "parameter": 2, "buffer": 1, "alias": 0, "walker": 0}
+    assert buffer["reloads"] == ["committed"]
     assert set(layers) == {(t, f"layers.{i}") for t in ("test_drift", "test_clean") for i in (0, 1)}
     schema = json.loads(SCHEMA.read_text())
     for entry in document["layers"]:
         jsonschema.validate(entry["report"], schema)
-        assert entry["layer_class"] == "ActOrderLinear"
+        assert entry["layer_class"] == ("Linear" if entry["test"].endswith("test_buffer") else "ActOrderLinear")
     drift = layers[("test_drift", "layers.1")]
     assert drift["reloads"] == ["needs_recapture"] and not drift["serving_safe"]
-    assert drift["slots"] == {"declared": 0, "parameter": 2, "alias": 0, "walker": 1}  # weight, g_idx
+    assert drift["slots"] == {"declared": 0, "parameter": 2, "buffer": 0, "alias": 0, "walker": 1}  # weight, g_idx
     assert {f["kind"] for f in drift["findings"]} == {"moved"}
     assert {f["layer"] for f in drift["findings"]} == {"layers.1"}
     assert [e["path"] for e in drift["report"]["entries"]] == ["g_idx_sort_indices"]
     assert {e["layer"] for e in drift["report"]["entries"]} == {"layers.1"}
     clean = layers[("test_clean", "layers.0")]
     assert clean["reloads"] == ["committed"] and clean["findings"] == []
-    assert clean["slots"] == {"declared": 1, "parameter": 2, "alias": 0, "walker": 0}
+    assert clean["slots"] == {"declared": 1, "parameter": 2, "buffer": 0, "alias": 0, "walker": 0}
     assert clean["report"]["entries"] == []
 
 

@@ -329,3 +329,46 @@ def test_the_guide_fails_then_passes_as_written(monkeypatch: pytest.MonkeyPatch)
     assert any(fix_line in block for block in pasted)
     exec(compile(fixed, "my_kernels.py", "exec"), module.__dict__)
     run_guide_test()
+
+
+# ----------------------------------------------------------------------------------------------------
+# One classification: a view of a weight is an alias wherever it is looked at
+# ----------------------------------------------------------------------------------------------------
+
+
+class _ViewOfWeight(nn.Module):
+    """``w_t`` is a view of the weight (same storage), ``offset`` a buffer: nothing here needs declaring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 3), requires_grad=False)
+        self.register_buffer("offset", torch.zeros(4))
+        self.w_t = self.weight.data.t()
+
+    def process_weights_after_loading(self) -> None:
+        self.w_t = self.weight.data.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w_t + self.offset
+
+
+def _load_view(layer: nn.Module, generator: torch.Generator) -> None:
+    layer.weight.copy_(torch.randn(4, 3, generator=generator))
+    layer.offset.copy_(torch.randn(4, generator=generator))
+    layer.process_weights_after_loading()
+
+
+def test_the_seal_the_reports_and_the_toolkit_agree_a_view_of_a_weight_is_an_alias() -> None:
+    from graphsafe import GraphContract, Origin, migration_report
+
+    result = assert_reload_stable(_ViewOfWeight, _load_view, example_input=torch.randn(2, 3))
+    model = nn.Sequential(_ViewOfWeight())
+    _load_view(model[0], torch.Generator().manual_seed(0))
+    contract = GraphContract(model, "strict").seal()
+    sealed = {(s.path, s.alias_of) for s in contract.slots() if s.origin is Origin.ALIAS}
+    assert sealed == {("w_t", "weight")}
+    for answer in (migration_report(model), migration_report(contract), result):
+        assert {(a.path, a.alias_of) for a in answer.aliases} == sealed
+    assert not migration_report(model).entries and not migration_report(contract).entries  # nothing to declare
+    # The toolkit tracks the alias and counts the parameter and the buffer as state, not as slots to compare.
+    assert result.slots == ("<model>:w_t",) and result.state_tensors == 2

@@ -24,10 +24,10 @@ from torch import nn
 from graphsafe.collectors import Manifest, record_capture
 from graphsafe.contract import MODES, GraphContract, Mode
 from graphsafe.errors import ContractViolation
-from graphsafe.outcome import Fingerprint, Origin, ReloadOutcome, SlotInfo, Status, fingerprint
+from graphsafe.outcome import Fingerprint, ReloadOutcome, SlotInfo, Status, fingerprint
 from graphsafe.paths import SlotPath
 from graphsafe.registry import declarations_of
-from graphsafe.report import migration_report
+from graphsafe.report import AliasEntry, migration_report
 
 __all__ = ["ExampleInput", "LoadWeights", "MakeLayer", "StabilityResult", "assert_reload_stable"]
 
@@ -58,6 +58,9 @@ class StabilityResult:
     manifest_storages: int
     #: Whether the forward output was compared too.
     output_compared: bool
+    #: Paths restored with the slot whose storage they share (a view of a weight): nothing to declare. The same
+    #: answer the seal and the migration report give (:func:`graphsafe.collectors.classify`).
+    aliases: tuple[AliasEntry, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +72,7 @@ class _Tracked:
 
     @property
     def where(self) -> str:
-        return f"{self.info.layer or '<model>'}:{self.info.path}"
+        return self.info.where
 
 
 def assert_reload_stable(
@@ -165,9 +168,7 @@ class _Check:
                 first_output = _output(subject(x))
         # Parameters and buffers are address-checked on their own (``state``), whether the seal tracks them or not.
         tracked = [
-            _Tracked(info, _compare_by_value(contract, info))
-            for info in contract.slots()
-            if info.origin is not Origin.PARAMETER
+            _Tracked(info, _compare_by_value(contract, info)) for info in contract.slots() if not info.origin.is_state
         ]
         state = _state_fingerprints(subject)
         first_values: dict[str, torch.Tensor | None] = {
@@ -206,6 +207,7 @@ class _Check:
             state_tensors=len(state),
             manifest_storages=len(manifest.storages()) if isinstance(manifest, Manifest) else 0,
             output_compared=x is not None,
+            aliases=migration_report(contract).aliases,
         )
 
     # -- one reload ----------------------------------------------------------------------------------------------
@@ -288,7 +290,7 @@ def _compare_by_value(contract: GraphContract, info: SlotInfo) -> bool:
 def _resolve(contract: GraphContract, info: SlotInfo) -> torch.Tensor:
     value = _resolve_on(contract.model, info)
     if value is None:
-        raise AssertionError(f"{info.layer or '<model>'}:{info.path} was sealed but does not resolve right after")
+        raise AssertionError(f"{info.where} was sealed but does not resolve right after")
     return value
 
 

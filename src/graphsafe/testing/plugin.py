@@ -86,6 +86,13 @@ def _marker_mode(item: pytest.Item) -> str | None:
     return str(mode)
 
 
+def _no_slots() -> dict[str, int]:
+    """A layer's slot counts by origin, all zero (one key per :class:`~graphsafe.Origin`)."""
+    from graphsafe.outcome import Origin
+
+    return {origin.value: 0 for origin in Origin}
+
+
 class ContractFactory:
     """The ``graphsafe_contract`` fixture's value: call it with a loaded model to get a sealed contract."""
 
@@ -240,16 +247,14 @@ class _ReportSink:
         counts: dict[str, dict[str, int]] = {}
         classes: dict[str, str] = {}
         for slot in contract.slots():
-            counts.setdefault(slot.layer, {"declared": 0, "parameter": 0, "alias": 0, "walker": 0})[
-                slot.origin.value
-            ] += 1
+            counts.setdefault(slot.layer, _no_slots())[slot.origin.value] += 1
             classes[slot.layer] = slot.layer_class
         for outcome in outcomes:
             for finding in outcome.findings:
-                counts.setdefault(finding.layer, {"declared": 0, "parameter": 0, "alias": 0, "walker": 0})
+                counts.setdefault(finding.layer, _no_slots())
                 classes.setdefault(finding.layer, finding.layer_class)
         if report.unowned:
-            counts.setdefault("", {"declared": 0, "parameter": 0, "alias": 0, "walker": 0})
+            counts.setdefault("", _no_slots())
             classes.setdefault("", type(tracked.model).__name__)
         for layer, slots in counts.items():
             entries = tuple(e for e in report.entries if e.layer == layer)
