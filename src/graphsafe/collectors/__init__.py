@@ -13,7 +13,6 @@ from graphsafe.collectors._classify import (
     Unresolved,
     classify,
     classify_walk,
-    tracked_storages,
 )
 from graphsafe.collectors._manifest import (
     CapturedStorage,
@@ -38,6 +37,5 @@ __all__ = [
     "classify_walk",
     "collect",
     "record_capture",
-    "tracked_storages",
     "walk",
 ]

@@ -18,8 +18,7 @@ Static is a property of a declaration (:attr:`Classified.static`), not a class o
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,7 @@ from graphsafe.outcome import Fingerprint, Origin, fingerprint
 from graphsafe.paths import SlotPath
 from graphsafe.registry import Declaration, declarations_of
 
-__all__ = ["Classified", "LayerTensors", "Unresolved", "classify", "classify_walk", "tracked_storages"]
+__all__ = ["Classified", "LayerTensors", "Unresolved", "classify", "classify_walk"]
 
 
 @dataclass(slots=True, eq=False)
@@ -56,11 +55,6 @@ class Classified:
     def static(self) -> bool:
         """Whether the author declared the contents independent of the weights (``static=True``)."""
         return self.declaration is not None and self.declaration.static
-
-    @property
-    def tensor_ref(self) -> weakref.ReferenceType[torch.Tensor]:
-        """A weak reference to the tensor (what the contract keeps between reloads)."""
-        return weakref.ref(self.tensor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,15 +108,6 @@ def _state_entries(
             entries.append(Classified(SlotPath(name), tensor, fingerprint(tensor), origin))
             storages.setdefault(id(tensor.untyped_storage()), name)
     return entries
-
-
-def tracked_storages(entries: Iterable[Classified]) -> dict[int, str]:
-    """``id(storage) -> path`` for the declared, parameter and buffer entries (the first path per storage)."""
-    storages: dict[int, str] = {}
-    for entry in entries:
-        if entry.origin is Origin.DECLARED or entry.origin.is_state:
-            storages.setdefault(id(entry.tensor.untyped_storage()), entry.path.text)
-    return storages
 
 
 def classify_walk(result: WalkResult, known: Collection[str], storages: Mapping[int, str]) -> list[Classified]:
