@@ -257,7 +257,7 @@ SYNTAX_ERRORS: list[tuple[str, int, str]] = [
     ("a..b", 2, "attribute name"),
     (".a", 0, "attribute name"),
     ("a.[0]", 2, "attribute name"),
-    ("a.1", 2, "attribute name"),
+    ("a.-1", 2, "attribute name"),  # digits name a ParameterList entry (``a.1``); a sign does not
     ("a[", 2, "expected a key"),
     ("a['x", 2, "unterminated"),
     ('a["x', 2, "unterminated"),
@@ -271,13 +271,13 @@ SYNTAX_ERRORS: list[tuple[str, int, str]] = [
     ("a['x'", 5, "expected ']'"),
     ("a[1.5]", 3, "expected ']'"),
     ("a['x'y]", 5, "expected ']'"),
-    ("1abc", 0, "attribute name"),
+    ("1abc", 1, "unexpected 'a'"),  # ``1`` is a name (digits), then a letter cannot follow
     ("[0]", 0, "attribute name"),
     ("a b", 1, "unexpected ' '"),
     ("a[0]b", 4, "unexpected 'b'"),
     ("a-b", 1, "unexpected '-'"),
     ("a.b()", 3, "unexpected '('"),
-    ("é", 0, "attribute name"),
+    ("·a", 0, "attribute name"),  # a Unicode identifier is a name (``échelle``); a middle dot cannot start one
     ("__closure__", 11, "cell index"),
     ("a.__closure__", 13, "cell index"),
     ("a.__closure__.b", 13, "cell index"),

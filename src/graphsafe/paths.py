@@ -3,9 +3,14 @@
 Grammar (relative to a layer)::
 
     path   := name ( "." name | "[" key "]" )*
-    key    := integer | 'text' | "text"
+    name   := identifier | digits | 'text' | "text"
+    key    := integer | 'text' | "text" | True | False | None | torch.<dtype> | "(" [ key ( "," key )* [","] ] ")"
 
-``f.__closure__[i]`` names the *contents* of closure cell ``i`` of function ``f``. Assignment works wherever
+A name is any attribute name: a (Unicode) identifier or a run of digits as it is (``échelle``, the ``0`` of an
+``nn.ParameterList``), anything else quoted (``'ws 8'``). A key is a dict key or sequence index; tuple keys of
+those scalars (``ws[(8, torch.float32)]``) hash and compare in C, so resolving them runs no user code. A one-element
+tuple needs its trailing comma, as in Python. ``f.__closure__[i]`` names the *contents* of closure cell ``i`` of
+function ``f``. Assignment works wherever
 the value sits: attributes (``__slots__`` and frozen dataclasses included), dicts, lists, tuples and
 NamedTuples (rebuilt and assigned to their parent), closure cells, and ``functools.partial`` args/keywords
 (the partial is rebuilt into its parent).
@@ -38,6 +43,7 @@ __all__ = [
     "Cell",
     "Getter",
     "Item",
+    "Key",
     "Setter",
     "SlotPath",
     "Token",
@@ -45,6 +51,7 @@ __all__ = [
     "compile_setter",
     "format_path",
     "format_token",
+    "is_path_key",
     "parse_path",
 ]
 
@@ -56,11 +63,15 @@ class Attr:
     name: str
 
 
+#: A key the grammar can write: ``int``, ``str``, ``bool``, ``None``, a ``torch.dtype`` or a tuple of keys.
+Key = Any
+
+
 @dataclass(frozen=True, slots=True)
 class Item:
-    """``[key]``: a mapping key or sequence index."""
+    """``[key]``: a mapping key or sequence index (see :data:`Key`)."""
 
-    key: int | str
+    key: Key
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,34 +83,80 @@ class Cell:
 
 Token = Attr | Item | Cell
 
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NAME = re.compile(r"[^\W\d]\w*|[0-9]+")  # an identifier (Unicode) or digits; anything else is quoted
 _INT = re.compile(r"-?[0-9]+")
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")  # True, False, None, torch.<dtype>
+_WORDS: Final[dict[str, Any]] = {"True": True, "False": False, "None": None}
+_KEY_HELP: Final = "a key is an integer or a quoted string (or True, False, None, torch.<dtype>, or a tuple of those)"
 MISSING: Final[Any] = object()
 """What a lookup returns where a path does not resolve (a value no model holds)."""
 
 
-def _parse_key(path: str, pos: int) -> tuple[int | str, int]:
-    """Parse the key after ``[`` at ``pos``; return it and the position after ``]``."""
-    if pos >= len(path):
-        raise PathSyntaxError(path, pos, "expected a key after '['")
+def _parse_string(path: str, pos: int) -> tuple[str, int]:
+    """Parse the quoted string at ``pos``; return it and the position after the closing quote."""
     quote = path[pos]
-    if quote in "'\"":
-        end = pos + 1
-        chars: list[str] = []
-        while end < len(path) and path[end] != quote:
-            if path[end] == "\\" and end + 1 < len(path):
-                end += 1
-            chars.append(path[end])
+    end = pos + 1
+    chars: list[str] = []
+    while end < len(path) and path[end] != quote:
+        if path[end] == "\\" and end + 1 < len(path):
             end += 1
-        if end >= len(path):
-            raise PathSyntaxError(path, pos, "unterminated string key")
+        chars.append(path[end])
         end += 1
-        key: int | str = "".join(chars)
-    else:
-        match = _INT.match(path, pos)
-        if match is None:
-            raise PathSyntaxError(path, pos, "a key is an integer or a quoted string")
-        key, end = int(match.group()), match.end()
+    if end >= len(path):
+        raise PathSyntaxError(path, pos, "unterminated string")
+    return "".join(chars), end + 1
+
+
+def _skip_spaces(path: str, pos: int) -> int:
+    while pos < len(path) and path[pos] == " ":
+        pos += 1
+    return pos
+
+
+def _parse_value(path: str, pos: int, in_tuple: bool) -> tuple[Key, int]:
+    """Parse one key at ``pos`` (a scalar or a tuple); return it and the position after it."""
+    if pos >= len(path):
+        raise PathSyntaxError(path, pos, "expected a key after '['" if not in_tuple else "unterminated tuple key")
+    char = path[pos]
+    if char in "'\"":
+        try:
+            return _parse_string(path, pos)
+        except PathSyntaxError:
+            raise PathSyntaxError(path, pos, "unterminated string key") from None
+    if char == "(":
+        items: list[Key] = []
+        at = _skip_spaces(path, pos + 1)
+        comma = False
+        while at < len(path) and path[at] != ")":
+            item, at = _parse_value(path, at, True)
+            items.append(item)
+            at = _skip_spaces(path, at)
+            comma = at < len(path) and path[at] == ","
+            if comma:
+                at = _skip_spaces(path, at + 1)
+            elif at < len(path) and path[at] != ")":
+                raise PathSyntaxError(path, at, "expected ',' or ')' in a tuple key")
+        if at >= len(path):
+            raise PathSyntaxError(path, pos, "unterminated tuple key")
+        if len(items) == 1 and not comma:
+            raise PathSyntaxError(path, pos, "a one-element tuple key needs a trailing comma")
+        return tuple(items), at + 1
+    match = _INT.match(path, pos)
+    if match is not None:
+        return int(match.group()), match.end()
+    match = _WORD.match(path, pos)
+    if match is not None:
+        word = match.group()
+        if word in _WORDS:
+            return _WORDS[word], match.end()
+        if word.startswith("torch.") and isinstance(getattr(torch, word[6:], None), torch.dtype):
+            return getattr(torch, word[6:]), match.end()
+    raise PathSyntaxError(path, pos, _KEY_HELP)
+
+
+def _parse_key(path: str, pos: int) -> tuple[Key, int]:
+    """Parse the key after ``[`` at ``pos``; return it and the position after ``]``."""
+    key, end = _parse_value(path, pos, False)
     if end >= len(path) or path[end] != "]":
         raise PathSyntaxError(path, end, "expected ']'")
     return key, end + 1
@@ -117,11 +174,14 @@ def parse_path(path: str) -> tuple[Token, ...]:
     expect_name = True
     while pos < len(path):
         if expect_name:
-            match = _NAME.match(path, pos)
-            if match is None:
-                raise PathSyntaxError(path, pos, "expected an attribute name")
-            tokens.append(Attr(match.group()))
-            pos = match.end()
+            if path[pos] in "'\"":
+                name, pos = _parse_string(path, pos)
+            else:
+                match = _NAME.match(path, pos)
+                if match is None:
+                    raise PathSyntaxError(path, pos, "expected an attribute name")
+                name, pos = match.group(), match.end()
+            tokens.append(Attr(name))
             expect_name = False
             continue
         char = path[pos]
@@ -156,13 +216,44 @@ def format_token(token: Token, first: bool) -> str:
     backslashes and quotes escaped, so the text parses back into the same token.
     """
     if isinstance(token, Attr):
-        return token.name if first else "." + token.name
+        name = token.name if _bare_name(token.name) else _quoted(token.name)
+        return name if first else "." + name
     if isinstance(token, Cell):
         return f"__closure__[{token.index}]" if first else f".__closure__[{token.index}]"
-    if isinstance(token.key, int):
-        return f"[{token.key}]"
-    escaped = token.key.replace("\\", "\\\\").replace("'", "\\'")
-    return f"['{escaped}']"
+    return f"[{_format_key(token.key)}]"
+
+
+def _bare_name(name: str) -> bool:
+    """Whether an attribute name reads back unquoted (an identifier or digits, no more)."""
+    match = _NAME.fullmatch(name)
+    return match is not None and (name[0] in "0123456789" or name.isidentifier())
+
+
+def _quoted(text: str) -> str:
+    escaped = text.replace("\\", "\\\\").replace("'", "\\'")
+    return f"'{escaped}'"
+
+
+def _format_key(key: Key) -> str:
+    """The text of a key (the inverse of :func:`_parse_value`)."""
+    if key is None or key is True or key is False or type(key) is int:
+        return repr(key)
+    if type(key) is str:
+        return _quoted(key)
+    if type(key) is torch.dtype:
+        return str(key)
+    if type(key) is tuple:
+        inner = ", ".join(_format_key(item) for item in key)
+        return f"({inner},)" if len(key) == 1 else f"({inner})"
+    raise TypeError(f"no slot path can name a key of type {type(key).__name__}")
+
+
+def is_path_key(key: object) -> bool:
+    """Whether the grammar can write ``key`` (checked by exact type: hashing it then runs no user code)."""
+    kind = type(key)
+    if kind is int or kind is str or kind is bool or key is None or kind is torch.dtype:
+        return True
+    return kind is tuple and all(is_path_key(item) for item in key)  # type: ignore[attr-defined]
 
 
 def format_path(tokens: tuple[Token, ...] | list[Token]) -> str:
@@ -174,25 +265,49 @@ def _owner_name(root: object) -> str:
     return type(root).__name__
 
 
+class _Raised:
+    """What a step returns when the user code it ran (``__getattr__``, ``__getitem__``...) raised: the error."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _raised_text(error: Exception) -> str:
+    first = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
 def _step(obj: Any, token: Token) -> Any:
-    """One resolution step; returns ``MISSING`` when the step does not exist."""
-    if isinstance(token, Attr):
-        return getattr(obj, token.name, MISSING)
-    if isinstance(token, Cell):
-        closure = getattr(obj, "__closure__", None)
-        if closure is None or not -len(closure) <= token.index < len(closure):
-            return MISSING
-        try:
-            return closure[token.index].cell_contents
-        except ValueError:  # an empty cell
-            return MISSING
+    """One resolution step; ``MISSING`` when the step does not exist, a :class:`_Raised` when resolving raised.
+
+    Resolution may run user code (a ``__getattr__``, ``__getattribute__`` or ``__getitem__`` on the path); whatever
+    that raises, a recursion included, is caught here and reported as a miss, never raised to the caller raw.
+    """
     try:
-        return obj[token.key]
-    except (KeyError, IndexError, TypeError):
-        return MISSING
+        if isinstance(token, Attr):
+            return getattr(obj, token.name, MISSING)
+        if isinstance(token, Cell):
+            closure = getattr(obj, "__closure__", None)
+            if closure is None or not -len(closure) <= token.index < len(closure):
+                return MISSING
+            try:
+                return closure[token.index].cell_contents
+            except ValueError:  # an empty cell
+                return MISSING
+        try:
+            return obj[token.key]
+        except (KeyError, IndexError, TypeError):
+            return MISSING
+    except Exception as exc:
+        return _Raised(exc)
 
 
-def _describe_miss(obj: Any, token: Token) -> str:
+def _describe_miss(obj: Any, token: Token, raised: _Raised | None = None) -> str:
+    if raised is not None:
+        step = format_token(token, True)
+        return f"resolving {step!r} on {type(obj).__name__} raised {_raised_text(raised.error)}"
     if obj is None:
         return "None"
     if isinstance(token, Attr):
@@ -297,19 +412,31 @@ class SlotPath:
 
     def _step_or_raise(self, root: object, obj: Any, index: int, token: Token) -> Any:
         nxt = _step(obj, token)
-        if nxt is MISSING:
+        if nxt is MISSING or type(nxt) is _Raised:
             where = self.prefix(index) if index else "<layer>"
-            raise PathError(_owner_name(root), self.text, where, _describe_miss(obj, token))
+            raised = nxt if type(nxt) is _Raised else None
+            error = PathError(_owner_name(root), self.text, where, _describe_miss(obj, token, raised))
+            if raised is not None:
+                raise error from raised.error
+            raise error
         return nxt
 
     def resolve_or(self, root: object, default: Any = None) -> Any:
-        """The value at this path, or ``default`` when it does not resolve."""
+        """The value at this path, or ``default`` when it does not resolve (or resolving it raised)."""
         obj: Any = root
         for token in self.tokens:
             obj = _step(obj, token)
-            if obj is MISSING:
+            if obj is MISSING or type(obj) is _Raised:
                 return default
         return obj
+
+    def why_missing(self, root: object) -> str:
+        """Why this path does not resolve on ``root``, in one line (``""`` when it does)."""
+        try:
+            self.resolve(root)
+        except PathError as exc:
+            return f"{exc.reason} at {exc.prefix!r}"
+        return ""
 
     def assign(self, root: object, value: Any) -> None:
         """Put ``value`` at this path, rebuilding immutable containers (tuples, partials) into parents."""
@@ -339,7 +466,6 @@ class SlotPath:
 Getter = Callable[[Any], Any]
 Setter = Callable[[Any, torch.Tensor], None]
 
-_ITEM_MISS: Final = (KeyError, IndexError, TypeError)
 _REBUILT: Final = (functools.partial, tuple)  # assign rebuilds these into their parent instead of mutating them
 _MODULE_SETATTR: Final[Any] = nn.Module.__setattr__
 _OBJECT_SETATTR: Final = object.__setattr__
@@ -352,14 +478,20 @@ def _compiled_step(token: Token) -> Getter:
         name = token.name
 
         def attr(obj: Any) -> Any:
-            return getattr(obj, name, MISSING)
+            try:
+                return getattr(obj, name, MISSING)
+            except Exception:  # user code on the path raised (or recursed): the path does not resolve
+                return MISSING
 
         return attr
     if isinstance(token, Cell):
         index = token.index
 
         def cell(obj: Any) -> Any:
-            closure = getattr(obj, "__closure__", None)
+            try:
+                closure = getattr(obj, "__closure__", None)
+            except Exception:
+                return MISSING
             if closure is None or not -len(closure) <= index < len(closure):
                 return MISSING
             try:
@@ -373,7 +505,7 @@ def _compiled_step(token: Token) -> Getter:
     def item(obj: Any) -> Any:
         try:
             return obj[key]
-        except _ITEM_MISS:
+        except Exception:  # a miss, or a user __getitem__ that raised
             return MISSING
 
     return item
@@ -387,19 +519,24 @@ def _compile_tokens(tokens: tuple[Token, ...]) -> Getter:
             name = tokens[0].name  # type: ignore[union-attr]
 
             def one(root: Any) -> Any:
-                return getattr(root, name, MISSING)
+                try:
+                    return getattr(root, name, MISSING)
+                except Exception:  # user code on the path raised (or recursed): the path does not resolve
+                    return MISSING
 
             return one
-        # attrgetter raises AttributeError exactly where getattr(obj, name, default) returns the default
-        dotted = operator.attrgetter(".".join(t.name for t in tokens))  # type: ignore[union-attr]
+        names = [t.name for t in tokens]  # type: ignore[union-attr]
+        if not any("." in n for n in names):
+            # attrgetter raises AttributeError exactly where getattr(obj, name, default) returns the default
+            dotted = operator.attrgetter(".".join(names))
 
-        def attrs(root: Any) -> Any:
-            try:
-                return dotted(root)
-            except AttributeError:
-                return MISSING
+            def attrs(root: Any) -> Any:
+                try:
+                    return dotted(root)
+                except Exception:  # absent, or user code on the path raised
+                    return MISSING
 
-        return attrs
+            return attrs
     steps = tuple(_compiled_step(t) for t in tokens)
     if len(steps) == 2:
         first, second = steps
@@ -473,7 +610,10 @@ def compile_setter(path: SlotPath) -> Setter:
         def set_attr(root: Any, value: torch.Tensor) -> None:
             parent = parent_of(root)
             # assign first resolves the whole path (and refuses if it no longer does), then writes the last step
-            resolves = parent is not MISSING and getattr(parent, name, MISSING) is not MISSING
+            try:
+                resolves = parent is not MISSING and getattr(parent, name, MISSING) is not MISSING
+            except Exception:
+                resolves = False  # assign resolves again and says why
             if resolves and not isinstance(parent, _REBUILT):
                 if isinstance(parent, nn.Module):
                     if _set_module_attr_fast(parent, name, value):
