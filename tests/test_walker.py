@@ -272,19 +272,28 @@ def test_module_internals_come_from_a_bare_module() -> None:
     assert "_fc2_input_scale" not in MODULE_INTERNALS
 
 
-def test_module_internals_and_hooks_are_not_walked() -> None:
+def test_module_internals_and_hooks_but_forward_hooks_are_not_walked() -> None:
+    # Issue 14 changed this test: forward (pre-)hooks run inside the captured region, so what they hold is walked.
     layer = Layer()
     hidden = torch.ones(3)
-    layer.register_forward_hook(lambda *_: hidden.sum())
-    layer.register_forward_pre_hook(lambda *_: hidden.sum())
+    post = layer.register_forward_hook(lambda *_: hidden.sum())
+    pre = layer.register_forward_pre_hook(lambda *_: hidden.sum())
     layer.register_full_backward_hook(lambda *_: hidden.sum())
     layer.register_state_dict_pre_hook(lambda *_: hidden.sum())
     layer.register_load_state_dict_post_hook(lambda *_: hidden.sum())
     layer.register_buffer("nonpersistent", torch.ones(2), persistent=False)
     result = walk(layer)
-    assert result.refs == ()
-    # Exactly one object (the layer) was read: the hook dicts were not even entered.
-    assert result.objects_visited == 1
+    assert sorted(paths(result)) == [
+        f"_forward_hooks[{post.id}].__closure__[0]",
+        f"_forward_pre_hooks[{pre.id}].__closure__[0]",
+    ]
+    check_refs(layer, result)
+    # The layer, the two forward hook dicts and their two hooks; no other hook dict was entered.
+    assert result.objects_visited == 5
+    # Without forward hooks the hook dicts are not even entered.
+    post.remove()
+    pre.remove()
+    assert walk(layer).objects_visited == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -314,24 +323,33 @@ def test_dict_and_slots_objects_dataclasses_and_namespaces() -> None:
     assert all(ref.restorable for ref in result.refs)
 
 
-def test_dict_keys_str_and_int_produce_paths_other_keys_do_not() -> None:
+def test_dict_keys_the_grammar_writes_produce_paths_other_keys_do_not() -> None:
+    # Issue 14 changed this test: bool and tuple keys of plain scalars are path keys now (``ws[(8, torch.float32)]``).
     layer = Layer()
-    weird = torch.ones(1)
     layer.table = {
         "plain": torch.ones(2),
         "it's \\ odd": torch.ones(3),
         7: torch.ones(4),
         -1: torch.ones(5),
-        True: weird,  # a bool key would render as a path no parser reads
+        True: torch.ones(1),
         ("a", 1): torch.ones(6),
+        (8, torch.float32): torch.ones(8),
         Color.RED: torch.ones(7),
+        (Color.RED, 1): torch.ones(9),
     }
     result = walk(layer)
-    assert paths(result) == ["table['plain']", "table['it\\'s \\\\ odd']", "table[7]", "table[-1]"]
+    assert paths(result) == [
+        "table['plain']",
+        "table['it\\'s \\\\ odd']",
+        "table[7]",
+        "table[-1]",
+        "table[True]",
+        "table[('a', 1)]",
+        "table[(8, torch.float32)]",
+    ]
     check_refs(layer, result)
-    assert any("bool dict key" in note for note in result.notes)
-    assert any("tuple dict key" in note for note in result.notes)
     assert any("Color dict key" in note for note in result.notes)
+    assert any("tuple dict key" in note for note in result.notes)  # a tuple holding an enum is no path key
 
 
 def test_lists_tuples_and_namedtuples() -> None:
@@ -443,7 +461,6 @@ def test_leaf_types_are_never_entered() -> None:
     layer.mod = module
     layer.color = Color.RED
     layer.gen = (t_gen for _ in range(1))
-    layer.ref = weakref.ref(holder)
     layer.proxy = weakref.proxy(holder)
     layer.dtype = torch.float16
     layer.device = torch.device("cpu")

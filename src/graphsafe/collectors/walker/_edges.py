@@ -19,7 +19,9 @@ ATTR, ITEM, CELL, UNNAMED = range(4)
 
 # How assign writes a value at the end of an edge: in place; by rebuilding the (immutable) container into its
 # parent; not at all (NO_WRITE, with a reason); or with no guarantee (UNRESOLVED: resolving it runs user code).
-INPLACE, REBUILD, NO_WRITE, UNRESOLVED = range(4)
+# STATE: the edge from the layer to one of its own parameters or buffers, followed only for the attributes set on
+# it (``weight.g_idx``); the tensor itself is the seal's parameter or buffer slot, never a walker find.
+INPLACE, REBUILD, NO_WRITE, UNRESOLVED, STATE = range(5)
 
 # One child as a reader reports it: token kind, key (or reason), child, child's kind, write mode, reason.
 Kid = tuple[int, Any, Any, int, int, str | None]
@@ -27,7 +29,8 @@ Kid = tuple[int, Any, Any, int, int, str | None]
 TOKEN_TYPES: Final[tuple[type[Attr], type[Item], type[Cell]]] = (Attr, Item, Cell)
 
 # By token kind: key -> the text of that step anywhere but first (".name", "[key]", ".__closure__[i]").
-# Keys are exact str or int (readers never name a child by anything else), so hashing them runs no user code.
+# Only exact str and int keys are cached (hashing them runs no user code; other path keys, True or (8, torch.float32),
+# are formatted each time, since True == 1 would share 1's text).
 STEP_TEXTS: Final[tuple[dict[Any, str], dict[Any, str], dict[Any, str]]] = ({}, {}, {})
 NAMEABLE: Final[dict[str, bool]] = {}  # attribute name -> whether a path can name it
 _CACHE_LIMIT: Final = 100_000  # names and keys are usually a small recurring set; bounded all the same
@@ -40,6 +43,8 @@ def token(kind: int, key: Any) -> Token:
 
 def step_text(kind: int, key: Any) -> str:
     """The text of a named edge that is not the first step of its path (cached in :data:`STEP_TEXTS`)."""
+    if type(key) is not str and type(key) is not int:  # True == 1: only exact str/int keys share cached texts
+        return format_token(token(kind, key), False)
     texts = STEP_TEXTS[kind]
     text = texts.get(key)
     if text is None:
@@ -61,8 +66,8 @@ def nameable(name: str) -> bool:
         if len(NAMEABLE) >= _CACHE_LIMIT:
             NAMEABLE.clear()
         try:
-            known = parse_path(name) == (Attr(name),)
-        except PathSyntaxError:  # not an ASCII identifier, or "__closure__" (which needs a cell index)
+            known = parse_path(format_token(Attr(name), True)) == (Attr(name),)
+        except PathSyntaxError:  # "__closure__" (which needs a cell index)
             known = False
         NAMEABLE[name] = known
     return known

@@ -17,6 +17,7 @@ import torch
 from graphsafe.collectors.walker._edges import (
     INPLACE,
     NO_WRITE,
+    STATE,
     STEP_TEXTS,
     UNNAMED,
     UNRESOLVED,
@@ -95,23 +96,31 @@ def enumerate_paths(graph: WalkGraph, skip: Collection[str] = ()) -> list[Tensor
             if graph.cut_depth():
                 graph.depth_cut = graph.render([*trail, e])
             continue
-        text = texts[-1] + (step_texts[tk].get(key) or step_text(tk, key)) if trail else first_step_text(tk, key)
+        if trail:
+            kt = type(key)  # only str and int keys are cached: True == 1 and (True,) == (1,) would share a text
+            cached = step_texts[tk].get(key) if kt is str or kt is int else None
+            text = texts[-1] + (cached or step_text(tk, key))
+        else:
+            text = first_step_text(tk, key)
         if kinds[child] == TENSOR:
-            if skip and text in skip:
-                continue  # the caller knows this path: no ref, no fingerprint
-            tensor = objs[child]
-            print_ = prints.get(child, _UNSEEN)
-            if print_ is _UNSEEN:
-                print_ = _fingerprint(graph, child, tensor, text, prints)
-            if print_ is None:
+            # A tensor with attributes (a wrapper's inner tensors, g_idx set on a parameter) is also a step on.
+            inner = estart[child] >= 0 and any(marks[e_child[x]] for x in range(estart[child], eend[child]))
+            # STATE: the layer's own parameter or buffer, the seal's slot; skipped: the caller knows the path.
+            if mode != STATE and not (skip and text in skip):
+                tensor = objs[child]
+                print_ = prints.get(child, _UNSEEN)
+                if print_ is _UNSEEN:
+                    print_ = _fingerprint(graph, child, tensor, text, prints, inner)
+                if print_ is None:
+                    pass
+                elif mode == INPLACE and clean[-1]:  # the common case: written in place, plainly resolved
+                    refs.append(TensorRef(text, tensor, print_, True, None))
+                else:
+                    restorable, reason = _restorability(graph, [*trail, e], texts)
+                    refs.append(TensorRef(text, tensor, print_, restorable, reason))
+            if not inner:
                 continue
-            if mode == INPLACE and clean[-1]:  # the common case: written in place, plainly resolved
-                refs.append(TensorRef(text, tensor, print_, True, None))
-            else:
-                restorable, reason = _restorability(graph, [*trail, e], texts)
-                refs.append(TensorRef(text, tensor, print_, restorable, reason))
-            continue
-        if estart[child] < 0:  # not read: cut by a budget
+        elif estart[child] < 0:  # not read: cut by a budget
             continue
         trail.append(e)
         texts.append(text)
@@ -131,7 +140,7 @@ def _restorability(graph: WalkGraph, edges: list[int], texts: list[str]) -> tupl
     # assign writes the last step; immutable containers are rebuilt into their parents, upwards.
     for i in range(len(edges) - 1, -1, -1):
         mode = modes[edges[i]]
-        if mode == INPLACE:
+        if mode in (INPLACE, STATE):
             return True, None
         if mode == NO_WRITE:
             return False, f"{reasons[edges[i]]} at {texts[i] or '<layer>'!r}"
@@ -139,13 +148,21 @@ def _restorability(graph: WalkGraph, edges: list[int], texts: list[str]) -> tupl
 
 
 def _fingerprint(
-    graph: WalkGraph, node: int, tensor: torch.Tensor, path: str, prints: dict[int, Fingerprint | None]
+    graph: WalkGraph,
+    node: int,
+    tensor: torch.Tensor,
+    path: str,
+    prints: dict[int, Fingerprint | None],
+    inner: bool,
 ) -> Fingerprint | None:
-    """The fingerprint of a tensor node, remembered in ``prints``; None (and a note) where it cannot be taken."""
+    """The fingerprint of a tensor node, remembered in ``prints``; None where it cannot be taken, with a note
+    unless the tensor holds tensors of its own (``inner``: a wrapper subclass, whose inner tensors are the slots)."""
     try:
         print_: Fingerprint | None = fingerprint(tensor)
     except Exception as exc:  # sparse, or a wrapper subclass without storage
         print_ = None
-        graph.notes[f"{path}: cannot fingerprint a {TYPE_NAME(type(tensor))} ({exc})"] = None
+        if not inner:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            graph.notes[f"{path}: cannot fingerprint a {TYPE_NAME(type(tensor))} ({first})"] = None
     prints[node] = print_
     return print_

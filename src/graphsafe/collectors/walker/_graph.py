@@ -10,26 +10,47 @@ a tuple per edge: per-edge container objects would feed the cyclic GC, which the
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
 
-from graphsafe.collectors.walker._edges import Kid, render
-from graphsafe.collectors.walker._plans import OBJECT, PLANS, SKIP, TENSOR, TENSOR_DEVICE, TYPE_NAME, plan_of
-from graphsafe.collectors.walker._readers import MODULE_INTERNALS, READERS, read_attributes
+from graphsafe.collectors.walker._edges import ATTR, STATE, Kid, nameable, render
+from graphsafe.collectors.walker._plans import (
+    DICT_ITEMS,
+    MODULE,
+    OBJECT,
+    PLANS,
+    TENSOR,
+    TENSOR_DEVICE,
+    TYPE_NAME,
+    plan_of,
+)
+from graphsafe.collectors.walker._readers import (
+    MODULE_INTERNALS,
+    READERS,
+    WALKED_HOOKS,
+    add_kid,
+    read_attributes,
+    read_class_attributes,
+)
 from graphsafe.devices import DeviceSet, WalkBudget
 
 
 class WalkGraph:
     """One walk's nodes (node 0 is the layer), edges, notes and budget cuts."""
 
-    def __init__(self, layer: object, budget: WalkBudget, devices: DeviceSet) -> None:
+    def __init__(
+        self, layer: object, budget: WalkBudget, devices: DeviceSet, units: Collection[int] | None = None
+    ) -> None:
         self.max_depth = budget.max_depth
         self.max_objects = budget.max_objects
         self.devices = devices
+        #: ids of the modules that are reload units of their own (never entered); ``None``: every module.
+        self.units = units
         # Node columns. Holding the objects keeps their ids unique until the walk ends.
         self.objs: list[Any] = [layer]
-        self.kinds: list[int] = [OBJECT]
+        self.kinds: list[int] = [OBJECT if plan_of(type(layer)).kind != MODULE else MODULE]
         self.parent: list[int] = [-1]  # the node each node was first discovered from
         self.estart: list[int] = [-1]  # -1: not read (a tensor, or cut by a budget)
         self.eend: list[int] = [-1]
@@ -93,7 +114,7 @@ class WalkGraph:
         index: dict[int, int] = {id(objs[0]): 0}
         extra_in = self.extra_in
         plans_get, readers_get = PLANS.get, READERS.get
-        devices = self.devices
+        devices, units = self.devices, self.units
         wanted: dict[torch.device, bool] = {}  # the device set's answer per device, asked once per walk
         max_depth, max_objects = self.max_depth, self.max_objects
         head = 0
@@ -106,7 +127,11 @@ class WalkGraph:
                 level += 1
                 boundary = len(objs)
             if kinds[node] == TENSOR:
-                continue
+                # A tensor is read only for attributes set on it (a wrapper subclass's inner tensors, g_idx on a
+                # parameter); most have none, and cost no object of the budget.
+                tplan = plans_get(id(type(objs[node]))) or plan_of(type(objs[node]))
+                if not tplan.slots and (tplan.dict_get is None or not tplan.dict_get(objs[node])):
+                    continue
             if visited >= max_objects:
                 queued = sum(1 for k in kinds[node:] if k != TENSOR)
                 self.objects_cut = (
@@ -118,8 +143,13 @@ class WalkGraph:
             obj = objs[node]
             plan = plans_get(id(type(obj))) or plan_of(type(obj))
             kids: list[Kid] = []
+            root_module = node == 0 and plan.kind == MODULE
             if plan.attrs:
-                read_attributes(obj, plan, kids, MODULE_INTERNALS if node == 0 and plan.kind == SKIP else None)
+                read_attributes(obj, plan, kids, MODULE_INTERNALS if root_module else None)
+            if plan.class_dicts:
+                read_class_attributes(obj, plan, kids)
+            if root_module:
+                self._module_extras(obj, plan, kids)
             if node:  # the layer itself contributes only its attributes (a path starts with a name)
                 reader = readers_get(plan.kind)
                 if reader is not None:
@@ -128,7 +158,9 @@ class WalkGraph:
             estart[node] = len(e_child)
             child_depth = level + 1
             for tk, key, child, ck, mode, reason in kids:
-                if ck == TENSOR:
+                if ck == MODULE and (units is None or id(child) in units):
+                    continue  # a reload unit of its own (a registered module): its own seal entry walks it
+                if ck == TENSOR and mode != STATE:
                     try:
                         device = TENSOR_DEVICE(child)
                     except Exception as exc:  # an exotic tensor subclass: say so rather than fail the walk
@@ -165,3 +197,25 @@ class WalkGraph:
                 e_reason.append(reason)
             eend[node] = len(e_child)
         self.objects_visited = visited
+
+    def _module_extras(self, layer: Any, plan: Any, kids: list[Kid]) -> None:
+        """What the layer's torch state adds: its forward hooks (when it has any), and its own parameters and
+        buffers that carry attributes (``weight.g_idx = t``), as STATE edges."""
+        state = plan.dict_get(layer) if plan.dict_get is not None else None
+        if type(state) is not dict:
+            return
+        for name in WALKED_HOOKS:
+            hooks = state.get(name)
+            if hooks:  # an OrderedDict (a dict subclass: C truth test); most layers have none
+                add_kid(kids, ATTR, name, hooks, plan.attr_mode, plan.attr_reason)
+        for table in ("_parameters", "_buffers"):
+            entries = state.get(table)
+            if type(entries) is not dict:
+                continue
+            for name, tensor in DICT_ITEMS(entries):
+                if type(name) is not str or not nameable(name):
+                    continue
+                tplan = plan_of(type(tensor))
+                if tplan.kind != TENSOR or ((tplan.dict_get is None or not tplan.dict_get(tensor)) and not tplan.slots):
+                    continue
+                kids.append((ATTR, name, tensor, TENSOR, STATE, None))

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import _io
 import collections
+import contextvars
 import enum
 import functools
+import gc
 import io
 import logging
 import threading
@@ -43,6 +45,11 @@ PARTIAL_FUNC: Final = functools.partial.__dict__["func"].__get__
 PARTIAL_ARGS: Final = functools.partial.__dict__["args"].__get__
 PARTIAL_KEYWORDS: Final = functools.partial.__dict__["keywords"].__get__
 TENSOR_DEVICE: Final = torch._C.TensorBase.__dict__["device"].__get__
+#: The referent of a weak reference: the C call of ``weakref.ref`` (a subclass's Python ``__call__`` is not run).
+REF_REFERENT: Final = weakref.ReferenceType.__call__
+#: A ContextVar's value in the current context (C code; ContextVar cannot be subclassed).
+CONTEXTVAR_GET: Final = contextvars.ContextVar.get
+LRU_WRAPPER: Final[type | None] = getattr(functools, "_lru_cache_wrapper", None)  # the C lru_cache, when built
 
 DICT_ITEMS: Final = dict.items
 DICT_VALUES: Final = dict.values
@@ -67,6 +74,9 @@ _C_CODE_TYPES: Final = (
 
 LEAF, SKIP, TENSOR, OBJECT, DICT, LIST, DEQUE, TUPLE, NTUPLE, SET, FSET, PROXY = range(12)
 PARTIAL, FUNCTION, METHOD, BUILTIN, WRAPPER = range(12, 17)
+# Weak references, lru_cache wrappers, ContextVars, and modules: a module is entered only where it is no reload
+# unit of its own (one held in a plain list, say); which modules are units is the walk's ``units`` argument.
+REF, LRU, CVAR, MODULE = range(17, 21)
 
 
 def _resolve_names(dotted: tuple[str, ...]) -> list[type]:
@@ -108,7 +118,8 @@ _LEAF_BASES: Final[tuple[type, ...]] = (
     types.GetSetDescriptorType,
     types.MemberDescriptorType,
     property,
-    weakref.ReferenceType,
+    staticmethod,
+    classmethod,
     weakref.ProxyType,
     weakref.CallableProxyType,
     io.IOBase,
@@ -157,7 +168,10 @@ _LEAF_BASES: Final[tuple[type, ...]] = (
 # Checked in this order along the MRO (first match wins), so a Module or tensor subclass is never a plain object.
 KIND_BASES: Final[tuple[tuple[type, int], ...]] = (
     (torch._C.TensorBase, TENSOR),
-    (nn.Module, SKIP),
+    (nn.Module, MODULE),
+    (weakref.ReferenceType, REF),
+    (contextvars.ContextVar, CVAR),
+    *(((LRU_WRAPPER, LRU),) if LRU_WRAPPER is not None else ()),
     *((base, LEAF) for base in _LEAF_BASES),
     (dict, DICT),
     (list, LIST),
@@ -204,6 +218,23 @@ def _python_owner(pairs: list[tuple[type, Any]], name: str) -> str | None:
     return None
 
 
+def _user_class(klass: type, d: Any) -> bool:
+    """Whether a class's own attributes may be a model's state: not ``object``, builtins or torch's classes."""
+    module = d.get("__module__")
+    return type(module) is str and module != "builtins" and module != "torch" and not module.startswith("torch.")
+
+
+def _class_dict(proxy: Any) -> dict[str, Any]:
+    """The dict behind a class's mappingproxy (through the GC protocol: no user hooks)."""
+    inner = gc.get_referents(proxy)
+    return inner[0] if len(inner) == 1 and type(inner[0]) is dict else {}
+
+
+def is_descriptor(value: object) -> bool:
+    """Whether ``value``'s class defines ``__get__``: reading it through an instance runs that, not returns it."""
+    return any("__get__" in d for d in map(TYPE_DICT, TYPE_MRO(type(value))))
+
+
 def _is_data_descriptor(value: object) -> bool:
     return any("__set__" in d or "__delete__" in d for d in map(TYPE_DICT, TYPE_MRO(type(value))))
 
@@ -226,6 +257,8 @@ class Plan:
         "attr_mode",
         "attr_reason",
         "attrs",
+        "class_attr_reason",
+        "class_dicts",
         "cls",
         "data_descriptors",
         "dict_get",
@@ -278,8 +311,9 @@ class Plan:
         self.slots: tuple[tuple[str, Any], ...] = ()  # (name, getter)
         self.shadowed_slots: tuple[tuple[str, Any], ...] = ()  # (why no path names it, getter)
         self.data_descriptors: frozenset[str] = frozenset()
-        # Instance state of plain objects, and of user subclasses of containers (builtin containers have none).
-        if kind in (OBJECT, SKIP) or (kind in _CONTAINERS and _CONTAINERS[kind] is not cls):
+        # Instance state of plain objects, modules, tensors (attributes set on a parameter, a wrapper subclass's
+        # inner tensors), lru_cache wrappers, and of user subclasses of containers (builtin containers have none).
+        if kind in (OBJECT, MODULE, TENSOR, LRU) or (kind in _CONTAINERS and _CONTAINERS[kind] is not cls):
             dict_descr: Any = first.get("__dict__")
             if any(type(dict_descr) is t for t in _DESCRIPTOR_TYPES):
                 self.dict_get = dict_descr.__get__
@@ -307,6 +341,16 @@ class Plan:
             if kind == OBJECT and self.dict_get is None and not slots and not shadowed:
                 self.kind = LEAF  # a C type without instance state we could read
         self.attrs = self.dict_get is not None or bool(self.slots) or bool(self.shadowed_slots)
+        # Class attributes of plain objects and modules: the dicts of the classes along the MRO that are neither
+        # builtin nor torch's own (whose class state is no model's), read at every walk since they can change.
+        self.class_dicts: tuple[tuple[str, dict[str, Any]], ...] = ()
+        self.class_attr_reason = (
+            f"a class attribute of {self.name}: assigning through an instance would shadow it, not restore it"
+        )
+        if kind in (OBJECT, MODULE):
+            self.class_dicts = tuple(
+                (TYPE_NAME(klass), _class_dict(d)) for klass, d in pairs if _user_class(klass, d)
+            )
 
 
 # The caches, by id(cls): hashing a class could run a metaclass's __hash__. KINDS is the hot loops' leaf test.

@@ -30,6 +30,8 @@ from graphsafe.collectors.walker._plans import (
     BUILTIN,
     BUILTIN_SELF,
     CELL_CONTENTS,
+    CONTEXTVAR_GET,
+    CVAR,
     DEQUE,
     DEQUE_ITER,
     DICT,
@@ -43,6 +45,7 @@ from graphsafe.collectors.walker._plans import (
     KINDS,
     LIST,
     LIST_ITER,
+    LRU,
     METHOD,
     METHOD_FUNC,
     METHOD_SELF,
@@ -52,6 +55,8 @@ from graphsafe.collectors.walker._plans import (
     PARTIAL_FUNC,
     PARTIAL_KEYWORDS,
     PROXY,
+    REF,
+    REF_REFERENT,
     SET,
     SET_ITER,
     SKIP,
@@ -61,12 +66,21 @@ from graphsafe.collectors.walker._plans import (
     WRAPPER,
     WRAPPER_SELF,
     Plan,
+    is_descriptor,
     kind_of,
     plan_of,
 )
+from graphsafe.collectors.walker._plans import (
+    FUNCTION as FUNCTION_KIND,
+)
+from graphsafe.paths import is_path_key
 
 # torch's own per-instance Module state; anything a subclass adds (with or without a leading underscore) is walked.
 MODULE_INTERNALS: Final = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
+# But the forward hooks are walked when there are any (the graph reader adds them): a forward (pre-)hook runs in
+# the captured region, so what it holds (a partial's arguments, a closure) is graph-visible, and
+# ``_forward_pre_hooks[id].args[0]`` names it.
+WALKED_HOOKS: Final = ("_forward_pre_hooks", "_forward_hooks")
 
 Reader = Callable[[Any, Plan, list[Kid]], None]
 
@@ -135,7 +149,7 @@ def _read_items(items: Iterable[tuple[Any, Any]], plan: Plan, kids: list[Kid]) -
         if ck is None:
             ck = plan_of(type(value)).kind
         key_type = type(key)
-        if key_type is str or key_type is int:
+        if key_type is str or key_type is int or is_path_key(key):  # a tuple of plain keys: (8, torch.float32)
             if ck > SKIP:
                 append((ITEM, key, value, ck, mode, reason))
             continue
@@ -234,7 +248,74 @@ def read_frozenset(obj: Any, plan: Plan, kids: list[Kid]) -> None:
         add_kid(kids, UNNAMED, "a member of a frozenset", value, NO_WRITE, None)
 
 
-# Kinds without a reader: leaves and modules (never entered), tensors (never read), plain objects (attributes only).
+_REFERENT: Final = "the referent of a weak reference"
+_LRU_CACHE: Final = "the cache of an lru_cache"
+_CONTEXT_VALUE: Final = "the value of a ContextVar in the current context"
+_NO_VALUE: Final[Any] = object()
+
+
+def read_ref(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """A weak reference's referent (if alive): no path can name it, and nothing can be assigned through it."""
+    add_kid(kids, UNNAMED, _REFERENT, REF_REFERENT(obj), NO_WRITE, None)
+
+
+def read_lru(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """An lru_cache's keys and results, through the GC protocol (C code; ``cache_info`` says nothing of values).
+
+    The wrapper's ``__dict__`` (``__wrapped__``, read as attributes) and the wrapped function are left out.
+    """
+    own = plan.dict_get(obj) if plan.dict_get is not None else None
+    for referent in gc.get_referents(obj):
+        if referent is own or kind_of(referent) == FUNCTION_KIND:
+            continue
+        add_kid(kids, UNNAMED, _LRU_CACHE, referent, NO_WRITE, None)
+
+
+def read_contextvar(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """A ContextVar's value (or default) in the current context; other threads' contexts are out of reach."""
+    value = CONTEXTVAR_GET(obj, _NO_VALUE)
+    if value is not _NO_VALUE:
+        add_kid(kids, UNNAMED, _CONTEXT_VALUE, value, NO_WRITE, None)
+
+
+# Attribute values a class holds as code, not state: not followed from its instances.
+_CLASS_CODE: Final = frozenset({FUNCTION_KIND, METHOD, BUILTIN, WRAPPER})
+
+
+def read_class_attributes(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """Attributes an instance reads from its class (``type(layer).cache = t``), unless the instance shadows them.
+
+    ``layer.cache`` resolves to such a value, but assign would set an instance attribute, so they are never
+    restorable; a descriptor (``__get__``: an lru_cache'd method, say) resolves to something else, so no path names
+    what it holds. Dunder names and the classes' code (functions, methods) are skipped.
+    """
+    if not plan.class_dicts:
+        return
+    own = plan.dict_get(obj) if plan.dict_get is not None else None
+    if own is not None and type(own) is not dict:
+        own = None
+    seen: set[str] = set()
+    kinds_get = KINDS.get
+    for class_name, d in plan.class_dicts:
+        for name, value in DICT_ITEMS(d):
+            if type(name) is not str or name in seen or (name[:2] == "__" and name[-2:] == "__"):
+                continue
+            seen.add(name)
+            ck = kinds_get(id(type(value)))
+            if ck is None:
+                ck = plan_of(type(value)).kind
+            if ck <= SKIP or ck in _CLASS_CODE or (own is not None and name in own):
+                continue
+            if is_descriptor(value):
+                why = f"class attribute {name!r} of {class_name}, a descriptor"
+                kids.append((UNNAMED, why, value, ck, NO_WRITE, None))
+            elif name in plan.data_descriptors or not nameable(name):
+                kids.append((UNNAMED, f"class attribute {name!r} of {class_name}", value, ck, NO_WRITE, None))
+            else:
+                kids.append((ATTR, name, value, ck, NO_WRITE, plan.class_attr_reason))
+
+
+# Kinds without a reader: leaves (never entered), tensors and modules and plain objects (attributes only).
 READERS: Final[dict[int, Reader]] = {
     DICT: read_dict,
     PROXY: read_mappingproxy,
@@ -249,4 +330,7 @@ READERS: Final[dict[int, Reader]] = {
     WRAPPER: read_method_wrapper,
     SET: read_set,
     FSET: read_frozenset,
+    REF: read_ref,
+    LRU: read_lru,
+    CVAR: read_contextvar,
 }

@@ -57,6 +57,7 @@ def walk(
     budget: WalkBudget | None = None,
     devices: DeviceSet | Collection[torch.device | str] | torch.device | str | None = None,
     skip_paths: Collection[str] = (),
+    units: Collection[int] | None = None,
 ) -> WalkResult:
     """Find every device tensor reachable from ``layer``'s own non-parameter, non-buffer attributes.
 
@@ -65,20 +66,25 @@ def walk(
     ``restorable`` says whether ``SlotPath(path).assign(layer, t)`` can put a tensor back there.
 
     Args:
-        layer: the reload unit. Its parameters, buffers and child modules are not walked.
+        layer: the reload unit. Its parameters and buffers are not walked (only attributes set on them), nor are
+            modules that are reload units of their own.
         budget: how far to go (:class:`~graphsafe.devices.WalkBudget`; default ``WalkBudget()``).
         devices: report only tensors on these devices (the device rule of :mod:`graphsafe.devices`). ``None``: the
             devices of the layer's (and its submodules') parameters and buffers, or every device if it has none.
             Meta tensors are never reported.
         skip_paths: paths the caller already tracks (a set, for speed): no ref is made for them and their
             tensors are not fingerprinted unless another path reaches them. The walk itself is unchanged.
+        units: ids of the modules that are reload units of their own (the model's registered modules: each is
+            walked by its own seal entry). A module not among them, reached through a plain list or attribute of
+            an object, is walked like any object (its ``_parameters``, ``_buffers``, attributes). ``None``: every
+            module is a unit (nothing tells which are registered).
 
     Returns:
         The refs (one per simple path to a tensor), how many objects were read, and ``exhausted``: ``None``, or a
         sentence naming the budget that was hit and where (the refs are then incomplete).
     """
     with torch._C.DisableTorchFunctionSubclass():
-        graph = WalkGraph(layer, budget if budget is not None else WalkBudget(), _device_set(layer, devices))
+        graph = WalkGraph(layer, budget if budget is not None else WalkBudget(), _device_set(layer, devices), units)
         graph.read()
         refs = enumerate_paths(graph, skip_paths)
     return WalkResult(
@@ -94,6 +100,7 @@ def collect(
     *,
     budget: WalkBudget | None = None,
     devices: DeviceSet | Collection[torch.device | str] | torch.device | str | None = None,
+    units: Collection[int] | None = None,
 ) -> list[TensorRef]:
     """The refs of :func:`walk` as a list (check ``walk(...).exhausted`` when completeness matters)."""
-    return list(walk(layer, budget=budget, devices=devices).refs)
+    return list(walk(layer, budget=budget, devices=devices, units=units).refs)
