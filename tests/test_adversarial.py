@@ -14,7 +14,15 @@ import pytest
 import torch
 from torch import nn
 
-from graphsafe import GraphContract, NotServingSafeError, ReloadOutcome, Status, register_derived
+from graphsafe import (
+    ContractViolation,
+    FindingKind,
+    GraphContract,
+    NotServingSafeError,
+    ReloadOutcome,
+    Status,
+    register_derived,
+)
 from graphsafe.collectors import record_capture
 from graphsafe.contract import _copy
 from graphsafe.errors import GraphSafeError
@@ -238,15 +246,23 @@ def test_a_failed_rank_agreement_leaves_the_contract_unsafe() -> None:
     assert not contract.serving_safe
 
 
-def test_a_snapshot_that_raises_leaves_no_open_transaction() -> None:
+def test_a_slot_path_that_raises_is_a_finding_not_a_raw_error() -> None:
+    # Issue 14 changed this test: a path whose user code raises no longer escapes the snapshot as a RuntimeError;
+    # the slot does not resolve, which is a `vanished` finding naming the error (fail closed, no raw exception).
     model = nn.Sequential(Armed())
     contract = GraphContract(model, "strict", detect="declared-only").seal()
     model[0].armed = True
-    with pytest.raises(RuntimeError, match="property raised"), contract.reload():
-        pass  # the snapshot raised before anything was loaded
-    assert contract.serving_safe  # nothing was loaded: the captured state is intact
+    with pytest.raises(ContractViolation) as info, contract.reload():
+        pass
+    outcome = info.value.outcome
+    assert outcome is not None and outcome.status is Status.FAILED
+    (finding,) = outcome.problems
+    assert finding.kind is FindingKind.VANISHED and finding.path == "w_t"
+    assert "RuntimeError: property raised" in finding.detail
+    assert not contract.serving_safe  # failed closed; the reload below shows no transaction was left open
     model[0].armed = False
-    with contract.reload():  # and the contract is not stuck with a dangling transaction
+    contract.reseal()
+    with contract.reload():
         pass
     assert contract.last_outcome is not None and contract.last_outcome.committed
 

@@ -209,6 +209,10 @@ class FindingKind(enum.Enum):
     ORPHANED = "orphaned"
     STALE = "stale"
     BUDGET_EXHAUSTED = "budget-exhausted"
+    #: The walker reached device tensors that no slot path can name, resolve or restore (a set member, a weak
+    #: reference's referent, an lru_cache's results, a ContextVar's value, ...): nothing can tell whether the
+    #: graph still reads their memory, so no reload of that layer commits. A recapture reads them as they are now.
+    UNTRACKABLE = "untrackable"
     RELOAD_ERROR = "reload-error"
     AUTO_RESTORED = "auto-restored"
 
@@ -245,6 +249,7 @@ _KIND_ORDER: tuple[FindingKind, ...] = (
     FindingKind.MOVED,
     FindingKind.STALE,
     FindingKind.ORPHANED,
+    FindingKind.UNTRACKABLE,
     FindingKind.BUDGET_EXHAUSTED,
     FindingKind.RELOAD_ERROR,
     FindingKind.AUTO_RESTORED,

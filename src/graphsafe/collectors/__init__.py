@@ -8,6 +8,7 @@ Collectors observe; they never restore anything.
 """
 
 from graphsafe.collectors._classify import (
+    UNTRACKABLE_ADVICE,
     Classified,
     LayerTensors,
     Unresolved,
@@ -24,6 +25,7 @@ from graphsafe.collectors._manifest import (
 from graphsafe.collectors.walker import TensorRef, WalkResult, collect, walk
 
 __all__ = [
+    "UNTRACKABLE_ADVICE",
     "CapturedStorage",
     "Classified",
     "Holder",

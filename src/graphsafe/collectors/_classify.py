@@ -28,10 +28,18 @@ from torch.nn.parameter import is_lazy
 from graphsafe.collectors.walker import WalkResult, walk
 from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.outcome import Fingerprint, Origin, fingerprint
-from graphsafe.paths import SlotPath
+from graphsafe.paths import Attr, SlotPath, format_path
 from graphsafe.registry import Declaration, declarations_of
 
-__all__ = ["Classified", "LayerTensors", "Unresolved", "classify", "classify_walk"]
+__all__ = ["UNTRACKABLE_ADVICE", "Classified", "LayerTensors", "Unresolved", "classify", "classify_walk"]
+
+#: What an author does about a place the walker found device tensors at but no slot path can name, resolve or
+#: restore (each of :attr:`LayerTensors.notes`): the contract's ``untrackable`` finding and the report say it.
+UNTRACKABLE_ADVICE = (
+    "nothing can check that the graph still reads their memory, so no reload of this layer commits: hold them "
+    "where a slot path reaches them (an attribute, a list, a dict under a str, int or tuple key) and declare "
+    "that path, or write them in place in PWAL and keep no other reference"
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -76,7 +84,8 @@ class LayerTensors:
     walked: bool = False
     #: The walker's sentence when a budget cut it short, else ``None``.
     exhausted: str | None = None
-    #: Where the walker saw tensors no path can name.
+    #: Where the walker saw device tensors no slot path can name (or fingerprint): each is untrackable (the
+    #: contract's ``untrackable`` finding, see :data:`UNTRACKABLE_ADVICE`).
     notes: tuple[str, ...] = ()
 
     def of(self, *origins: Origin) -> tuple[Classified, ...]:
@@ -96,8 +105,10 @@ def _state_entries(
     entries: list[Classified] = []
     for origin, table in ((Origin.PARAMETER, layer._parameters), (Origin.BUFFER, layer._buffers)):
         for name, tensor in table.items():
+            # A ParameterList's "0" or a ParameterDict's "b c" is a path as the grammar writes it: 0, 'b c'.
+            path = SlotPath(format_path((Attr(name),)))
             if (
-                name in declared
+                path.text in declared
                 or not isinstance(tensor, torch.Tensor)
                 or is_lazy(tensor)  # an uninitialised lazy parameter: no storage yet
                 or tensor.layout is not torch.strided  # no storage to fingerprint (sparse, ...)
@@ -105,8 +116,8 @@ def _state_entries(
                 or (devices is not None and tensor.device not in devices)
             ):
                 continue
-            entries.append(Classified(SlotPath(name), tensor, fingerprint(tensor), origin))
-            storages.setdefault(id(tensor.untyped_storage()), name)
+            entries.append(Classified(path, tensor, fingerprint(tensor), origin))
+            storages.setdefault(id(tensor.untyped_storage()), path.text)
     return entries
 
 
@@ -138,11 +149,14 @@ def classify(
     walk_layer: bool = True,
     budget: WalkBudget | None = None,
     devices: DeviceSet | None = None,
+    units: Collection[int] | None = None,
 ) -> LayerTensors:
     """Classify every tensor ``layer`` holds (see the module docs for the rules).
 
     ``walk_layer=False`` classifies declared slots, parameters and buffers only. ``devices`` (the contract's
     device set) limits parameters, buffers and walker finds; declared slots are tracked wherever they are.
+    ``units``: ids of the model's registered modules (see :func:`~graphsafe.collectors.walk`); modules held
+    elsewhere (a plain list) are walked into.
     """
     declarations = dict(declarations_of(layer))
     entries: list[Classified] = []
@@ -151,7 +165,14 @@ def classify(
     for text, declaration in declarations.items():
         value = declaration.path.resolve_or(layer, None)
         if not isinstance(value, torch.Tensor):
-            what = "does not resolve" if value is None else f"holds {type(value).__name__}, not a tensor"
+            why = declaration.path.why_missing(layer) if value is None else ""
+            what = (
+                f"does not resolve ({why})"
+                if why
+                else "does not resolve"
+                if value is None
+                else f"holds {type(value).__name__}, not a tensor"
+            )
             unresolved.append(Unresolved(text, declaration, what))
             continue
         entries.append(Classified(declaration.path, value, fingerprint(value), Origin.DECLARED, declaration))
@@ -159,7 +180,7 @@ def classify(
     entries.extend(_state_entries(layer, declarations.keys(), storages, devices))
     if not walk_layer:
         return LayerTensors(tuple(entries), tuple(unresolved))
-    result = walk(layer, budget=budget, devices=devices)
+    result = walk(layer, budget=budget, devices=devices, units=units)
     by_path = {entry.path.text: entry for entry in entries}
     for ref in result.refs:
         entry = by_path.get(ref.path)

@@ -370,9 +370,10 @@ class _PathIndex:
 
 def _model_index(model: nn.Module, index: _PathIndex, *, walk: bool) -> None:
     """Every classified path of every layer (the walker's finds too when ``walk``)."""
+    units = frozenset(id(module) for module in model.modules())  # as the contract's seal walks
     for qualname, layer in model.named_modules():
         layer_class = type(layer).__name__
-        for entry in classify(layer, walk_layer=walk).tensors:
+        for entry in classify(layer, walk_layer=walk, units=units).tensors:
             index.add(entry.tensor, qualname, layer_class, entry.path.text, entry.origin)
 
 

@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from graphsafe.collectors import Classified, classify, classify_walk, walk
+from graphsafe.collectors import UNTRACKABLE_ADVICE, Classified, classify, classify_walk, walk
 from graphsafe.contract._access import submodule_is
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._copy import CopyBatch
@@ -119,6 +119,7 @@ class GraphContract:
         #: The devices whose tensors the contract tracks (``None``: the walker's default, the layer's own devices).
         self.devices: DeviceSet | None = DeviceSet(devices) if devices is not None else None
         self._layers: list[SealedLayer] = []
+        self._units: frozenset[int] = frozenset()  # ids of the model's modules at seal: each its own reload unit
         self._by_layer: dict[int, list[int]] = {}  # id(layer) -> indices into _layers (for before/after_layer)
         self._sealed = False
         self._unsafe_reason: str | None = "not sealed yet: call seal() after the first load, before capture"
@@ -189,6 +190,7 @@ class GraphContract:
         if self._active is not None:
             raise GraphSafeError("seal() inside a reload transaction")
         layers: list[SealedLayer] = []
+        self._units = frozenset(id(module) for module in self.model.modules())
         for qualname, layer in self.model.named_modules():
             sealed = self._seal_layer(qualname, layer)
             if sealed is not None:
@@ -221,7 +223,11 @@ class GraphContract:
     def _seal_layer(self, qualname: str, layer: nn.Module) -> SealedLayer | None:
         generation = declarations_generation(layer)
         classified = classify(
-            layer, walk_layer=self.detect != "declared-only", budget=self.budget, devices=self.devices
+            layer,
+            walk_layer=self.detect != "declared-only",
+            budget=self.budget,
+            devices=self.devices,
+            units=self._units,
         )
         for missing in classified.unresolved:
             raise DeclarationError(
@@ -230,11 +236,13 @@ class GraphContract:
             )
         slots = [_sealed_slot(entry) for entry in classified.tensors]
         exhausted = classified.exhausted
-        if not slots and exhausted is None and self.detect != "every-reload":
+        if not slots and exhausted is None and not classified.notes and self.detect != "every-reload":
             # Nothing to track now; with every-reload the layer stays, so tensors it allocates later (scratch on a
             # first forward) are still walked at each reload.
             return None
-        return SealedLayer(weakref.ref(layer), qualname, type(layer).__name__, slots, generation, exhausted)
+        return SealedLayer(
+            weakref.ref(layer), qualname, type(layer).__name__, slots, generation, exhausted, classified.notes
+        )
 
     # -- reload ------------------------------------------------------------------------------------------------
     def reload(self, *, layerwise: bool = False, agreement: Agreement | None = None) -> ReloadTransaction:
@@ -296,20 +304,23 @@ class GraphContract:
                 sealed.slots.append(slot)
         sealed.declared_generation = generation
 
-    def _walker_extras(self, sealed: SealedLayer, layer: nn.Module) -> tuple[list[SealedSlot], str | None]:
-        """Tensors the walker finds now but the seal did not know (``every-reload`` only)."""
+    def _walker_extras(
+        self, sealed: SealedLayer, layer: nn.Module
+    ) -> tuple[list[SealedSlot], str | None, tuple[str, ...]]:
+        """Tensors the walker finds now but the seal did not know, and where it finds untrackable ones now
+        (``every-reload`` only)."""
         if self.detect != "every-reload":
-            return [], None
+            return [], None, ()
         known = sealed.known_paths
         # known paths are neither reported nor fingerprinted by the walk
-        result = walk(layer, budget=self.budget, devices=self.devices, skip_paths=known)
+        result = walk(layer, budget=self.budget, devices=self.devices, skip_paths=known, units=self._units)
         storages = {
             id(s.fp.storage_ref()): s.path.text
             for s in sealed.slots
             if s.origin is Origin.DECLARED or s.origin.is_state
         }
         extras = [_sealed_slot(entry) for entry in classify_walk(result, known, storages)]
-        return extras, result.exhausted
+        return extras, result.exhausted, result.notes
 
     def _notify(self, outcome: ReloadOutcome) -> Exception | None:
         """Call every ``on_outcome`` listener; return the first error one raised (raised once the contract acted)."""
@@ -383,6 +394,13 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
         return ReloadFailedError(f"{header}\n{body}", outcome)
     if undeclared and not remote:
         advice = ""
+        if any(f.kind is FindingKind.UNTRACKABLE for f in undeclared):
+            advice += (
+                "\nUntrackable tensors (no slot path names them) can be neither declared nor restored where they "
+                "are: hold them where a path reaches them and declare it; graphsafe.migration_report(contract) "
+                "lists them."
+            )
+        undeclared = [f for f in undeclared if f.kind is not FindingKind.UNTRACKABLE]
         if any(f.path for f in undeclared):
             advice += (
                 "\nDeclare them with @graph_visible(...) or register_derived(...); "
@@ -580,8 +598,13 @@ class ReloadTransaction:
                 )
             return None
         contract._adopt_late_declarations(sealed, layer)
-        extras, exhausted = contract._walker_extras(sealed, layer)
+        extras, exhausted, untrackable = contract._walker_extras(sealed, layer)
         snapshot = LayerSnapshot.take(sealed, layer, extras)
+        # Untrackable at the seal or now: no check can tell whether the graph still reads their memory.
+        for where in dict.fromkeys(sealed.untrackable + untrackable):
+            snapshot.findings.append(
+                sealed.layer_finding(FindingKind.UNTRACKABLE, f"{where}; {UNTRACKABLE_ADVICE}", declared=False)
+            )
         if exhausted or sealed.walk_exhausted:
             snapshot.findings.append(
                 sealed.layer_finding(

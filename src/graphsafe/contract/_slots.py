@@ -83,6 +83,8 @@ class SealedLayer:
     slots: list[SealedSlot]
     declared_generation: int
     walk_exhausted: str | None = None
+    #: Where the seal's walk found device tensors no slot path can name (each an ``untrackable`` finding per reload).
+    untrackable: tuple[str, ...] = ()
     #: Whether two slots share a captured storage (only then can an alias break, or a copy pair repeat).
     shares_storage: bool = field(init=False)
     #: Whether a captured storage of this layer is also tracked by another layer (set by the contract).
@@ -301,7 +303,7 @@ class LayerSnapshot:
                 continue  # in place
             if current is _MISSING or not isinstance(current, tensor_type):
                 what = (
-                    "the path no longer resolves"
+                    f"the path no longer resolves ({slot.path.why_missing(layer)})"
                     if current is _MISSING
                     else (f"the path now holds {type(current).__name__}, not a tensor")
                 )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from graphsafe.collectors import Classified, LayerTensors, Manifest, classify
+from graphsafe.collectors import UNTRACKABLE_ADVICE, Classified, LayerTensors, Manifest, classify
 from graphsafe.contract import GraphContract
 from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.errors import GraphSafeError
@@ -98,14 +98,18 @@ def _classified(
     model: nn.Module, budget: WalkBudget, devices: DeviceSet | None, notes: list[str]
 ) -> Iterator[tuple[str, nn.Module, LayerTensors]]:
     """Every module classified now; what its walk could not see goes to ``notes``."""
+    units = frozenset(id(module) for module in model.modules())  # as the contract's seal walks
     for qualname, layer in model.named_modules():
-        tensors = classify(layer, budget=budget, devices=devices)
+        tensors = classify(layer, budget=budget, devices=devices, units=units)
         name = SlotRef(qualname, "")
         if tensors.exhausted:
             notes.append(
                 strip_addresses(f"{name}: walk budget exhausted ({tensors.exhausted}); tensors past it are not listed")
             )
-        notes.extend(strip_addresses(f"{name}: {note}") for note in tensors.notes)
+        notes.extend(
+            strip_addresses(f"{FindingKind.UNTRACKABLE.value} at {name}: {note}; {UNTRACKABLE_ADVICE}")
+            for note in tensors.notes
+        )
         yield qualname, layer, tensors
 
 

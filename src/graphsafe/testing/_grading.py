@@ -118,8 +118,9 @@ def grade(target: GraphContract | nn.Module, manifest: Manifest) -> Grading:
     """
     model = target if isinstance(target, nn.Module) else target.model
     state, registry, walker = _StorageNames(), _StorageNames(), _StorageNames()
+    units = frozenset(id(module) for module in model.modules())  # as the contract's seal walks
     for qualname, layer in model.named_modules():
-        for found in classify(layer).tensors:
+        for found in classify(layer, units=units).tensors:
             where = str(SlotRef(qualname, found.path.text))
             if found.origin.is_state:
                 state.add(found.tensor, where)
