@@ -10,6 +10,7 @@ Collectors observe; they never restore anything.
 from graphsafe.collectors._classify import (
     Classified,
     LayerTensors,
+    TrackedStorage,
     Unresolved,
     classify,
     classify_walk,
@@ -31,6 +32,7 @@ __all__ = [
     "Manifest",
     "SealedModel",
     "TensorRef",
+    "TrackedStorage",
     "Unresolved",
     "WalkResult",
     "classify",

@@ -18,8 +18,9 @@ Static is a property of a declaration (:attr:`Classified.static`), not a class o
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from graphsafe.outcome import Fingerprint, Origin, fingerprint
 from graphsafe.paths import SlotPath
 from graphsafe.registry import Declaration, declarations_of
 
-__all__ = ["Classified", "LayerTensors", "Unresolved", "classify", "classify_walk"]
+__all__ = ["Classified", "LayerTensors", "TrackedStorage", "Unresolved", "classify", "classify_walk"]
 
 
 @dataclass(slots=True, eq=False)
@@ -89,9 +90,7 @@ class LayerTensors:
         return self.of(Origin.WALKER)
 
 
-def _state_entries(
-    layer: nn.Module, declared: Collection[str], storages: dict[int, str], devices: DeviceSet | None
-) -> list[Classified]:
+def _state_entries(layer: nn.Module, declared: Collection[str], devices: DeviceSet | None) -> list[Classified]:
     """The layer's own parameters and buffers not already declared under their name."""
     entries: list[Classified] = []
     for origin, table in ((Origin.PARAMETER, layer._parameters), (Origin.BUFFER, layer._buffers)):
@@ -106,12 +105,28 @@ def _state_entries(
             ):
                 continue
             entries.append(Classified(SlotPath(name), tensor, fingerprint(tensor), origin))
-            storages.setdefault(id(tensor.untyped_storage()), name)
     return entries
 
 
-def classify_walk(result: WalkResult, known: Collection[str], storages: Mapping[int, str]) -> list[Classified]:
-    """The walker's finds not in ``known``: an alias where the storage is in ``storages``, else a walker slot."""
+#: ``(path, origin, untyped storage)`` of a tracked slot: what :func:`classify_walk` needs to find aliases.
+TrackedStorage = tuple[str, Origin, Any]
+
+
+def _alias_targets(tracked: Iterable[TrackedStorage]) -> dict[int, str]:
+    """Rule 3's targets: storage id -> the path of the first declared, parameter or buffer slot on it."""
+    targets: dict[int, str] = {}
+    for path, origin, storage in tracked:
+        if storage is not None and (origin is Origin.DECLARED or origin.is_state):
+            targets.setdefault(id(storage), path)
+    return targets
+
+
+def classify_walk(
+    result: WalkResult, known: Collection[str], tracked: Iterable[TrackedStorage]
+) -> list[Classified]:
+    """The walker's finds not in ``known``: an alias (rule 3) where the storage is a ``tracked`` declared,
+    parameter or buffer slot's, else a walker slot (rule 4)."""
+    storages = _alias_targets(tracked)
     entries: list[Classified] = []
     for ref in result.refs:
         if ref.path in known:
@@ -147,7 +162,6 @@ def classify(
     declarations = dict(declarations_of(layer))
     entries: list[Classified] = []
     unresolved: list[Unresolved] = []
-    storages: dict[int, str] = {}
     for text, declaration in declarations.items():
         value = declaration.path.resolve_or(layer, None)
         if not isinstance(value, torch.Tensor):
@@ -155,8 +169,7 @@ def classify(
             unresolved.append(Unresolved(text, declaration, what))
             continue
         entries.append(Classified(declaration.path, value, fingerprint(value), Origin.DECLARED, declaration))
-        storages.setdefault(id(value.untyped_storage()), text)
-    entries.extend(_state_entries(layer, declarations.keys(), storages, devices))
+    entries.extend(_state_entries(layer, declarations.keys(), devices))
     if not walk_layer:
         return LayerTensors(tuple(entries), tuple(unresolved))
     result = walk(layer, budget=budget, devices=devices)
@@ -165,5 +178,6 @@ def classify(
         entry = by_path.get(ref.path)
         if entry is not None:
             entry.walked = True
-    entries.extend(classify_walk(result, declarations.keys(), storages))
+    tracked = [(entry.path.text, entry.origin, entry.tensor.untyped_storage()) for entry in entries]
+    entries.extend(classify_walk(result, declarations.keys(), tracked))
     return LayerTensors(tuple(entries), tuple(unresolved), True, result.exhausted, result.notes)

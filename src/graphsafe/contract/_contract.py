@@ -303,12 +303,8 @@ class GraphContract:
         known = sealed.known_paths
         # known paths are neither reported nor fingerprinted by the walk
         result = walk(layer, budget=self.budget, devices=self.devices, skip_paths=known)
-        storages = {
-            id(s.fp.storage_ref()): s.path.text
-            for s in sealed.slots
-            if s.origin is Origin.DECLARED or s.origin.is_state
-        }
-        extras = [_sealed_slot(entry) for entry in classify_walk(result, known, storages)]
+        tracked = [(slot.path.text, slot.origin, slot.fp.storage_ref()) for slot in sealed.slots]
+        extras = [_sealed_slot(entry) for entry in classify_walk(result, known, tracked)]
         return extras, result.exhausted
 
     def _notify(self, outcome: ReloadOutcome) -> Exception | None:
