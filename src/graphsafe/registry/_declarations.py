@@ -15,7 +15,7 @@ from torch import nn
 from graphsafe.errors import DeclarationError, PathError, PathSyntaxError
 from graphsafe.handles import RemovableHandle
 from graphsafe.paths import SlotPath
-from graphsafe.registry._store import Declaration, LayerDeclarations, layer_store
+from graphsafe.registry._store import Declaration, layer_store
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -174,24 +174,35 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _handle(layer: nn.Module, path: SlotPath) -> RemovableHandle:
-    """A handle that undeclares ``path`` on ``layer`` (held weakly: the handle does not keep the layer alive)."""
-    layer_ref = weakref.ref(layer)
+class _DeclarationHandle(RemovableHandle):
+    """Undeclares one path on one layer, holding the layer weakly (the handle does not keep it alive).
 
-    def store() -> LayerDeclarations | None:
-        owner = layer_ref()
-        return layer_store(owner, create=False) if owner is not None else None
+    Made on every ``register_derived`` call, so it is a plain object with two fields (no closures, no message
+    formatted until asked).
+    """
 
-    def remove() -> None:
-        owner = layer_ref()
+    __slots__ = ("_layer_ref", "_path")
+
+    def __init__(self, layer: nn.Module, path: SlotPath) -> None:  # no super().__init__: nothing of it is used
+        self._layer_ref = weakref.ref(layer)
+        self._path = path
+
+    @property
+    def active(self) -> bool:
+        owner = self._layer_ref()
+        entry = layer_store(owner, create=False) if owner is not None else None
+        return entry is not None and self._path.text in entry.slots
+
+    def remove(self) -> None:
+        owner = self._layer_ref()
         if owner is not None:
-            undeclare(owner, path.text)
+            undeclare(owner, self._path.text)
 
-    def active() -> bool:
-        entry = store()
-        return entry is not None and path.text in entry.slots
-
-    return RemovableHandle(remove, active, f"register_derived({type(layer).__name__}, {path.text!r})")
+    @property
+    def description(self) -> str:
+        owner = self._layer_ref()
+        name = type(owner).__name__ if owner is not None else "a collected layer"
+        return f"register_derived({name}, {self._path.text!r})"
 
 
 def _caller() -> str:
@@ -233,7 +244,7 @@ def register_derived(
         raise DeclarationError(f"register_derived on {type(layer).__name__}: {exc}") from exc
     source = _caller()
     _declare(layer, slot, tensor, _normalize_derived_from(derived_from), static, source, source)
-    return _handle(layer, slot)
+    return _DeclarationHandle(layer, slot)
 
 
 def declare(
