@@ -27,7 +27,7 @@ from torch.nn.parameter import is_lazy
 
 from graphsafe.collectors.walker import WalkResult, walk
 from graphsafe.devices import DeviceSet, WalkBudget
-from graphsafe.outcome import Fingerprint, Origin, fingerprint
+from graphsafe.outcome import Fingerprint, Origin, fingerprint, memory_tensors
 from graphsafe.paths import SlotPath
 from graphsafe.registry import Declaration, declarations_of
 
@@ -89,6 +89,11 @@ class LayerTensors:
         return self.of(Origin.WALKER)
 
 
+def _storage_ids(tensor: torch.Tensor) -> list[int]:
+    """The storages ``tensor`` reads (a wrapper subclass has none of its own: its inner tensors')."""
+    return [id(part.untyped_storage()) for part in memory_tensors(tensor)]
+
+
 def _state_entries(
     layer: nn.Module, declared: Collection[str], storages: dict[int, str], devices: DeviceSet | None
 ) -> list[Classified]:
@@ -106,7 +111,8 @@ def _state_entries(
             ):
                 continue
             entries.append(Classified(SlotPath(name), tensor, fingerprint(tensor), origin))
-            storages.setdefault(id(tensor.untyped_storage()), name)
+            for storage in _storage_ids(tensor):
+                storages.setdefault(storage, name)
     return entries
 
 
@@ -116,7 +122,7 @@ def classify_walk(result: WalkResult, known: Collection[str], storages: Mapping[
     for ref in result.refs:
         if ref.path in known:
             continue
-        alias_of = storages.get(id(ref.tensor.untyped_storage()))
+        alias_of = next((storages[s] for s in _storage_ids(ref.tensor) if s in storages), None)
         entries.append(
             Classified(
                 SlotPath(ref.path),
@@ -155,7 +161,8 @@ def classify(
             unresolved.append(Unresolved(text, declaration, what))
             continue
         entries.append(Classified(declaration.path, value, fingerprint(value), Origin.DECLARED, declaration))
-        storages.setdefault(id(value.untyped_storage()), text)
+        for storage in _storage_ids(value):
+            storages.setdefault(storage, text)
     entries.extend(_state_entries(layer, declarations.keys(), storages, devices))
     if not walk_layer:
         return LayerTensors(tuple(entries), tuple(unresolved))
