@@ -430,3 +430,22 @@ def test_an_expanded_scale_rebuilt_expanded_commits() -> None:
     assert outcome.status is Status.COMMITTED, outcome.summary()
     assert torch.equal(at_address(scale.untyped_storage(), scale), new)
     assert outcome.bytes_copied == new.nbytes  # the one distinct element, not eight
+
+
+def test_a_capture_manifest_reads_a_wrapper_through_its_inner_tensors() -> None:
+    from graphsafe.collectors import record_capture
+
+    layer = WrapperSlot()
+    contract = GraphContract(layer, "strict").seal()
+    with record_capture(contract, ignore=[torch.zeros(1)]):
+        layer.packed + layer.weight  # the wrappers reach the dispatch mode whole
+    assert contract.manifest is not None
+    new = quantized(11)
+    outcome = reload(contract, lambda: setattr(layer, "packed", new))
+    assert outcome.status is Status.COMMITTED, outcome.summary()
+    # A second reload leaves a plain tensor at the path: the slot and the manifest (which indexed the inner
+    # storages under the slot's path) both see the graph's memory is no longer held there; no raw exception.
+    contract.mode = "recapture"
+    outcome = reload(contract, lambda: setattr(layer, "packed", torch.randn(6)))
+    assert outcome.status is Status.NEEDS_RECAPTURE
+    assert kinds(outcome)["packed"] is FindingKind.RESPECIFIED
