@@ -94,6 +94,7 @@ EXPECTED: dict[str, dict[str, Expect]] = {
     "test_respecified_dtype": DRIFT,
     "test_respecified_stride": DRIFT,
     "test_respecified_offset": DRIFT,
+    "test_respecified_read_bits": DRIFT,
     # A declared path that is gone blocks the automatic reseal too (it cannot be fingerprinted).
     "test_vanished": per_mode(
         failed(DeclaredDriftError),
@@ -422,6 +423,14 @@ def test_respecified_offset(mode: str) -> None:
         layer.w_t = buffer[2:].view(IN, OUT)  # same shape, stride and values, storage offset 2
 
     _respecified(mode, "test_respecified_offset", inside_a_bigger_buffer, "w_t", "offset 0 -> 2")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_respecified_read_bits(mode: str) -> None:
+    def lazily_negated(layer: Site) -> None:
+        layer.w_t = torch._neg_view(-layer.w_t)  # the same values, read through a neg bit from negated bytes
+
+    _respecified(mode, "test_respecified_read_bits", lazily_negated, "w_t", "conj/neg bits none -> neg")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -28,7 +28,7 @@ from torch.nn.parameter import is_lazy
 
 from graphsafe.collectors.walker import WalkResult, walk
 from graphsafe.devices import DeviceSet, WalkBudget
-from graphsafe.outcome import Fingerprint, Origin, fingerprint
+from graphsafe.outcome import Fingerprint, Origin, fingerprint, memory_tensors
 from graphsafe.paths import SlotPath
 from graphsafe.registry import Declaration, declarations_of
 
@@ -90,6 +90,11 @@ class LayerTensors:
         return self.of(Origin.WALKER)
 
 
+def _storage_ids(tensor: torch.Tensor) -> list[int]:
+    """The storages ``tensor`` reads (a wrapper subclass has none of its own: its inner tensors')."""
+    return [id(part.untyped_storage()) for part in memory_tensors(tensor)]
+
+
 def _state_entries(layer: nn.Module, declared: Collection[str], devices: DeviceSet | None) -> list[Classified]:
     """The layer's own parameters and buffers not already declared under their name."""
     entries: list[Classified] = []
@@ -108,7 +113,8 @@ def _state_entries(layer: nn.Module, declared: Collection[str], devices: DeviceS
     return entries
 
 
-#: ``(path, origin, untyped storage)`` of a tracked slot: what :func:`classify_walk` needs to find aliases.
+#: ``(path, origin, untyped storage)`` of a tracked slot, one per storage it reads (a wrapper subclass reads
+#: several): what :func:`classify_walk` needs to find aliases.
 TrackedStorage = tuple[str, Origin, Any]
 
 
@@ -131,7 +137,7 @@ def classify_walk(
     for ref in result.refs:
         if ref.path in known:
             continue
-        alias_of = storages.get(id(ref.tensor.untyped_storage()))
+        alias_of = next((storages[s] for s in _storage_ids(ref.tensor) if s in storages), None)
         entries.append(
             Classified(
                 SlotPath(ref.path),
@@ -178,6 +184,10 @@ def classify(
         entry = by_path.get(ref.path)
         if entry is not None:
             entry.walked = True
-    tracked = [(entry.path.text, entry.origin, entry.tensor.untyped_storage()) for entry in entries]
+    tracked = [
+        (entry.path.text, entry.origin, part.untyped_storage())
+        for entry in entries
+        for part in memory_tensors(entry.tensor)
+    ]
     entries.extend(classify_walk(result, declarations.keys(), tracked))
     return LayerTensors(tuple(entries), tuple(unresolved), True, result.exhausted, result.notes)

@@ -31,7 +31,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphsafe.collectors._classify import classify
 from graphsafe.errors import GraphSafeError
-from graphsafe.outcome import Finding, FindingKind, Fingerprint, Origin, SlotInfo, SlotNamed, fingerprint
+from graphsafe.outcome import (
+    Finding,
+    FindingKind,
+    Fingerprint,
+    Origin,
+    SlotInfo,
+    SlotNamed,
+    fingerprint,
+    inner_tensors,
+    memory_tensors,
+)
 from graphsafe.paths import SlotPath
 
 __all__ = [
@@ -176,8 +186,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         self.internal: dict[int, weakref.ReferenceType[Any]] = {}
         self.ignored: dict[int, weakref.ReferenceType[Any]] = {}
         for tensor in ignore:
-            storage = tensor.untyped_storage()
-            self.ignored[id(storage)] = weakref.ref(storage)
+            for part in _memory(tensor):
+                storage = part.untyped_storage()
+                self.ignored[id(storage)] = weakref.ref(storage)
         # Whether an op ran while a CUDA stream was capturing; if one did, ops outside the capture (torch's own
         # bookkeeping in capture_begin, e.g. the RNG seed/offset fills) are not part of the graph.
         self.capturing = False
@@ -222,6 +233,10 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
     def _mark_internal(self, tensor: torch.Tensor) -> None:
         if tensor.layout is not torch.strided:
             return
+        if type(tensor) is not torch.Tensor and (parts := _parts(tensor)) is not None:
+            for part in parts:
+                self._mark_internal(part)
+            return
         storage = tensor.untyped_storage()
         key = id(storage)
         entry = self.external.get(key)
@@ -231,6 +246,12 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
 
     def _touch(self, tensor: torch.Tensor, op: str, access: int) -> None:
         if tensor.layout is not torch.strided:
+            return
+        if type(tensor) is not torch.Tensor and (parts := _parts(tensor)) is not None:
+            # A wrapper subclass reaches the mode whole; the ops on its inner tensors run under it unseen, so its
+            # inner tensors are what the graph reads.
+            for part in parts:
+                self._touch(part, op, access)
             return
         storage = tensor.untyped_storage()
         key = id(storage)
@@ -348,6 +369,20 @@ def record_capture(
 # The manifest: storage -> paths index, reload check, unowned storage.
 
 
+def _parts(tensor: torch.Tensor) -> list[torch.Tensor] | None:
+    """A wrapper subclass's memory tensors (``None`` for a tensor with storage of its own; empty when unreadable)."""
+    try:
+        return memory_tensors(tensor) if inner_tensors(tensor) is not None else None
+    except TypeError:
+        return []
+
+
+def _memory(tensor: torch.Tensor) -> list[torch.Tensor] | tuple[torch.Tensor]:
+    """The tensors whose storages ``tensor`` reads: itself, or a wrapper's inner tensors."""
+    parts = _parts(tensor)
+    return (tensor,) if parts is None else parts
+
+
 class _PathIndex:
     """Model paths by storage, built once per (re)index."""
 
@@ -357,11 +392,12 @@ class _PathIndex:
     def add(self, tensor: object, layer: str, layer_class: str, path: str, origin: Origin) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
             return
-        storage = tensor.untyped_storage()
-        slot = self.by_storage.setdefault(id(storage), (storage, []))
-        holder = Holder(layer, layer_class, path, origin, SlotPath(path))
-        if all((h.layer, h.path) != (layer, path) for h in slot[1]):
-            slot[1].append(holder)
+        for part in _memory(tensor):
+            storage = part.untyped_storage()
+            slot = self.by_storage.setdefault(id(storage), (storage, []))
+            holder = Holder(layer, layer_class, path, origin, SlotPath(path))
+            if all((h.layer, h.path) != (layer, path) for h in slot[1]):
+                slot[1].append(holder)
 
     def holders(self, storage: Any) -> list[Holder]:
         slot = self.by_storage.get(id(storage))
@@ -528,7 +564,9 @@ def _holds(model: nn.Module, cache: dict[str, nn.Module | None], holder: Holder,
     if layer is None:
         return False
     value = holder.slot_path.resolve_or(layer, None)
-    return isinstance(value, torch.Tensor) and value.layout is torch.strided and value.untyped_storage() is storage
+    if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
+        return False
+    return any(part.untyped_storage() is storage for part in _memory(value))
 
 
 def _finding(

@@ -303,7 +303,9 @@ class GraphContract:
         known = sealed.known_paths
         # known paths are neither reported nor fingerprinted by the walk
         result = walk(layer, budget=self.budget, devices=self.devices, skip_paths=known)
-        tracked = [(slot.path.text, slot.origin, slot.fp.storage_ref()) for slot in sealed.slots]
+        tracked = [
+            (slot.path.text, slot.origin, part.storage_ref()) for slot in sealed.slots for part in slot.fp.memory()
+        ]
         extras = [_sealed_slot(entry) for entry in classify_walk(result, known, tracked)]
         return extras, result.exhausted
 

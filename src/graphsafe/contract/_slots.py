@@ -18,13 +18,29 @@ import torch
 from torch import nn
 
 from graphsafe.contract._copy import CopyBatch, copy_group
-from graphsafe.outcome import Finding, FindingKind, Fingerprint, Origin, fingerprint, geometry_key
+from graphsafe.outcome import (
+    Finding,
+    FindingKind,
+    Fingerprint,
+    Origin,
+    fingerprint,
+    geometry_key,
+    inner_tensors,
+    memory_tensors,
+    tensor_kind,
+)
 from graphsafe.paths import MISSING, Getter, Setter, SlotPath, compile_getter, compile_setter
 from graphsafe.registry import Declaration
 
 __all__ = ["LayerSnapshot", "SealedLayer", "SealedSlot"]
 
 _MISSING: Any = MISSING
+
+
+def _view(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """The cheap layout tuple of a tensor as it is now (compared with :attr:`SealedSlot.layout`): everything that
+    changes how its bytes are read, the class included."""
+    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.is_conj(), tensor.is_neg(), type(tensor))
 
 
 @dataclass(slots=True)
@@ -43,7 +59,10 @@ class SealedSlot:
     # The compiled plan (derived from the fields above at construction):
     get: Getter = field(init=False, repr=False)
     set: Setter = field(init=False, repr=False)
-    layout: tuple[Any, ...] = field(init=False, repr=False)  # (shape, stride, dtype, device) as sealed
+    #: ``_view`` as sealed: (shape, stride, dtype, device, conj bit, neg bit, class).
+    layout: tuple[Any, ...] = field(init=False, repr=False)
+    #: A wrapper subclass: its memory is its inner tensors', restored and verified one by one (never fast paths).
+    wrapped: bool = field(init=False, repr=False)
     group: tuple[Any, ...] = field(init=False, repr=False)  # the copy group of the captured tensor
     nbytes: int = field(init=False, repr=False)
     tracks_freshness: bool = field(init=False, repr=False)
@@ -53,8 +72,11 @@ class SealedSlot:
         self.key = fp.key
         self.get = compile_getter(self.path)
         self.set = compile_setter(self.path)
-        self.layout = (fp.shape, fp.stride, fp.dtype, fp.device)
         tensor = self.tensor_ref()
+        # The raw class of the sealed object (a Parameter stays a Parameter), so that the in-place check matches it.
+        cls = type(tensor) if tensor is not None else fp.kind
+        self.layout = (fp.shape, fp.stride, fp.dtype, fp.device, fp.conj, fp.neg, cls)
+        self.wrapped = bool(fp.inner)
         self.group = (fp.device, fp.dtype, tensor.layout if tensor is not None else torch.strided)
         self.nbytes = fp.nbytes
         declaration = self.declaration
@@ -65,12 +87,36 @@ class SealedSlot:
         tensor = self.tensor_ref()
         if tensor is not None:
             return tensor
-        storage = self.fp.storage_ref()
-        if storage is None:
+        return _rebuild(self.fp)
+
+
+def _rebuild(fp: Fingerprint) -> torch.Tensor | None:
+    """A new view on the storage ``fp`` names, read as sealed (bits, class; a wrapper from its inner tensors), or
+    ``None`` if freed or not rebuildable."""
+    if fp.inner:
+        inner: dict[str, torch.Tensor] = {}
+        for name, part in fp.inner:
+            value = _rebuild(part)
+            if value is None:
+                return None
+            inner[name] = value
+        try:  # the flatten metadata is kept in comparable form: a wrapper that cannot take it back is not rebuilt
+            rebuilt = fp.kind.__tensor_unflatten__(inner, fp.meta, fp.shape, fp.stride)  # type: ignore[attr-defined]
+        except Exception:
             return None
-        view = torch.empty(0, dtype=self.fp.dtype, device=self.fp.device)
-        view.set_(storage, self.fp.storage_offset, self.fp.shape, self.fp.stride)
-        return view
+        return rebuilt if isinstance(rebuilt, torch.Tensor) else None
+    storage = fp.storage_ref()
+    if storage is None:
+        return None
+    view = torch.empty(0, dtype=fp.dtype, device=fp.device)
+    view.set_(storage, fp.storage_offset, fp.shape, fp.stride)
+    if fp.conj:
+        view = view.conj()
+    if fp.neg:
+        view = torch._neg_view(view)
+    if fp.kind is not torch.Tensor:
+        view = view.as_subclass(fp.kind)
+    return view
 
 
 @dataclass(slots=True)
@@ -92,8 +138,9 @@ class SealedLayer:
 
     def __post_init__(self) -> None:
         self.atoms = tuple(self.qualname.split(".")) if self.qualname else ()
-        storages = {id(slot.fp.storage_ref()) for slot in self.slots}  # all alive at seal: ids are distinct
-        self.shares_storage = len(storages) < len(self.slots)
+        memory = [part for slot in self.slots for part in slot.fp.memory()]
+        storages = {id(part.storage_ref()) for part in memory}  # all alive at seal: ids are distinct
+        self.shares_storage = len(storages) < len(memory)
         self.known_paths = frozenset(slot.path.text for slot in self.slots)
 
     def layer_finding(self, kind: FindingKind, detail: str, *, declared: bool) -> Finding:
@@ -122,6 +169,14 @@ class SealedLayer:
 
 def _describe_geometry_change(slot: SealedSlot, tensor: torch.Tensor) -> str:
     changes = []
+    kind = tensor_kind(tensor)
+    if kind is not slot.fp.kind:
+        changes.append(f"class {slot.fp.kind.__name__} -> {kind.__name__}")
+    elif slot.fp.inner:
+        changes.append(f"the inner tensors or metadata of the {kind.__name__} wrapper")
+    elif (tensor.is_conj(), tensor.is_neg()) != (slot.fp.conj, slot.fp.neg):
+        now = _bits(tensor.is_conj(), tensor.is_neg())
+        changes.append(f"conj/neg bits {_bits(slot.fp.conj, slot.fp.neg)} -> {now}")
     if tuple(tensor.shape) != slot.fp.shape:
         changes.append(f"shape {list(slot.fp.shape)} -> {list(tensor.shape)}")
     if tensor.dtype != slot.fp.dtype:
@@ -133,6 +188,24 @@ def _describe_geometry_change(slot: SealedSlot, tensor: torch.Tensor) -> str:
     if not changes:
         changes.append(f"stride {list(slot.fp.stride)} -> {list(tensor.stride())}")
     return ", ".join(changes)
+
+
+def _is_wrapper(tensor: torch.Tensor) -> bool:
+    try:
+        return inner_tensors(tensor) is not None
+    except TypeError:
+        return True  # a wrapper with a broken flatten protocol: still no storage of its own
+
+
+def _leaf_names(fp: Fingerprint, prefix: str = "") -> list[tuple[str, Fingerprint]]:
+    """``(dotted inner name, fingerprint)`` of every tensor whose storage ``fp`` reads (see ``Fingerprint.memory``)."""
+    if not fp.inner:
+        return [(prefix, fp)]
+    return [leaf for name, part in fp.inner for leaf in _leaf_names(part, f"{prefix}.{name}" if prefix else name)]
+
+
+def _bits(conj: bool, neg: bool) -> str:
+    return "+".join(name for name, on in (("conj", conj), ("neg", neg)) if on) or "none"
 
 
 # What a declared slot and its inputs looked like before PWAL, to tell a skipped rebuild (``stale``):
@@ -195,7 +268,8 @@ class _InputState:
 def _input_state(layer: nn.Module, sources: tuple[str, ...] | None) -> _InputState:
     # A weight load either replaces the inputs (storage changes), writes them through the parameter (version
     # moves) or writes them through ``.data`` (only the values change).
-    tensors = [t for t in _input_tensors(layer, sources) if t.device.type != "meta"]
+    # A wrapper input (a quantized weight) is read through its inner tensors.
+    tensors = [part for t in _input_tensors(layer, sources) if t.device.type != "meta" for part in memory_tensors(t)]
     return _InputState(
         tuple((id(t.untyped_storage()), t._version) for t in tensors), tuple(_signature(t) for t in tensors)
     )
@@ -266,9 +340,10 @@ class LayerSnapshot:
         for slot, captured in zip(self.slots, self.captured, strict=True):
             if (
                 captured is None
+                or slot.wrapped
                 or slot.get(layer) is not captured
                 or captured.data_ptr() != slot.fp.data_ptr
-                or (captured.shape, captured.stride(), captured.dtype, captured.device) != slot.layout
+                or _view(captured) != slot.layout
                 or slot.fp.storage_ref() is None
             ):
                 return False
@@ -307,7 +382,20 @@ class LayerSnapshot:
                 )
                 self.findings.append(sealed.finding(FindingKind.VANISHED, slot, detail=what))
                 continue
-            if current.untyped_storage() is captured.untyped_storage():
+            inner_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+            if slot.wrapped or _is_wrapper(current):
+                # A wrapper subclass: its inner tensors are what is copied. Settled here; a match goes on below
+                # (walker gate, rebind) with the inner pairs in place of the one pair.
+                problem = self._wrapper_pairs(slot, captured, current)
+                if isinstance(problem, Finding):
+                    self.findings.append(problem)
+                    continue
+                if not problem:
+                    self._check_fresh(index, slot, current, batch, after_inputs)
+                    continue  # every inner tensor in place
+                inner_pairs = problem
+                exact = False
+            elif current.untyped_storage() is captured.untyped_storage():
                 if current.data_ptr() == slot.fp.data_ptr and geometry_key(current) == geometry_key(captured):
                     self._check_fresh(index, slot, current, batch, after_inputs)
                     continue  # in place, through another Python object
@@ -320,16 +408,22 @@ class LayerSnapshot:
                     )
                 )
                 continue
-            # Cheap fields first: both tensors exactly as sealed (the common case) settles it; anything else gets
-            # the full comparison (size-1 dimensions may carry any stride).
-            layout = slot.layout
-            exact = (
-                (current.shape, current.stride(), current.dtype, current.device) == layout
-                and current.storage_offset() == slot.fp.storage_offset
-                and (captured.shape, captured.stride(), captured.dtype, captured.device) == layout
-            )
-            if not exact and (
-                geometry_key(current) != geometry_key(captured) or current.storage_offset() != slot.fp.storage_offset
+            else:
+                # Cheap fields first: both tensors exactly as sealed (the common case) settles it; anything else
+                # gets the full comparison (size-1 dimensions may carry any stride).
+                layout = slot.layout
+                exact = (
+                    _view(current) == layout
+                    and current.storage_offset() == slot.fp.storage_offset
+                    and _view(captured) == layout
+                )
+            if (
+                inner_pairs is None
+                and not exact
+                and (
+                    geometry_key(current) != geometry_key(captured)
+                    or current.storage_offset() != slot.fp.storage_offset
+                )
             ):
                 self.findings.append(
                     sealed.finding(
@@ -359,6 +453,11 @@ class LayerSnapshot:
                     )
                 )
             rebinds.append((index, captured))
+            if inner_pairs is not None:
+                for dst, src in inner_pairs:
+                    pairs.append((dst, src))
+                    sizes.append((copy_group(dst), dst.numel() * dst.element_size()))
+                continue
             if seen_pairs is not None:
                 pair_key = (id(captured), id(current))
                 if pair_key in seen_pairs:
@@ -373,6 +472,50 @@ class LayerSnapshot:
         for (dst, src), (group, nbytes) in zip(pairs, sizes, strict=True):
             add(dst, src, group, nbytes)
         return rebinds
+
+    def _wrapper_pairs(
+        self, slot: SealedSlot, captured: torch.Tensor, current: torch.Tensor
+    ) -> Finding | list[tuple[torch.Tensor, torch.Tensor]]:
+        """A wrapper subclass slot (sealed as one, or one now): a finding, or the inner copies ``(captured, new)``
+        that restore it (empty: every inner tensor is in place)."""
+        sealed = self.sealed
+        try:
+            after = fingerprint(current)
+            same = slot.wrapped and _is_wrapper(current) and geometry_key(current) == geometry_key(captured)
+            new_parts, held = memory_tensors(current), memory_tensors(captured)
+        except (TypeError, RuntimeError) as exc:  # a wrapper whose flatten protocol does not give tensors
+            return sealed.finding(
+                FindingKind.RESPECIFIED, slot, detail=f"cannot read the tensor's memory ({exc}): recapture"
+            )
+        if not same:
+            return sealed.finding(
+                FindingKind.RESPECIFIED,
+                slot,
+                after=after,
+                detail=_describe_geometry_change(slot, current) + "; a copy cannot keep the captured layout: recapture",
+            )
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for (name, sealed_part), dst, src in zip(_leaf_names(slot.fp), held, new_parts, strict=True):
+            if dst.data_ptr() != sealed_part.data_ptr or dst.untyped_storage() is not sealed_part.storage_ref():
+                # The captured wrapper object itself was given another inner tensor: its captured memory is no
+                # longer reachable from it, so nothing can be copied there.
+                return sealed.finding(
+                    FindingKind.MOVED,
+                    slot,
+                    after=after,
+                    detail=f"the captured {slot.fp.kind.__name__}'s inner tensor {name!r} was replaced in place",
+                )
+            if src.untyped_storage() is dst.untyped_storage():
+                if src.data_ptr() == dst.data_ptr():
+                    continue  # this inner tensor in place (the geometry matched above)
+                return sealed.finding(
+                    FindingKind.RESPECIFIED,
+                    slot,
+                    after=after,
+                    detail=f"inner tensor {name!r} now reads another part of its captured storage: recapture",
+                )
+            pairs.append((dst, src))
+        return pairs
 
     def _check_fresh(
         self,
@@ -415,21 +558,28 @@ class LayerSnapshot:
         if not self.shared:
             return  # every captured storage is tracked by one slot: no two slots can disagree
         pairs = self.pairs
-        by_storage: dict[int, list[int]] = {}
+        # By storage: (slot index, which of the slot's memory tensors) -- a wrapper reads several storages.
+        by_storage: dict[int, list[tuple[int, int]]] = {}
         for index, captured in rebinds:
-            by_storage.setdefault(id(captured.untyped_storage()), []).append(index)
+            for part, memory in enumerate(memory_tensors(captured)):
+                by_storage.setdefault(id(memory.untyped_storage()), []).append((index, part))
         new_of = {id(dst): src for dst, src in pairs}
-        for indices in by_storage.values():
-            if len(indices) < 2:
+        for entries in by_storage.values():
+            if len(entries) < 2:
                 continue
-            for index in indices:
-                held = self.captured[index]
-                assert held is not None
+            for index, part in entries:
+                whole = self.captured[index]
+                assert whole is not None
+                held = memory_tensors(whole)[part]
                 source: Any = self.slots[index].get(self.layer)
-                if not isinstance(source, torch.Tensor):
+                if isinstance(source, torch.Tensor):
+                    parts = memory_tensors(source)
+                    source = parts[part] if len(parts) == len(memory_tensors(whole)) else None
+                else:
                     source = new_of.get(id(held))
                 if isinstance(source, torch.Tensor) and not torch.equal(held, source):
-                    others = ", ".join(repr(self.slots[i].path.text) for i in indices if i != index)
+                    indices = {i for i, _ in entries}
+                    others = ", ".join(repr(self.slots[i].path.text) for i in sorted(indices) if i != index)
                     self.findings.append(
                         self.sealed.finding(
                             FindingKind.ALIAS_BROKEN,
@@ -481,12 +631,19 @@ class LayerSnapshot:
                 continue
             if (
                 current is captured[index]
+                and not slot.wrapped
                 and current.data_ptr() == slot.fp.data_ptr
-                and (current.shape, current.stride(), current.dtype, current.device) == slot.layout
+                and _view(current) == slot.layout
             ):
                 continue  # the captured object on its captured memory (``.data =``, ``set_`` or a storage
                 # ``resize_`` can move the same object elsewhere)
-            after = fingerprint(current)
+            try:
+                after = fingerprint(current)
+            except (TypeError, RuntimeError) as exc:  # no storage and no flattenable inner tensors
+                self.findings.append(
+                    self.sealed.finding(FindingKind.MOVED, slot, detail=f"cannot read the tensor's memory ({exc})")
+                )
+                continue
             if after.key != slot.key or not after.same_storage(slot.fp):
                 self.findings.append(
                     self.sealed.finding(
