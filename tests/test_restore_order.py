@@ -63,6 +63,7 @@ class Step:
 class Scenario:
     build: Callable[[], Net]
     steps: tuple[Step, ...]
+    describe: str = ""  # what a generated scenario does (hypothesis prints it)
 
 
 def slot_paths(model: Net) -> list[tuple[str, str]]:
@@ -143,16 +144,14 @@ def ring(layers: int, per_layer: int = 1) -> Callable[[], Net]:
     """``layers`` layers of ``per_layer`` slots each, every slot its own storage."""
 
     def build() -> Net:
-        return Net(
-            [Slots({f"s{j}": values(10 + i * per_layer + j) for j in range(per_layer)}) for i in range(layers)]
-        )
+        return Net([Slots({f"s{j}": values(10 + i * per_layer + j) for j in range(per_layer)}) for i in range(layers)])
 
     return build
 
 
-def rebind(moves: dict[tuple[int, str], tuple[int, str]], fresh: Sequence[tuple[int, str]] = ()) -> Callable[[Net], None]:
+def rebind(moves: dict[tuple[int, str], tuple[int, str]]) -> Callable[[Net], None]:
     """Write new values into every slot in place (the load), then bind each target path to the tensor that was at
-    the source path (all read before any is bound: a simultaneous permutation); ``fresh`` slots get new tensors."""
+    the source path (all read before any is bound: a simultaneous permutation)."""
 
     def run(model: Net) -> None:
         layers = model.layers
@@ -162,8 +161,6 @@ def rebind(moves: dict[tuple[int, str], tuple[int, str]], fresh: Sequence[tuple[
         taken = {dst: getattr(layers[src[0]], src[1]) for dst, src in moves.items()}
         for (index, name), tensor in taken.items():
             setattr(layers[index], name, tensor)
-        for index, name in fresh:
-            setattr(layers[index], name, values(90 + 3 * index + len(name)))
 
     return run
 
@@ -340,7 +337,8 @@ def permutations(draw: st.DrawFn) -> tuple[Scenario, bool]:
             elif isinstance(src, tuple):
                 setattr(model.layers[key[0]], key[1], taken[key])
 
-    return Scenario(build, (Step(tuple(range(layers)), run),)), layerwise
+    describe = f"ties={tie_of} plan={plan} write={write}"
+    return Scenario(build, (Step(tuple(range(layers)), run),), describe), layerwise
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

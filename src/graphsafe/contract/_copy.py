@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FOREACH_MAX_BYTES", "CopyBatch", "copy_group"]
+__all__ = ["FOREACH_MAX_BYTES", "CopyBatch", "byte_span", "copy_group", "spans_overlap"]
 
 #: Tensors at most this large go through the grouped ``_foreach_copy_`` path (H200 crossover: 4-16 MiB).
 FOREACH_MAX_BYTES = 4 << 20
@@ -29,6 +29,24 @@ _HAS_FOREACH_COPY = hasattr(torch, "_foreach_copy_")
 def copy_group(dst: torch.Tensor) -> tuple[Any, ...]:
     """The batch group of a destination tensor: copies into one group may share a ``_foreach_copy_`` call."""
     return (dst.device, dst.dtype, dst.layout)
+
+
+def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of its storage a tensor can read or write: its strided extent (a superset of the
+    bytes it really touches, so two spans that do not overlap are certain not to share a byte)."""
+    if tensor.numel() == 0:
+        return 0, 0
+    itemsize = tensor.element_size()
+    extent = 1
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        extent += (int(size) - 1) * int(stride)
+    start = int(tensor.storage_offset()) * itemsize
+    return start, start + extent * itemsize
+
+
+def spans_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether two byte spans of one storage share a byte."""
+    return a[0] < b[1] and b[0] < a[1]
 
 
 class CopyBatch:
