@@ -449,3 +449,52 @@ def test_a_capture_manifest_reads_a_wrapper_through_its_inner_tensors() -> None:
     outcome = reload(contract, lambda: setattr(layer, "packed", torch.randn(6)))
     assert outcome.status is Status.NEEDS_RECAPTURE
     assert kinds(outcome)["packed"] is FindingKind.RESPECIFIED
+
+
+class TwoWrappers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = WrapperSlot()
+        self.b = WrapperSlot()
+
+
+def test_wrappers_swapped_between_layers_commit_each_layers_new_values_at_its_captured_inner_memory() -> None:
+    # PWAL hands layer a the captured wrapper of layer b and the other way round, after writing the new values
+    # into them: each inner copy's source is another copy's destination, so the plan must clone first.
+    model = TwoWrappers()
+    captured_a, captured_b = model.a.packed, model.b.packed
+    sealed_a, sealed_b = _inner_storages(captured_a), _inner_storages(captured_b)
+    contract = GraphContract(model, "strict").seal()
+    new_a, new_b = quantized(21), quantized(22)
+
+    def pwal() -> None:
+        with torch.no_grad():
+            captured_b.qdata.copy_(new_a.qdata)
+            captured_b.scale.copy_(new_a.scale)
+            captured_a.qdata.copy_(new_b.qdata)
+            captured_a.scale.copy_(new_b.scale)
+        model.a.packed, model.b.packed = captured_b, captured_a
+
+    outcome = reload(contract, pwal)
+    assert outcome.status is Status.COMMITTED, outcome.summary()
+    assert model.a.packed is captured_a and model.b.packed is captured_b
+    for sealed, new in ((sealed_a, new_a), (sealed_b, new_b)):
+        for name, (storage, like) in sealed.items():
+            assert torch.equal(at_address(storage, like), getattr(new, name)), name
+
+
+def test_a_wrapper_tied_across_layers_given_two_values_is_not_committed() -> None:
+    model = TwoWrappers()
+    tied = model.a.packed
+    model.b.packed = tied
+    register_derived(model.b, "packed")
+    contract = GraphContract(model, "recapture").seal()
+    outcome = reload(
+        contract, lambda: (setattr(model.a, "packed", quantized(31)), setattr(model.b, "packed", quantized(32)))
+    )
+    assert outcome.status is not Status.COMMITTED, outcome.summary()
+    assert FindingKind.ALIAS_BROKEN in {f.kind for f in outcome.findings}
+    # Each layer reads its own new values, in the captured memory or in the tensor it keeps.
+    assert torch.equal(model.a.packed.qdata, quantized(31).qdata) and torch.equal(
+        model.b.packed.qdata, quantized(32).qdata
+    )

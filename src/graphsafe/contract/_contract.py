@@ -19,7 +19,7 @@ from graphsafe.collectors import Classified, classify, classify_walk, walk
 from graphsafe.contract._access import submodule_is
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._copy import CopyBatch
-from graphsafe.contract._slots import LayerSnapshot, SealedLayer, SealedSlot
+from graphsafe.contract._slots import LayerSnapshot, RestorePlan, SealedLayer, SealedSlot, SharedIndex
 from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.errors import (
     ContractViolation,
@@ -120,6 +120,7 @@ class GraphContract:
         self.devices: DeviceSet | None = DeviceSet(devices) if devices is not None else None
         self._layers: list[SealedLayer] = []
         self._by_layer: dict[int, list[int]] = {}  # id(layer) -> indices into _layers (for before/after_layer)
+        self._shared: SharedIndex = {}  # captured storage id -> every (sealed layer, slot position) reading it
         self._sealed = False
         self._unsafe_reason: str | None = "not sealed yet: call seal() after the first load, before capture"
         self._callbacks: list[Callable[[ReloadOutcome], Any]] = []
@@ -203,16 +204,24 @@ class GraphContract:
         return self
 
     def _index_layers(self) -> None:
-        """Precompute what per-reload lookups need: entries by layer, and storages shared across layers."""
+        """Precompute what per-reload lookups need: entries by layer, and the captured storages several slots read
+        (in one layer or across layers), which a restore checks as one (``RestorePlan.watch``)."""
         by_layer: dict[int, list[int]] = {}
-        owner: dict[int, SealedLayer] = {}
+        readers: dict[int, list[tuple[SealedLayer, int]]] = {}
         for position, sealed in enumerate(self._layers):
             by_layer.setdefault(id(sealed.layer_ref()), []).append(position)
-            for slot in sealed.slots:  # every storage is alive at seal, so ids are distinct
-                first = owner.setdefault(id(slot.fp.storage_ref()), sealed)
-                if first is not sealed:
-                    first.shared_across_layers = sealed.shared_across_layers = True
+            for index, slot in enumerate(sealed.slots):  # live storages have distinct ids
+                for part in slot.fp.memory():  # a wrapper subclass reads its inner tensors' storages
+                    storage = part.storage_ref()
+                    if storage is not None:
+                        readers.setdefault(id(storage), []).append((sealed, index))
+        shared = {key: entries for key, entries in readers.items() if len(entries) > 1}
+        for entries in shared.values():
+            if any(sealed is not entries[0][0] for sealed, _ in entries):
+                for sealed, _ in entries:
+                    sealed.shared_across_layers = True
         self._by_layer = by_layer
+        self._shared = shared
 
     def reseal(self) -> GraphContract:
         """Seal again after a recapture or a full reload; makes the contract serving-safe again."""
@@ -295,6 +304,7 @@ class GraphContract:
             else:
                 sealed.slots.append(slot)
         sealed.declared_generation = generation
+        self._index_layers()  # a new slot may read a storage other slots read
 
     def _walker_extras(self, sealed: SealedLayer, layer: nn.Module) -> tuple[list[SealedSlot], str | None]:
         """Tensors the walker finds now but the seal did not know (``every-reload`` only)."""
@@ -406,6 +416,8 @@ class ReloadTransaction:
         self._snapshots: dict[int, LayerSnapshot] = {}
         self._gone: set[int] = set()  # sealed layers already reported as replaced or removed
         self._findings: list[Finding] = []
+        #: New tensors earlier restore steps left at their paths (findings): later steps treat them as readers.
+        self._kept: list[torch.Tensor] = []
         self._restored = 0
         self._bytes = 0
         self._seconds = 0.0
@@ -462,31 +474,32 @@ class ReloadTransaction:
         self._seconds += time.perf_counter() - start
 
     def after_layer(self, layer: nn.Module) -> None:
-        """Restore and verify ``layer`` right after its PWAL, so its new derived tensors can be freed now."""
+        """Restore and verify ``layer`` right after its PWAL, so its new derived tensors can be freed now.
+
+        A sealed layer whose captured storage another layer also reads (a tied embedding and head, a workspace
+        shared by layers) waits for :meth:`finish`: only once every layer that reads the storage is loaded can the
+        restore tell whether they still agree on its values.
+        """
         start = time.perf_counter()
-        batch = CopyBatch()
-        try:
-            for sealed in self.contract._layer_entries(layer):
-                snapshot = self._snapshots.get(id(sealed))
-                if snapshot is None:
-                    batch.flush()  # a snapshot reads input values
-                    snapshot = self._snapshot(sealed)
-                    if snapshot is not None and self.layerwise:
-                        # Taken after the load: it sees PWAL's tensors as the captured ones, so neither stale
-                        # values nor tensors that appeared after the seal can be checked. Fail closed.
-                        snapshot.findings.append(
-                            sealed.layer_finding(
-                                FindingKind.RELOAD_ERROR,
-                                "after_layer() without before_layer(): the layer's state before the load "
-                                "was never snapshotted, so stale values and moved late tensors go unchecked",
-                                declared=True,
-                            )
+        group: list[LayerSnapshot] = []
+        for sealed in self.contract._layer_entries(layer):
+            snapshot = self._snapshots.get(id(sealed))
+            if snapshot is None:
+                snapshot = self._snapshot(sealed)
+                if snapshot is not None and self.layerwise:
+                    # Taken after the load: it sees PWAL's tensors as the captured ones, so neither stale
+                    # values nor tensors that appeared after the seal can be checked. Fail closed.
+                    snapshot.findings.append(
+                        sealed.layer_finding(
+                            FindingKind.RELOAD_ERROR,
+                            "after_layer() without before_layer(): the layer's state before the load "
+                            "was never snapshotted, so stale values and moved late tensors go unchecked",
+                            declared=True,
                         )
-                if snapshot is not None and not snapshot.done:
-                    self._restore(snapshot, batch)
-        finally:
-            batch.flush()
-            self._bytes += batch.written
+                    )
+            if snapshot is not None and not snapshot.done and not sealed.shared_across_layers:
+                group.append(snapshot)
+        self._restore_group(group)
         self._seconds += time.perf_counter() - start
 
     def finish(self, error: BaseException | None = None) -> ReloadOutcome:
@@ -499,19 +512,16 @@ class ReloadTransaction:
         start = time.perf_counter()
         try:
             if error is None:
-                # One batch for the whole model: small copies of every layer share one _foreach_copy_ per group.
-                batch = CopyBatch()
-                try:
-                    for sealed in contract._layers:
-                        snapshot = self._snapshots.get(id(sealed))
-                        if snapshot is None:
-                            batch.flush()  # a snapshot reads input values
-                            snapshot = self._snapshot(sealed)
-                        if snapshot is not None and not snapshot.done:
-                            self._restore(snapshot, batch)
-                finally:
-                    batch.flush()  # also when a layer raised: rebound slots must not keep old values
-                    self._bytes += batch.written
+                # One plan for the whole model: every copy is planned against every other before any is launched,
+                # and small copies of every layer share one _foreach_copy_ per group.
+                group: list[LayerSnapshot] = []
+                for sealed in contract._layers:
+                    snapshot = self._snapshots.get(id(sealed))
+                    if snapshot is None:
+                        snapshot = self._snapshot(sealed)
+                    if snapshot is not None and not snapshot.done:
+                        group.append(snapshot)
+                self._restore_group(group)
                 if contract.manifest is not None:
                     # The walker and the manifest can see the same slot: report each (layer, path) once.
                     flagged = {(f.layer, f.path) for f in self._findings if f.kind.is_problem and f.path}
@@ -611,35 +621,81 @@ class ReloadTransaction:
         for snapshot in self._snapshots.values():
             self._quarantine(snapshot)
 
-    def _restore(self, snapshot: LayerSnapshot, batch: CopyBatch) -> None:
-        """Restore one layer. Its copies join ``batch`` and are launched with later layers' (or by the caller)."""
-        rebinds: list[tuple[int, torch.Tensor]] = []
-        if not self._still_in_model(snapshot.sealed, snapshot.layer):
-            # Replaced after the snapshot: the loader filled the new layer, so restoring the orphaned one would
-            # commit captured storage that keeps the old values.
-            snapshot.findings.extend(
-                snapshot.sealed.finding(FindingKind.VANISHED, slot, detail="the layer was replaced during the reload")
-                for slot in snapshot.slots
-            )
-        elif not snapshot.in_place():
-            # A layer whose captured storage another layer also tracks keeps the one-layer-at-a-time order of
-            # copies; so does one with walker extras (their storages are not known ahead).
-            isolate = snapshot.sealed.shared_across_layers or snapshot.shared
-            if isolate:
-                batch.flush()
-            rebinds = snapshot.restore(auto_restore=self.contract.mode == "migrate", batch=batch)
-            if snapshot.pairs:
-                if isolate:
-                    batch.flush()
-                snapshot.check_aliases(rebinds)
+    def _restore_group(self, group: list[LayerSnapshot]) -> None:
+        """Restore ``group`` (the whole model, or one ``after_layer``) as one plan: plan every copy, clone the sources
+        a copy would overwrite, launch, check every slot reading a written storage, then rebind and verify."""
+        auto_restore = self.contract.mode == "migrate"
+        plan = RestorePlan(self.contract._shared)
+        work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]] = []
+        for snapshot in group:
+            if not self._still_in_model(snapshot.sealed, snapshot.layer):
+                # Replaced after the snapshot: the loader filled the new layer, so restoring the orphaned one would
+                # commit captured storage that keeps the old values.
+                snapshot.findings.extend(
+                    snapshot.sealed.finding(
+                        FindingKind.VANISHED, slot, detail="the layer was replaced during the reload"
+                    )
+                    for slot in snapshot.slots
+                )
+            elif not snapshot.in_place():
+                work.append((snapshot, snapshot.restore(auto_restore=auto_restore, plan=plan)))
+        batch = CopyBatch()
+        try:
+            if plan.moves:
+                plan.protect()
+                self._protect_pending(plan, group)
+                local = [s for s, _ in work if len(s.slots) > len(s.sealed.slots)]
+                plan.watch(self._captured_of, local, [*self._kept, *(t for s, _ in work for t in s.kept)])
+                plan.launch(batch)
+                plan.check()
+        finally:
+            batch.flush()
+            self._bytes += batch.written
+        if work:
+            # New tensors left at their paths read what they read now; a later after_layer must not write it.
+            self._kept.extend(t for s, _ in work for t in s.kept)
+        for snapshot, rebinds in work:
+            snapshot.check_freshness()
             snapshot.rebind(rebinds)
             snapshot.verify()
-        snapshot.done = True
-        self._restored += snapshot.restored
-        self._findings.extend(snapshot.findings)
-        if any(f.kind.is_problem for f in snapshot.findings):
-            self._quarantine(snapshot)
-        # Drop the strong references now: the new derived tensors of this layer can be freed before the next.
-        snapshot.captured = [None] * len(snapshot.captured)
-        snapshot.pairs = []
-        del rebinds
+        for snapshot in group:
+            snapshot.done = True
+            self._restored += snapshot.restored
+            self._findings.extend(snapshot.findings)
+            if any(f.kind.is_problem for f in snapshot.findings):
+                self._quarantine(snapshot)
+            # Drop the strong references now: the new derived tensors of this layer can be freed before the next.
+            snapshot.captured = [None] * len(snapshot.captured)
+            snapshot.overrides, snapshot.kept, snapshot.keep = {}, [], {}
+        del work
+
+    def _protect_pending(self, plan: RestorePlan, group: list[LayerSnapshot]) -> None:
+        """Layers snapshotted but not restored yet (``before_layer`` ran, ``after_layer`` has not): a new tensor of
+        theirs that reads memory this plan writes is cloned first, so their restore copies the values PWAL left.
+        Costs a path lookup per slot of such layers, which a plain ``before_layer``/``after_layer`` pairing has
+        none of."""
+        in_group = {id(snapshot) for snapshot in group}
+        tensor_type = torch.Tensor
+        for snapshot in self._snapshots.values():
+            if snapshot.done or id(snapshot) in in_group:
+                continue
+            layer = snapshot.layer
+            for index, slot in enumerate(snapshot.slots):
+                captured = snapshot.captured[index]
+                if captured is None:
+                    continue
+                current = slot.get(layer)
+                if not isinstance(current, tensor_type) or current is captured:
+                    continue
+                saved = snapshot.overrides.get(index)
+                if (saved is None or saved[0] is not current) and plan.overlaps_destination(current):
+                    snapshot.overrides[index] = (current, current.detach().clone())
+
+    def _captured_of(self, sealed: SealedLayer, position: int) -> torch.Tensor | None:
+        """The captured tensor of a sealed slot: its snapshot's strong reference, else from the seal."""
+        snapshot = self._snapshots.get(id(sealed))
+        if snapshot is not None and position < len(snapshot.captured):
+            held = snapshot.captured[position]
+            if held is not None:
+                return held
+        return sealed.slots[position].captured()

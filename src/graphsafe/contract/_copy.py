@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FOREACH_MAX_BYTES", "CopyBatch", "copy_group", "distinct_views"]
+__all__ = ["FOREACH_MAX_BYTES", "CopyBatch", "byte_span", "copy_group", "distinct_views", "spans_overlap"]
 
 #: Tensors at most this large go through the grouped ``_foreach_copy_`` path (H200 crossover: 4-16 MiB).
 FOREACH_MAX_BYTES = 4 << 20
@@ -65,6 +65,24 @@ def distinct_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, 
 
 def _plain(dst: torch.Tensor) -> bool:
     return not (dst.is_conj() or dst.is_neg() or 0 in dst.stride())
+
+
+def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of its storage a tensor can read or write: its strided extent (a superset of the
+    bytes it really touches, so two spans that do not overlap are certain not to share a byte)."""
+    if tensor.numel() == 0:
+        return 0, 0
+    itemsize = tensor.element_size()
+    extent = 1
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        extent += (int(size) - 1) * int(stride)
+    start = int(tensor.storage_offset()) * itemsize
+    return start, start + extent * itemsize
+
+
+def spans_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether two byte spans of one storage share a byte."""
+    return a[0] < b[1] and b[0] < a[1]
 
 
 class CopyBatch:

@@ -10,19 +10,20 @@ then compares cheap fields first and falls back to the full geometry comparison 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from graphsafe.contract._copy import CopyBatch, copy_group
+from graphsafe.contract._copy import CopyBatch, byte_span, copy_group, spans_overlap
 from graphsafe.outcome import (
     Finding,
     FindingKind,
     Fingerprint,
     Origin,
+    SlotRef,
     fingerprint,
     geometry_key,
     inner_tensors,
@@ -32,7 +33,7 @@ from graphsafe.outcome import (
 from graphsafe.paths import MISSING, Getter, Setter, SlotPath, compile_getter, compile_setter
 from graphsafe.registry import Declaration
 
-__all__ = ["LayerSnapshot", "SealedLayer", "SealedSlot"]
+__all__ = ["LayerSnapshot", "RestorePlan", "SealedLayer", "SealedSlot", "SharedIndex"]
 
 _MISSING: Any = MISSING
 
@@ -288,10 +289,17 @@ class LayerSnapshot:
     restored: int = 0
     bytes_copied: int = 0
     done: bool = False
-    #: Copies ``(captured, new)`` planned by :meth:`restore` (read by :meth:`check_aliases`).
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     #: Whether slots may share captured storage (sealed so, or walker extras whose storage is unknown ahead).
     shared: bool = False
+    #: Slot index -> (the new tensor at its path, a clone of its values): taken when another layer's restore was
+    #: about to write into the memory that tensor reads, before this layer was restored (layerwise reloads).
+    overrides: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: Freshness checks :meth:`restore` found due, run by :meth:`check_freshness` once the plan's copies landed.
+    fresh_due: list[tuple[int, SealedSlot, torch.Tensor]] = field(default_factory=list)
+    #: New tensors :meth:`restore` leaves at their paths (findings): the plan must not change what they read.
+    kept: list[torch.Tensor] = field(default_factory=list)
+    #: Slot index -> what an ``alias-broken`` slot keeps instead of its new tensor, whose memory a copy overwrote.
+    keep: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def take(cls, sealed: SealedLayer, layer: nn.Module, extra: Iterable[SealedSlot] = ()) -> LayerSnapshot:
@@ -349,20 +357,19 @@ class LayerSnapshot:
                 return False
         return True
 
-    def restore(self, *, auto_restore: bool, batch: CopyBatch) -> list[tuple[int, torch.Tensor]]:
-        """Plan copies (added to ``batch`` and to :attr:`pairs`) and return the rebinds ``(slot index, captured)``.
+    def restore(self, *, auto_restore: bool, plan: RestorePlan) -> list[tuple[int, torch.Tensor]]:
+        """Plan this layer's copies into ``plan`` (nothing is copied yet) and return the rebinds ``(slot index,
+        captured)``.
 
-        Problems become findings; nothing here raises for a bad slot. As when layers were restored one at a time,
-        the values read here (input signatures) see every earlier layer's copies and none of this layer's: the
-        batch is flushed before such a read, and this layer's copies join it only once planning is done.
+        Problems become findings; nothing here raises for a bad slot. Freshness checks read input values, so they
+        wait for the plan's copies (:meth:`check_freshness`).
         """
         sealed = self.sealed
         layer = self.layer
         rebinds: list[tuple[int, torch.Tensor]] = []
-        pairs = self.pairs
-        sizes: list[tuple[tuple[Any, ...], int]] = []  # (copy group, bytes) of each pair
         seen_pairs: set[tuple[int, int]] | None = set() if self.shared else None
-        after_inputs: dict[tuple[str, ...] | None, bool] = {}
+        overrides = self.overrides
+        freshness = self.freshness
         tensor_type = torch.Tensor
         captured_list = self.captured
         for index, slot in enumerate(self.slots):
@@ -371,8 +378,8 @@ class LayerSnapshot:
                 continue
             current = slot.get(layer)
             if current is captured:
-                if index in self.freshness:
-                    self._check_fresh(index, slot, current, batch, after_inputs)
+                if index in freshness:
+                    self._note_fresh(index, slot, current)
                 continue  # in place
             if current is _MISSING or not isinstance(current, tensor_type):
                 what = (
@@ -391,14 +398,17 @@ class LayerSnapshot:
                     self.findings.append(problem)
                     continue
                 if not problem:
-                    self._check_fresh(index, slot, current, batch, after_inputs)
+                    if index in freshness:
+                        self._note_fresh(index, slot, current)
                     continue  # every inner tensor in place
                 inner_pairs = problem
                 exact = False
             elif current.untyped_storage() is captured.untyped_storage():
                 if current.data_ptr() == slot.fp.data_ptr and geometry_key(current) == geometry_key(captured):
-                    self._check_fresh(index, slot, current, batch, after_inputs)
+                    if index in freshness:
+                        self._note_fresh(index, slot, current)
                     continue  # in place, through another Python object
+                self.kept.append(current)
                 self.findings.append(
                     sealed.finding(
                         FindingKind.RESPECIFIED,
@@ -425,6 +435,7 @@ class LayerSnapshot:
                     or current.storage_offset() != slot.fp.storage_offset
                 )
             ):
+                self.kept.append(current)
                 self.findings.append(
                     sealed.finding(
                         FindingKind.RESPECIFIED,
@@ -440,6 +451,7 @@ class LayerSnapshot:
                     why = "undeclared tensor moved to new storage"
                     if auto_restore:
                         why += f"; not restorable ({slot.reason})"
+                    self.kept.append(current)
                     self.findings.append(
                         sealed.finding(FindingKind.MOVED, slot, after=fingerprint(current), detail=why)
                     )
@@ -454,23 +466,27 @@ class LayerSnapshot:
                 )
             rebinds.append((index, captured))
             if inner_pairs is not None:
+                # A wrapper's inner tensors, each its own copy (no source override, no pair dedup: the wrapper
+                # object is the slot's, its parts are not shared with a plain slot's pair).
                 for dst, src in inner_pairs:
-                    pairs.append((dst, src))
-                    sizes.append((copy_group(dst), dst.numel() * dst.element_size()))
+                    nbytes = dst.numel() * dst.element_size()
+                    plan.add(self, index, dst, current, src, copy_group(dst), nbytes, copy=True)
                 continue
+            source = current
+            if overrides:
+                saved = overrides.get(index)
+                if saved is not None and saved[0] is current:
+                    source = saved[1]  # its values before an earlier restore wrote into the memory it reads
+            copy = True
             if seen_pairs is not None:
                 pair_key = (id(captured), id(current))
-                if pair_key in seen_pairs:
-                    continue
+                copy = pair_key not in seen_pairs
                 seen_pairs.add(pair_key)
-            pairs.append((captured, current))
             if exact:
-                sizes.append((slot.group, slot.nbytes))
+                plan.add(self, index, captured, current, source, slot.group, slot.nbytes, copy=copy)
             else:  # the captured tensor is not laid out as sealed: size and group from what it is now
-                sizes.append((copy_group(captured), captured.numel() * captured.element_size()))
-        add = batch.add
-        for (dst, src), (group, nbytes) in zip(pairs, sizes, strict=True):
-            add(dst, src, group, nbytes)
+                nbytes = captured.numel() * captured.element_size()
+                plan.add(self, index, captured, current, source, copy_group(captured), nbytes, copy=copy)
         return rebinds
 
     def _wrapper_pairs(
@@ -517,24 +533,31 @@ class LayerSnapshot:
             pairs.append((dst, src))
         return pairs
 
+    def check_freshness(self) -> None:
+        """Run the freshness checks :meth:`restore` found due; call with the plan's copies done."""
+        due, self.fresh_due = self.fresh_due, []
+        after_inputs: dict[tuple[str, ...] | None, bool] = {}
+        for index, slot, current in due:
+            self._check_fresh(index, slot, current, after_inputs)
+
+    def _note_fresh(self, index: int, slot: SealedSlot, current: torch.Tensor) -> None:
+        """A declared slot PWAL neither rebuilt nor wrote in place (read now, before any copy of the plan moves its
+        version) is checked against its inputs once the copies landed."""
+        tensor, version, _, _ = self.freshness[index]
+        if current is tensor and current._version == version:
+            self.fresh_due.append((index, slot, current))
+
     def _check_fresh(
         self,
         index: int,
         slot: SealedSlot,
         current: torch.Tensor,
-        batch: CopyBatch,
         after_inputs: dict[tuple[str, ...] | None, bool],
     ) -> None:
         """Flag a declared slot PWAL neither rebuilt nor wrote in place although its inputs changed."""
-        before = self.freshness.get(index)
-        if before is None:
-            return
-        tensor, version, sources, inputs_before = before
-        if current is not tensor or current._version != version:
-            return
+        _, _, sources, inputs_before = self.freshness[index]
         unchanged = after_inputs.get(sources)  # the inputs do not change during restore: once per layer
         if unchanged is None:
-            batch.flush()  # the signature reads values: earlier layers' copies land first (this layer's wait)
             unchanged = after_inputs[sources] = _input_state(self.layer, sources).same_as(inputs_before)
         if unchanged:
             return  # a partial reload that did not touch this slot's inputs
@@ -550,46 +573,6 @@ class LayerSnapshot:
             )
         )
 
-    def check_aliases(self, rebinds: list[tuple[int, torch.Tensor]]) -> None:
-        """After copying: slots sharing a captured storage must all read their new values (else alias-broken).
-
-        Call with the copies of :attr:`pairs` done (the batch flushed).
-        """
-        if not self.shared:
-            return  # every captured storage is tracked by one slot: no two slots can disagree
-        pairs = self.pairs
-        # By storage: (slot index, which of the slot's memory tensors) -- a wrapper reads several storages.
-        by_storage: dict[int, list[tuple[int, int]]] = {}
-        for index, captured in rebinds:
-            for part, memory in enumerate(memory_tensors(captured)):
-                by_storage.setdefault(id(memory.untyped_storage()), []).append((index, part))
-        new_of = {id(dst): src for dst, src in pairs}
-        for entries in by_storage.values():
-            if len(entries) < 2:
-                continue
-            for index, part in entries:
-                whole = self.captured[index]
-                assert whole is not None
-                held = memory_tensors(whole)[part]
-                source: Any = self.slots[index].get(self.layer)
-                if isinstance(source, torch.Tensor):
-                    parts = memory_tensors(source)
-                    source = parts[part] if len(parts) == len(memory_tensors(whole)) else None
-                else:
-                    source = new_of.get(id(held))
-                if isinstance(source, torch.Tensor) and not torch.equal(held, source):
-                    indices = {i for i, _ in entries}
-                    others = ", ".join(repr(self.slots[i].path.text) for i in sorted(indices) if i != index)
-                    self.findings.append(
-                        self.sealed.finding(
-                            FindingKind.ALIAS_BROKEN,
-                            self.slots[index],
-                            after=fingerprint(source),
-                            detail=f"shared captured storage with {others}, but the reload produced values that "
-                            "no longer agree",
-                        )
-                    )
-
     def rebind(self, rebinds: list[tuple[int, torch.Tensor]]) -> None:
         """Put the captured tensors back at their paths."""
         # A slot whose alias broke keeps its new tensor: the shared captured storage now holds another slot's
@@ -599,6 +582,16 @@ class LayerSnapshot:
         for index, captured in rebinds:
             slot = self.slots[index]
             if broken and slot.path.text in broken:
+                kept = self.keep.get(index)
+                if kept is not None:  # its new tensor reads memory a copy overwrote: it keeps its values instead
+                    try:
+                        slot.set(layer, kept)
+                    except Exception as exc:
+                        self.findings.append(
+                            self.sealed.finding(
+                                FindingKind.MOVED, slot, detail=f"could not bind its new values back: {exc}"
+                            )
+                        )
                 continue
             try:
                 slot.set(layer, captured)
@@ -650,3 +643,227 @@ class LayerSnapshot:
                         FindingKind.MOVED, slot, after=after, detail="not at its captured storage after restore"
                     )
                 )
+
+
+#: Captured storage id -> ``(sealed layer, slot position)`` of every slot reading it, for storages two or more slots
+#: read (in one layer or several). Built at seal (``GraphContract._index_layers``).
+SharedIndex = Mapping[int, Sequence[tuple[SealedLayer, int]]]
+
+
+@dataclass(slots=True, eq=False)
+class _Move:
+    """One planned copy into a captured storage, and the rebind that follows it."""
+
+    snapshot: LayerSnapshot
+    index: int
+    dst: torch.Tensor  # the captured tensor
+    new: torch.Tensor  # the tensor PWAL left at the path
+    src: torch.Tensor  # what is copied: ``new``, or a clone of its values taken before anything was written
+    group: tuple[Any, ...]
+    nbytes: int
+    copy: bool  # False for a repeat of a (captured, new) pair already planned
+
+    @property
+    def ref(self) -> str:
+        return str(SlotRef(self.snapshot.sealed.qualname, self.snapshot.slots[self.index].path.text))
+
+
+@dataclass(slots=True, eq=False)
+class _Reader:
+    """A tensor the model keeps that reads bytes a plan writes (a slot left in place, a new tensor left at its
+    path): the bytes it read before the copies, which it must read again after them."""
+
+    view: torch.Tensor
+    before: torch.Tensor  # a clone of its values, taken before any copy of the plan was launched
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if torch.equal(a, b):
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype or not (a.is_floating_point() or a.is_complex()):
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())  # NaN scratch still agrees with itself
+
+
+class RestorePlan:
+    """Every copy of one restore step, planned before any is launched: the whole model in ``finish()``, the layers
+    of one ``after_layer()``. One transaction over the storages of the whole model:
+
+    * **order.** A source can be another slot's captured storage (a ping-pong swap ``cur, prev = prev, cur``,
+      tensors exchanged between layers, a rotation) or a view into one. Copies launched one after another would
+      overwrite sources still needed, so :meth:`protect` clones every source whose bytes overlap any destination of
+      the plan before any copy is launched: then no order can be wrong. Where nothing overlaps (the common case)
+      this costs one dict lookup per copy.
+    * **aliasing.** Slots in any layers that read overlapping bytes of a destination's captured storage (a tied
+      embedding and head, a workspace shared by layers, a view into a packed tensor) must all read their own new
+      values after the copies (:meth:`watch` before launching, :meth:`check` after). A slot left in place keeps
+      its bytes (they are its new values and the capture already reads them); a moved slot whose values the
+      storage then does not hold is ``alias-broken`` and keeps its new values.
+    """
+
+    __slots__ = ("_dst_spans", "_readers", "_shared", "moves")
+
+    def __init__(self, shared: SharedIndex) -> None:
+        self.moves: list[_Move] = []
+        self._dst_spans: dict[int, list[tuple[int, int]]] = {}  # storage id -> byte spans written
+        self._readers: list[_Reader] = []
+        self._shared = shared
+
+    def add(
+        self,
+        snapshot: LayerSnapshot,
+        index: int,
+        dst: torch.Tensor,
+        new: torch.Tensor,
+        src: torch.Tensor,
+        group: tuple[Any, ...],
+        nbytes: int,
+        *,
+        copy: bool,
+    ) -> None:
+        """Plan ``dst.copy_(src)`` for slot ``index`` of ``snapshot`` (``new`` is the tensor at its path)."""
+        self.moves.append(_Move(snapshot, index, dst, new, src, group, nbytes, copy))
+        self._dst_spans.setdefault(id(dst.untyped_storage()), []).append(byte_span(dst))
+
+    def overlaps_destination(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` reads bytes a copy of this plan writes."""
+        spans = self._dst_spans.get(id(tensor.untyped_storage()))
+        if spans is None:
+            return False
+        span = byte_span(tensor)
+        return any(spans_overlap(span, written) for written in spans)
+
+    def protect(self) -> None:
+        """Clone every source that reads bytes some copy of the plan writes (before any copy is launched)."""
+        clones: dict[int, torch.Tensor] = {}
+        for move in self.moves:
+            src = move.src
+            if self.overlaps_destination(src):
+                clone = clones.get(id(src))
+                if clone is None:
+                    clone = clones[id(src)] = src.detach().clone()
+                move.src = clone
+
+    def watch(
+        self,
+        captured_of: Callable[[SealedLayer, int], torch.Tensor | None],
+        local: Sequence[LayerSnapshot] = (),
+        kept: Iterable[torch.Tensor] = (),
+    ) -> None:
+        """Before launching: remember every reader of a written storage other than the move writing it.
+
+        Readers are slots the plan does not move whose captured tensor overlaps a write, found through the seal's
+        index (any layer) and ``local`` snapshots (walker extras, unknown at seal), and the ``kept`` tensors: new
+        tensors left at their paths (a respecified slot) that read memory a copy writes.
+        """
+        moved = {(id(m.snapshot.sealed), m.index) for m in self.moves}
+        seen: set[tuple[int, int]] = set()
+        readers = self._readers
+
+        def hold(view: torch.Tensor | None) -> None:
+            if view is not None and self.overlaps_destination(view):
+                readers.append(_Reader(view, view.detach().clone()))
+
+        def hold_slot(slot: SealedSlot, layer: nn.Module | None, view: torch.Tensor | None) -> None:
+            # Only a slot whose path still reads its captured tensor keeps bytes there (a vanished or respecified
+            # one is a finding already). An alias path (the walker found the storage of a tracked slot) follows
+            # its slot: "rebind every alias path", so it reads whatever that slot's new values are.
+            if view is None or layer is None or slot.origin is Origin.ALIAS:
+                return
+            current = slot.get(layer)
+            if slot.wrapped:  # a wrapper in place keeps the bytes of each of its inner tensors
+                if current is view:
+                    for part in memory_tensors(view):
+                        hold(part)
+                return
+            if current is view or (
+                isinstance(current, torch.Tensor)
+                and current.untyped_storage() is view.untyped_storage()
+                and current.data_ptr() == view.data_ptr()
+                and geometry_key(current) == geometry_key(view)
+            ):
+                hold(view)
+
+        for key in self._dst_spans:
+            for sealed, position in self._shared.get(key, ()):
+                entry = (id(sealed), position)
+                if entry in moved or entry in seen:
+                    continue
+                seen.add(entry)
+                slot = sealed.slots[position]
+                view = captured_of(sealed, position)
+                if view is not None and (slot.wrapped or slot.fp.storage_ref() is view.untyped_storage()):
+                    hold_slot(slot, sealed.layer_ref(), view)
+        for snapshot in local:
+            for position, view in enumerate(snapshot.captured):
+                entry = (id(snapshot.sealed), position)
+                if entry not in moved and entry not in seen:
+                    seen.add(entry)
+                    hold_slot(snapshot.slots[position], snapshot.layer, view)
+        for tensor in kept:
+            hold(tensor)
+
+    def launch(self, batch: CopyBatch) -> None:
+        """Launch every planned copy through ``batch`` (grouped ``_foreach_copy_``) and flush it."""
+        add = batch.add
+        for move in self.moves:
+            if move.copy:
+                add(move.dst, move.src, move.group, move.nbytes)
+        batch.flush()
+
+    def check(self) -> None:
+        """After the copies: every slot reading a written storage must read its own new values.
+
+        A reader (a slot left in place, a new tensor left at its path) keeps its bytes: they are its values, and
+        whoever reads it reads them there; if a copy changed them, they are written back. A moved slot whose
+        captured tensor then does not hold its source is ``alias-broken`` (a finding on its snapshot) and keeps its
+        new values: its new tensor, or a clone when a copy overwrote the memory that tensor reads. Its new tensor
+        then becomes a reader in turn, so this runs to a fixed point (each round breaks at least one move).
+        """
+        by_storage: dict[int, list[_Move]] = {}
+        for move in self.moves:
+            by_storage.setdefault(id(move.dst.untyped_storage()), []).append(move)
+        readers = self._readers
+        broken: set[int] = set()
+        while True:
+            if any(not _same_values(r.view, r.before) for r in readers):
+                with torch.no_grad():
+                    for reader in readers:
+                        reader.view.copy_(reader.before)
+            read = {id(r.view.untyped_storage()) for r in readers}
+            fresh: list[_Move] = []
+            for key, moves in by_storage.items():
+                if len(moves) < 2 and key not in read:
+                    continue  # one slot writes it, nobody else reads it: the copy is all there is
+                for move in moves:
+                    if id(move) not in broken and not _same_values(move.dst, move.src):
+                        fresh.append(move)
+            if not fresh:
+                return
+            for move in fresh:
+                broken.add(id(move))
+                self._break(move, by_storage[id(move.dst.untyped_storage())])
+                if move.src is not move.new:  # its tensor reads memory the plan writes: it keeps the clone
+                    readers.append(_Reader(move.src, move.src.detach().clone()))
+
+    def _break(self, move: _Move, sharing: list[_Move]) -> None:
+        snapshot = move.snapshot
+        slot = snapshot.slots[move.index]
+        others = [m.ref for m in sharing if m is not move]
+        where = f"shared captured storage with {', '.join(map(repr, others))}" if others else "its captured storage"
+        snapshot.findings.append(
+            snapshot.sealed.finding(
+                FindingKind.ALIAS_BROKEN,
+                slot,
+                after=fingerprint(move.new),
+                detail=f"{where} is also read by another slot or tensor, but the reload produced values that no "
+                "longer agree",
+            )
+        )
+        if move.src is not move.new and not _is_wrapper(move.new):
+            kept = move.src
+            if isinstance(move.new, nn.Parameter):
+                kept = nn.Parameter(kept, requires_grad=move.new.requires_grad)
+            snapshot.keep[move.index] = kept
+        else:
+            snapshot.kept.append(move.new)  # left at its path: a later restore step must not write what it reads
