@@ -297,7 +297,9 @@ def record_capture(
 
     Every tensor an op reads or writes inside the block, whose storage was not created inside the block, is
     recorded in the contract's :class:`Manifest` (created and set as ``contract.manifest`` on first use), which
-    the contract then checks at the end of every reload. Also works around a plain forward (on CPU, for tests).
+    the contract then checks at the end of every reload, and a capture is reported to the contract
+    (``contract.note_capture()``: the evidence its ``reseal()`` needs after a failed reload) once the block exits
+    without an exception. Also works around a plain forward (on CPU, for tests).
     When a CUDA capture ran inside the block, only what ran while the stream was capturing is kept. Python's
     cyclic garbage collector is paused inside the block (a collection could free another graph mid-capture).
 
@@ -340,6 +342,8 @@ def record_capture(
     manifest._install(capture, list(entries.values()))
     if contract is not None:
         contract.manifest = manifest
+        # A capture ran: the evidence a reseal after a failed reload needs.
+        contract.note_capture()
         if reindex:
             manifest._index(contract, manifest.entries(capture))
 
@@ -401,6 +405,8 @@ class SealedModel(Protocol):
     def slots(self) -> Iterator[SlotInfo]: ...
 
     def sealed_layers(self) -> Iterator[tuple[str, nn.Module]]: ...
+
+    def note_capture(self) -> int: ...
 
 
 class Manifest:
