@@ -357,15 +357,20 @@ class _PathIndex:
 
     def __init__(self) -> None:
         self.by_storage: dict[int, tuple[Any, list[Holder]]] = {}
+        # (storage id, layer, path) already added: one set lookup, not a scan of the storage's holders (a storage
+        # viewed at N paths would otherwise cost O(N^2)).
+        self._seen: set[tuple[int, str, str]] = set()
 
     def add(self, tensor: object, layer: str, layer_class: str, path: str, origin: Origin) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
             return
         storage = tensor.untyped_storage()
+        key = (id(storage), layer, path)
+        if key in self._seen:
+            return
+        self._seen.add(key)
         slot = self.by_storage.setdefault(id(storage), (storage, []))
-        holder = Holder(layer, layer_class, path, origin, SlotPath(path))
-        if all((h.layer, h.path) != (layer, path) for h in slot[1]):
-            slot[1].append(holder)
+        slot[1].append(Holder(layer, layer_class, path, origin, SlotPath(path)))
 
     def holders(self, storage: Any) -> list[Holder]:
         slot = self.by_storage.get(id(storage))
