@@ -332,7 +332,11 @@ def test_strict_raises_carrying_the_outcome_and_refuses_until_reseal(tiny: Tiny,
         ran.append(True)
     assert ran == []  # the refused reload's body never ran
     assert not contract.serving_safe
-    tiny.reload(model, 1)  # the remedy: a full reload (or a recapture), then reseal()
+    with pytest.raises(NotServingSafeError, match="recapture the graphs"):
+        contract.reseal()  # the graphs still read the storage of before the failed reload
+    assert not contract.serving_safe
+    tiny.reload(model, 1)  # the remedy: a full reload, a recapture, then reseal()
+    contract.note_capture()
     contract.reseal()
     assert contract.serving_safe
     before = _ptrs(tiny, model)
@@ -405,7 +409,10 @@ def test_recapture_without_a_callback_waits_for_reseal(tiny: Tiny, mode: str) ->
     assert not contract.serving_safe
     with pytest.raises(NotServingSafeError), contract.reload():
         pass
-    contract.reseal()  # after the caller captured again
+    with pytest.raises(NotServingSafeError, match="recapture the graphs"):
+        contract.reseal()  # no capture since the reload
+    contract.note_capture()  # the caller captured again
+    contract.reseal()
     assert contract.serving_safe
     with contract.reload() as again:
         tiny.reload(model, 2)
@@ -850,8 +857,8 @@ def test_on_outcome_sees_every_reload_and_its_handle_removes(tiny: Tiny) -> None
     assert seen[1] is contract.last_outcome
     handle.remove()
     assert not handle.active
-    tiny.reload(model, 2)  # a full reload puts the layout back, and the graphs would be captured again here
-    contract.reseal()
+    tiny.reload(model, 2)  # a full reload puts the layout back, and the graphs are captured again here
+    contract.reseal(recaptured=True)
     with contract.reload():
         tiny.reload(model, 3)
     assert len(seen) == 2  # removed: not called again

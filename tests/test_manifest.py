@@ -401,7 +401,9 @@ def test_reseal_without_recapture_keeps_reporting() -> None:
     keep = model_state(model)
     with contract.reload():
         load(model, seed=1)
-    contract.reseal()  # wrong, but it must not hide that the graph still reads the old storage
+    # A caller who vouches wrongly (no recapture ran): the manifest must not hide that the graph still reads the
+    # old storage.
+    contract.reseal(recaptured=True)
     with contract.reload():
         load(model, seed=2)
     outcome = contract.last_outcome

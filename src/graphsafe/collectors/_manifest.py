@@ -318,7 +318,9 @@ def record_capture(
 
     Every tensor an op reads or writes inside the block, whose storage was not created inside the block, is
     recorded in the contract's :class:`Manifest` (created and set as ``contract.manifest`` on first use), which
-    the contract then checks at the end of every reload. Also works around a plain forward (on CPU, for tests).
+    the contract then checks at the end of every reload, and a capture is reported to the contract
+    (``contract.note_capture()``: the evidence its ``reseal()`` needs after a failed reload) once the block exits
+    without an exception. Also works around a plain forward (on CPU, for tests).
     When a CUDA capture ran inside the block, only what ran while the stream was capturing is kept. Python's
     cyclic garbage collector is paused inside the block (a collection could free another graph mid-capture).
 
@@ -361,6 +363,8 @@ def record_capture(
     manifest._install(capture, list(entries.values()))
     if contract is not None:
         contract.manifest = manifest
+        # A capture ran: the evidence a reseal after a failed reload needs.
+        contract.note_capture()
         if reindex:
             manifest._index(contract, manifest.entries(capture))
 
@@ -388,16 +392,21 @@ class _PathIndex:
 
     def __init__(self) -> None:
         self.by_storage: dict[int, tuple[Any, list[Holder]]] = {}
+        # (storage id, layer, path) already added: one set lookup, not a scan of the storage's holders (a storage
+        # viewed at N paths would otherwise cost O(N^2)).
+        self._seen: set[tuple[int, str, str]] = set()
 
     def add(self, tensor: object, layer: str, layer_class: str, path: str, origin: Origin) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
             return
         for part in _memory(tensor):
             storage = part.untyped_storage()
+            key = (id(storage), layer, path)
+            if key in self._seen:
+                continue
+            self._seen.add(key)
             slot = self.by_storage.setdefault(id(storage), (storage, []))
-            holder = Holder(layer, layer_class, path, origin, SlotPath(path))
-            if all((h.layer, h.path) != (layer, path) for h in slot[1]):
-                slot[1].append(holder)
+            slot[1].append(Holder(layer, layer_class, path, origin, SlotPath(path)))
 
     def holders(self, storage: Any) -> list[Holder]:
         slot = self.by_storage.get(id(storage))
@@ -437,6 +446,8 @@ class SealedModel(Protocol):
     def slots(self) -> Iterator[SlotInfo]: ...
 
     def sealed_layers(self) -> Iterator[tuple[str, nn.Module]]: ...
+
+    def note_capture(self) -> int: ...
 
 
 class Manifest:

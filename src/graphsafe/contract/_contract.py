@@ -6,6 +6,7 @@ The contract is the only place that decides an outcome. Adapters translate a fra
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterator
@@ -129,6 +130,12 @@ class GraphContract:
         # caller should not do anyway reads stale memory rather than memory the allocator handed to someone else.
         self._quarantine: list[torch.Tensor] = []
         self._active: ReloadTransaction | None = None
+        # One transaction at a time: begin() takes it without blocking, finish() gives it back.
+        self._lock = threading.Lock()
+        # The capture generation (note_capture), and the one the graphs were at when a reload left the contract
+        # unsafe: a reseal needs a capture after it (None: no reload is waiting for a recapture).
+        self._captures = 0
+        self._recapture_after: int | None = None
         self.last_outcome: ReloadOutcome | None = None
         self.manifest: ManifestCheck | None = None
         self.reloads = 0
@@ -156,6 +163,22 @@ class GraphContract:
     def unsafe_reason(self) -> str | None:
         """Why the contract is not serving-safe, or ``None``."""
         return self._unsafe_reason
+
+    @property
+    def captures(self) -> int:
+        """The capture generation: how many captures of this model's graphs were reported (:meth:`note_capture`)."""
+        return self._captures
+
+    def note_capture(self) -> int:
+        """Report that the graphs reading this model were captured (again) just now, from the model as it is.
+
+        The evidence :meth:`reseal` needs after a reload left the contract unsafe. The capture adapter
+        (:mod:`graphsafe.adapters.torch`), :func:`~graphsafe.record_capture` and the vLLM adapter call it for every
+        capture they run; code that captures graphs some other way calls it right after its capture. Returns the
+        new capture generation (:attr:`captures`).
+        """
+        self._captures += 1
+        return self._captures
 
     def slots(self) -> Iterator[SlotInfo]:
         """Every sealed slot (declared, parameter or buffer, alias and walker-found)."""
@@ -185,23 +208,73 @@ class GraphContract:
         device tensor).
 
         Call after the first load and PWAL, before capture. Raises :class:`~graphsafe.DeclarationError` if a
-        declared slot does not resolve to a tensor.
+        declared slot does not resolve to a tensor. After a reload that left the contract unsafe, sealing again is
+        :meth:`reseal`, and needs a capture after that reload.
+
+        A seal that finds nothing to track (a ``devices`` filter that matches no tensor of the model, or
+        ``detect="declared-only"`` on a model with no declaration, parameter or buffer) leaves the contract not
+        serving-safe: a contract that tracks nothing cannot keep any captured address. :attr:`unsafe_reason` says
+        which setting to change.
         """
+        return self._seal(recaptured=False)
+
+    def _seal(self, *, recaptured: bool) -> GraphContract:
         if self._active is not None:
             raise GraphSafeError("seal() inside a reload transaction")
+        if self._recapture_after is not None and self._captures <= self._recapture_after and not recaptured:
+            raise NotServingSafeError(
+                f"graphsafe contract of {self._model_name()}: reseal() refused: {self._unsafe_reason}; the captured "
+                "graphs still read the storage they were captured on, so sealing the model's current tensors would "
+                "not make replay safe: recapture the graphs, then reseal() (graphsafe.adapters.torch and "
+                "record_capture report their captures; after a capture of your own call contract.note_capture(), "
+                "or reseal(recaptured=True))",
+                self.last_outcome,
+            )
         layers: list[SealedLayer] = []
-        for qualname, layer in self.model.named_modules():
-            sealed = self._seal_layer(qualname, layer)
-            if sealed is not None:
-                layers.append(sealed)
+        try:
+            for qualname, layer in self.model.named_modules():
+                sealed = self._seal_layer(qualname, layer)
+                if sealed is not None:
+                    layers.append(sealed)
+        except BaseException:
+            if self._recapture_after is not None:
+                # What blocks the seal (a declared path gone) gets fixed in the model after the capture that was
+                # the evidence, so that capture did not see the model that will be sealed: capture again.
+                self._recapture_after = self._captures
+            raise
         self._layers = layers
         self._index_layers()
         self._quarantine.clear()
         self._sealed = True
-        self._unsafe_reason = None
+        self._recapture_after = None
+        self._unsafe_reason = None if any(sealed.slots for sealed in layers) else self._tracks_nothing()
         if self.manifest is not None:
             self.manifest.reindex(self)
         return self
+
+    def _model_name(self) -> str:
+        model = self._model_ref()
+        return type(model).__name__ if model is not None else "a collected model"
+
+    def _tracks_nothing(self) -> str:
+        """Why an empty seal is not serving-safe, naming the setting that made it empty and what to do."""
+        model = self.model
+        held = sorted({str(t.device) for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"})
+        where = f"its parameters and buffers are on {', '.join(held)}" if held else "it has no parameter or buffer"
+        devices = "every device" if self.devices is None else ", ".join(str(d) for d in self.devices.devices or ())
+        advice = []
+        if self.devices is not None:
+            advice.append('pass devices= naming the device the graphs read ("cuda" matches every cuda:N)')
+        if self.detect == "declared-only":
+            advice.append(
+                'declare the graph-visible tensors (@graph_visible, register_derived) or use detect="sealed-paths"'
+            )
+        advice.append("then reseal()")
+        return (
+            f"the contract tracks nothing: the seal of {type(model).__name__} found no tensor on devices="
+            f"[{devices}] with detect={self.detect!r} ({where}), so no captured address is kept; "
+            + ", ".join(advice)
+        )
 
     def _index_layers(self) -> None:
         """Precompute what per-reload lookups need: entries by layer, and the captured storages several slots read
@@ -223,9 +296,21 @@ class GraphContract:
         self._by_layer = by_layer
         self._shared = shared
 
-    def reseal(self) -> GraphContract:
-        """Seal again after a recapture or a full reload; makes the contract serving-safe again."""
-        return self.seal()
+    def reseal(self, *, recaptured: bool = False) -> GraphContract:
+        """Seal again after the graphs were captured again; makes the contract serving-safe again.
+
+        After a reload that left the contract unsafe (``FAILED``, ``NEEDS_RECAPTURE`` with no ``on_recapture``
+        callback, a failed callback, an interrupted reload, :meth:`mark_unsafe`), the captured graphs still read
+        the storage of before that reload, so a reseal alone would make the contract call those graphs safe. It
+        raises :class:`~graphsafe.NotServingSafeError` ("recapture the graphs, then reseal()") unless a capture
+        was reported since (:meth:`note_capture`; the torch adapter, ``record_capture`` and the vLLM adapter do
+        it for their captures).
+
+        ``recaptured=True`` is the caller's word instead of that evidence: it vouches that every captured graph
+        that reads this model's memory was captured again after that reload, from the model as it is now (or that
+        no captured graph reads it any more), and that nothing rebound the model's tensors since.
+        """
+        return self._seal(recaptured=recaptured)
 
     def _seal_layer(self, qualname: str, layer: nn.Module) -> SealedLayer | None:
         generation = declarations_generation(layer)
@@ -267,8 +352,10 @@ class GraphContract:
         return _listen(self._listeners, fn, "on_outcome")
 
     def mark_unsafe(self, reason: str) -> None:
-        """Declare the captured graphs unsafe to replay until :meth:`reseal` (used by adapters)."""
+        """Declare the captured graphs unsafe to replay until they are captured again and :meth:`reseal` ran
+        (used by adapters and by the transaction when a reload breaks off)."""
         self._unsafe_reason = reason
+        self._recapture_after = self._captures
 
     # -- internals used by the transaction --------------------------------------------------------------------
     def _layer_entries(self, layer: nn.Module) -> list[SealedLayer]:
@@ -347,23 +434,25 @@ class GraphContract:
             return
         if outcome.status is Status.NEEDS_RECAPTURE:
             # Unsafe until the reseal below succeeds: a callback or the reseal itself may raise.
-            self._unsafe_reason = "the reload needs the graphs captured again: recapture, then call reseal()"
+            self.mark_unsafe("the reload needs the graphs captured again: recapture, then call reseal()")
             if not self._callbacks:
                 return
             for callback in list(self._callbacks):
                 try:
                     callback(outcome)
                 except Exception as exc:
-                    self._unsafe_reason = f"recapture callback {callback!r} failed: {exc!r}"
+                    self.mark_unsafe(f"recapture callback {callback!r} failed: {exc!r}")
                     raise RecaptureError(
                         f"recapture after reload failed in {callback!r}: {exc}; the graphs may read stale memory "
-                        "(contract not serving-safe until reseal())",
+                        "(contract not serving-safe until the graphs are captured again and reseal())",
                         outcome,
                     ) from exc
+            self.note_capture()  # the callbacks are the recapture
             self.seal()
             return
-        self._unsafe_reason = "the last reload failed: " + (
-            repr(error) if error is not None else f"{len(outcome.problems)} finding(s)"
+        self.mark_unsafe(
+            "the last reload failed: "
+            + (repr(error) if error is not None else f"{len(outcome.problems)} finding(s)")
         )
         if error is not None:
             return  # the transaction re-raises the original error
@@ -376,7 +465,7 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
     undeclared = [f for f in problems if not f.declared]
     header = (
         f"graphsafe {contract.mode} mode: the reload left {len(problems)} graph-visible slot(s) unsafe; "
-        "the contract is not serving-safe until reseal() (after a recapture or a full reload)."
+        "the contract is not serving-safe until the graphs are captured again and reseal() ran."
     )
     body = outcome.summary()
     if remote and contract._decide([f for f in problems if f.rank is None], None) is not Status.FAILED:
@@ -384,7 +473,7 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
         ranks = ", ".join(str(r) for r in sorted({f.rank for f in remote if f.rank is not None}))
         return RankAgreementError(
             f"graphsafe: the group's reload failed because of rank(s) {ranks}, so every rank of the group fails "
-            f"it; the contract is not serving-safe until reseal().\n{body}",
+            f"it; the contract is not serving-safe until the graphs are captured again and reseal().\n{body}",
             outcome,
         )
     if any(not f.kind.recapture_fixes for f in problems):
@@ -422,33 +511,66 @@ class ReloadTransaction:
         self._bytes = 0
         self._seconds = 0.0
         self._begun = False
+        self._finished = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
+    def _where(self) -> str:
+        return f"graphsafe reload of {self.contract._model_name()}"
+
+    def _require_open(self, step: str) -> None:
+        if self._finished:
+            raise GraphSafeError(
+                f"{self._where()}: {step} on a reload transaction that already finished; open a new one with "
+                "contract.reload()"
+            )
+        if not self._begun:
+            raise GraphSafeError(
+                f"{self._where()}: {step} without begin(): the reload transaction is not open; call begin() first "
+                "(or use it as a context manager)"
+            )
+
     def begin(self) -> ReloadTransaction:
-        """Start the reload: refuse if the contract is not serving-safe; snapshot unless layerwise."""
+        """Start the reload: refuse if the contract is not serving-safe; snapshot unless layerwise.
+
+        One transaction per contract at a time: while one is open (in any thread) ``begin()`` raises
+        :class:`~graphsafe.GraphSafeError` at once instead of waiting. A transaction begins once.
+        """
         contract = self.contract
-        if contract._active is not None:
-            raise GraphSafeError("a reload transaction is already open on this contract")
-        if not contract.serving_safe:
-            refused = NotServingSafeError(f"refusing to reload: {contract.unsafe_reason}", contract.last_outcome)
-            if self.agreement is not None:
-                # The peers reload and wait for this rank: take part as FAILED so that agreement rounds stay paired.
-                self.agreement(ReloadOutcome(Status.FAILED, contract.mode, error=refused))
-            raise refused
-        contract._active = self
-        self._begun = True
-        if not self.layerwise:
-            start = time.perf_counter()
-            try:
+        if self._finished:
+            raise GraphSafeError(
+                f"{self._where()}: begin() on a reload transaction that already finished; open a new one with "
+                "contract.reload()"
+            )
+        if self._begun:
+            raise GraphSafeError(f"{self._where()}: begin() twice: this reload transaction is already open")
+        # Never blocks: a second reload waiting for the first would then reload on top of whatever it decided.
+        if not contract._lock.acquire(blocking=False):
+            raise GraphSafeError(
+                f"{self._where()}: a reload transaction is already open on this contract (in another thread, or "
+                "one that began and never finished); finish() it before beginning another"
+            )
+        try:
+            if not contract.serving_safe:
+                refused = NotServingSafeError(f"refusing to reload: {contract.unsafe_reason}", contract.last_outcome)
+                if self.agreement is not None:
+                    # The peers reload and wait for this rank: take part as FAILED so agreement rounds stay paired.
+                    self.agreement(ReloadOutcome(Status.FAILED, contract.mode, error=refused))
+                raise refused
+            contract._active = self
+            self._begun = True
+            if not self.layerwise:
+                start = time.perf_counter()
                 for sealed in contract._layers:
                     self._snapshot(sealed)
-            except BaseException:
-                # Nothing was loaded yet: leave the contract as it was, not stuck with an open transaction.
-                self._snapshots.clear()
+                self._seconds += time.perf_counter() - start
+        except BaseException:
+            # Nothing was loaded yet: leave the contract as it was, not stuck with an open transaction.
+            self._snapshots.clear()
+            if contract._active is self:
                 contract._active = None
-                self._begun = False
-                raise
-            self._seconds += time.perf_counter() - start
+            self._begun = False
+            contract._lock.release()
+            raise
         return self
 
     def __enter__(self) -> ReloadTransaction:
@@ -457,17 +579,20 @@ class ReloadTransaction:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if not self._begun:
-            return
+        if not self._begun or self._finished:
+            return  # never began (begin() raised), or the body called finish() itself
         if exc is not None and not isinstance(exc, Exception):
             # KeyboardInterrupt and friends: mark unsafe and let them through untouched.
+            self._finished = True
             self.contract._active = None
             self.contract.mark_unsafe(f"the reload was interrupted by {exc_type.__name__ if exc_type else exc!r}")
+            self.contract._lock.release()
             return
         self.finish(error=exc)
 
     def before_layer(self, layer: nn.Module) -> None:
         """Snapshot ``layer`` (and sealed layers under it) before it is re-materialised."""
+        self._require_open("before_layer()")
         start = time.perf_counter()
         for sealed in self.contract._layer_entries(layer):
             self._snapshot(sealed)
@@ -480,6 +605,7 @@ class ReloadTransaction:
         shared by layers) waits for :meth:`finish`: only once every layer that reads the storage is loaded can the
         restore tell whether they still agree on its values.
         """
+        self._require_open("after_layer()")
         start = time.perf_counter()
         group: list[LayerSnapshot] = []
         for sealed in self.contract._layer_entries(layer):
@@ -506,8 +632,18 @@ class ReloadTransaction:
         """End the reload: restore what is left, verify, agree across ranks, then commit, recapture or raise.
 
         With ``error`` (the reload raised), the outcome is ``FAILED``, the contract is not serving-safe, and the
-        caller re-raises ``error`` (the context manager does).
+        caller re-raises ``error`` (the context manager does). Refuses (:class:`~graphsafe.GraphSafeError`) without
+        :meth:`begin` and a second time: a transaction ends once.
         """
+        self._require_open("finish()")
+        self._finished = True
+        try:
+            return self._finish(error)
+        finally:
+            # Held through the decision and the mode's action: a reload begun meanwhile would see the old state.
+            self.contract._lock.release()
+
+    def _finish(self, error: BaseException | None) -> ReloadOutcome:
         contract = self.contract
         start = time.perf_counter()
         try:
