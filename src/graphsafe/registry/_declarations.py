@@ -159,6 +159,13 @@ def _declare(
         and existing.static == static
     ):
         return existing  # the common case: PWAL re-declaring the same slot on every reload
+    for item in derived_from or ():
+        if not isinstance(_slot_path(item).resolve_or(layer, None), torch.Tensor):
+            raise DeclarationError(
+                f"{where}: declared slot {path.text!r} on {type(layer).__name__} names derived_from {item!r}, which "
+                "does not resolve to a tensor of the layer; name the tensor the slot is computed from (a path "
+                "relative to the layer), or drop derived_from and let graphsafe record what PWAL reads"
+            )
     declaration = Declaration(path=path, source=source, derived_from=derived_from, static=static)
     store.put(declaration)
     return declaration
