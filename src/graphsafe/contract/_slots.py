@@ -367,8 +367,9 @@ class LayerSnapshot:
         from (``reads``, the dataflow as the model holds it).
 
         Returns a note per slot computed only from tensors this reload never wrote (``updated``) while the reload
-        wrote weights of the layer (``written``, storage ids) that no recomputed slot read: the signature of a PWAL
-        reading a private copy of earlier weights. A partial reload that leaves some inputs alone stays quiet.
+        wrote weights of the layer (``written``, storage ids) that no slot read: the signature of a PWAL reading a
+        private copy of earlier weights. A partial reload that leaves some inputs alone stays quiet, and so does a
+        layer where PWAL skipped a slot (what it would read is unknown).
 
         A slot PWAL did not recompute keeps no record (it keeps the fallback inputs): a skipped rebuild says
         nothing about what a rebuild reads, and an in-place write that read nothing the model holds
@@ -385,6 +386,8 @@ class LayerSnapshot:
                 continue
             slot.inputs = found
             learned.append((slot, found))
+        if len(learned) < len(self.freshness):
+            return []  # a slot PWAL skipped may be the one that reads what the reload wrote
         read = {id(t.untyped_storage()) for _, found in learned for t in map(InputRef.resolve, found) if _strided(t)}
         if not written - read:
             return []
