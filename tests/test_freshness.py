@@ -1,11 +1,12 @@
-"""Derived-value freshness: a declared slot that PWAL skipped while its inputs changed is ``stale``.
+"""Derived-value freshness: a declared slot that PWAL did not refresh while its inputs changed is ``stale``.
 
 An address check alone cannot see this fault: the slot is still at its captured storage, it just holds values
-derived from the OLD weights. The contract compares each declared, non-static slot's tensor object and version
-counter before and after PWAL, and the slot's inputs (``derived_from``, default: the layer's own parameters) by
-storage identity, version counter and a strided value sample. Every test reloads DIFFERENT weights unless it is
-about the same-weights case, and checks values against a model built cold on the new weights.
-"""
+derived from the OLD weights. The contract samples each declared, non-static slot before and after PWAL (a new
+storage or changed values is a refresh; a version bump alone is not), and the slot's inputs by storage identity,
+version counter and a strided value sample. The inputs are what the first reload's dataflow recording saw PWAL
+read (plus ``derived_from``); before a recording, ``derived_from`` or the whole layer (parameters, buffers, tensor
+attributes). Every test reloads DIFFERENT weights unless it is about the same-weights case, and checks values
+against a model built cold on the new weights."""
 
 from __future__ import annotations
 

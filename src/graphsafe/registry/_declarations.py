@@ -88,8 +88,10 @@ def graph_visible(
     Decorates a method ``(self, layer, ...)``, a function ``(layer, ...)`` or a layer's own method ``(self, ...)``;
     ``layer_arg`` names the parameter holding the layer when none of these fit. After the wrapped call returns,
     each path is resolved on the layer and declared for it. A path that does not resolve to a tensor then raises
-    :class:`~graphsafe.DeclarationError`. ``derived_from`` names the slots the tensors are computed from (default:
-    the layer's parameters); ``static=True`` marks contents PWAL legitimately leaves alone (zeroed scratch).
+    :class:`~graphsafe.DeclarationError`. ``derived_from`` names the tensors (paths on the layer) they are computed
+    from; it must resolve, else :class:`~graphsafe.DeclarationError`. Without it the contract records what PWAL
+    really reads on the first reload (until then: the layer's parameters, buffers and tensor attributes).
+    ``static=True`` marks contents PWAL legitimately leaves alone (zeroed scratch).
     """
     if not paths:
         raise DeclarationError("graph_visible() needs at least one slot path")
