@@ -673,8 +673,6 @@ class ReloadTransaction:
             if dataflow is not None and error is None:
                 self._learn_inputs(dataflow, list(self._snapshots.values()))
                 contract._recorded = True
-                if self._unloaded:
-                    warnings.warn(_unloaded_warning(self._unloaded), stacklevel=3)
             if error is None:
                 # One batch for the whole model: small copies of every layer share one _foreach_copy_ per group.
                 batch = CopyBatch()
@@ -737,6 +735,8 @@ class ReloadTransaction:
         self.outcome = outcome
         listener_error = contract._notify(outcome)
         contract._apply(outcome, error)
+        if self._unloaded:  # a note, after the contract acted (a warnings filter may turn it into an error)
+            warnings.warn(_unloaded_warning(self._unloaded), stacklevel=3)
         if listener_error is not None:
             raise listener_error
         return outcome

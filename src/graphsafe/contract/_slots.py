@@ -211,9 +211,9 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # An input before PWAL: (storage, version, value sample), or None where the path held no tensor.
 _InputBefore = tuple["weakref.ReferenceType[Any]", int, torch.Tensor] | None
-# How an input changed: not at all, only its version counter (a write of maybe the same values), or for sure
-# (another storage, other sampled values, gone).
-_UNCHANGED, _VERSION_ONLY, _CHANGED = 0, 1, 2
+# How an input changed: not at all; written with maybe the same values (its version counter moved, or another
+# storage now holds the same sampled values); or for sure (other sampled values, gone).
+_UNCHANGED, _MAYBE, _CHANGED = 0, 1, 2
 
 
 def _input_before(value: Any) -> _InputBefore:
@@ -228,9 +228,9 @@ def _input_change(before: _InputBefore, value: Any) -> int:
     if not isinstance(value, torch.Tensor):
         return _CHANGED
     storage, version, sample = before
-    if storage() is not value.untyped_storage() or not _same_values(sample, _signature(value)):
+    if not _same_values(sample, _signature(value)):
         return _CHANGED
-    return _UNCHANGED if value._version == version else _VERSION_ONLY
+    return _UNCHANGED if storage() is value.untyped_storage() and value._version == version else _MAYBE
 
 
 # One input of a layer's snapshot: (name for messages, how to resolve it now, what it was before PWAL).
@@ -527,8 +527,8 @@ class LayerSnapshot:
         Called for a slot found on its captured memory after PWAL. Rebuilt means another storage at the path
         before restore; a write counts only if it changed the slot's value sample (``clamp_(-inf, inf)`` moves the
         version counter and keeps the old values). A write that moved the version counter but kept the sampled
-        values is still taken as a refresh when the inputs' only change is their version counter too (the same
-        values reloaded through the parameter, and written again in place).
+        values is still taken as a refresh when the inputs too were only maybe written (the same sampled values
+        through the parameter or in a new tensor), and PWAL wrote the slot again in place.
         """
         before = self.freshness.get(index)
         if before is None or self.inputs is None:
@@ -550,7 +550,7 @@ class LayerSnapshot:
             if change != _UNCHANGED:
                 changed.append(self.inputs.inputs[key][0])
                 worst = max(worst, change)
-        if worst == _UNCHANGED or (worst == _VERSION_ONLY and rewritten):
+        if worst == _UNCHANGED or (worst == _MAYBE and rewritten):
             return  # a partial reload that did not touch this slot's inputs, or the same values written again
         what = "kept the old values through an in-place write" if rewritten else "neither rebuilt it nor wrote it"
         self.findings.append(
