@@ -192,9 +192,7 @@ def test_the_manifest_commits_a_parameter_loaded_in_place() -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_an_exception_inside_the_restore_leaves_the_contract_unsafe(
-    mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_exception_inside_the_restore_leaves_the_contract_unsafe(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model = build(0)
     contract = GraphContract(model, mode).seal()  # type: ignore[arg-type]
     flush = _copy.CopyBatch.flush

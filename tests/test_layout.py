@@ -255,7 +255,7 @@ class WrapperSlot(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(quantized(0), requires_grad=False)
         self.packed = quantized(1)
-        register_derived(self, "packed")
+        register_derived(self, "packed", derived_from=("weight",))  # not from the walker-found extras
 
 
 def _inner_storages(tensor: Quantized) -> dict[str, tuple[torch.UntypedStorage, torch.Tensor]]:

@@ -3,6 +3,7 @@
 * :func:`classify`: the one classification of a layer's tensors (declared, parameter, buffer, alias, walker).
 * :func:`walk` / :func:`collect`: the walker (undeclared tensors reachable from a layer).
 * :func:`record_capture` / :class:`Manifest`: the capture-time manifest (what a graph really read).
+* :class:`Dataflow`: which storages PWAL computed each tensor from (what a reload really read).
 
 Collectors observe; they never restore anything.
 """
@@ -15,6 +16,7 @@ from graphsafe.collectors._classify import (
     classify,
     classify_walk,
 )
+from graphsafe.collectors._dataflow import Dataflow
 from graphsafe.collectors._manifest import (
     CapturedStorage,
     Holder,
@@ -27,6 +29,7 @@ from graphsafe.collectors.walker import TensorRef, WalkResult, collect, walk
 __all__ = [
     "CapturedStorage",
     "Classified",
+    "Dataflow",
     "Holder",
     "LayerTensors",
     "Manifest",

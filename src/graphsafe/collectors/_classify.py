@@ -127,9 +127,7 @@ def _alias_targets(tracked: Iterable[TrackedStorage]) -> dict[int, str]:
     return targets
 
 
-def classify_walk(
-    result: WalkResult, known: Collection[str], tracked: Iterable[TrackedStorage]
-) -> list[Classified]:
+def classify_walk(result: WalkResult, known: Collection[str], tracked: Iterable[TrackedStorage]) -> list[Classified]:
     """The walker's finds not in ``known``: an alias (rule 3) where the storage is a ``tracked`` declared,
     parameter or buffer slot's, else a walker slot (rule 4)."""
     storages = _alias_targets(tracked)

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
 
-from graphsafe.collectors import Classified, classify, classify_walk, walk
+from graphsafe.collectors import Classified, Dataflow, classify, classify_walk, walk
 from graphsafe.contract._access import submodule_is
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._copy import CopyBatch
-from graphsafe.contract._slots import LayerSnapshot, RestorePlan, SealedLayer, SealedSlot, SharedIndex
+from graphsafe.contract._slots import InputRef, LayerSnapshot, RestorePlan, SealedLayer, SealedSlot, SharedIndex
 from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.errors import (
     ContractViolation,
@@ -32,9 +34,11 @@ from graphsafe.errors import (
     RecaptureError,
     ReloadFailedError,
     UndeclaredDriftError,
+    UnloadedInputWarning,
 )
 from graphsafe.handles import RemovableHandle
 from graphsafe.outcome import Finding, FindingKind, Origin, ReloadOutcome, SlotInfo, SlotRef, Status, fingerprint
+from graphsafe.paths import SlotPath
 from graphsafe.registry import declarations_generation, declarations_of
 
 __all__ = ["DETECT_POLICIES", "MODES", "Detect", "GraphContract", "Mode", "ReloadTransaction"]
@@ -139,6 +143,10 @@ class GraphContract:
         self.last_outcome: ReloadOutcome | None = None
         self.manifest: ManifestCheck | None = None
         self.reloads = 0
+        #: Whether the first reload transaction records what PWAL reads (see :meth:`recorded_inputs`).
+        self.record_first_reload = True
+        self._recorded = False  # a recording was taken (at a reload, or of the initial load by record_inputs())
+        self._pending: Dataflow | None = None  # record_inputs() before seal(), consumed by seal()
 
     # -- state -------------------------------------------------------------------------------------------------
     @property
@@ -242,8 +250,23 @@ class GraphContract:
                 # the evidence, so that capture did not see the model that will be sealed: capture again.
                 self._recapture_after = self._captures
             raise
+        # What PWAL was seen reading belongs to the layers, not to one seal: a reseal keeps it.
+        recorded = {
+            (id(sealed.layer_ref()), slot.path.text): (sealed.layer_ref, slot.inputs)
+            for sealed in self._layers
+            for slot in sealed.slots
+            if slot.inputs is not None
+        }
+        for sealed in layers:
+            for slot in sealed.slots:
+                entry = recorded.get((id(sealed.layer_ref()), slot.path.text)) if slot.tracks_freshness else None
+                if entry is not None and entry[0]() is sealed.layer_ref():
+                    slot.inputs = entry[1]
         self._layers = layers
         self._index_layers()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._learn_initial_inputs(pending)
         self._quarantine.clear()
         self._sealed = True
         self._recapture_after = None
@@ -272,8 +295,7 @@ class GraphContract:
         advice.append("then reseal()")
         return (
             f"the contract tracks nothing: the seal of {type(model).__name__} found no tensor on devices="
-            f"[{devices}] with detect={self.detect!r} ({where}), so no captured address is kept; "
-            + ", ".join(advice)
+            f"[{devices}] with detect={self.detect!r} ({where}), so no captured address is kept; " + ", ".join(advice)
         )
 
     def _index_layers(self) -> None:
@@ -295,6 +317,88 @@ class GraphContract:
                     sealed.shared_across_layers = True
         self._by_layer = by_layer
         self._shared = shared
+
+    # -- what PWAL reads -----------------------------------------------------------------------------------------
+    @contextmanager
+    def record_inputs(self) -> Iterator[None]:
+        """Record what the initial load and PWAL compute each derived slot from: ``with contract.record_inputs():
+        load(); pwal()``, then :meth:`seal`.
+
+        Optional: without it the first reload transaction records the same (once; later reloads do not pay for
+        the recording). Recording the initial load means even that first reload checks each slot against what its
+        PWAL really reads rather than against the whole layer.
+        """
+        if self._sealed:
+            raise GraphSafeError(
+                "record_inputs() records the initial load before seal(); this contract is sealed, and its first "
+                "reload records what PWAL reads by itself"
+            )
+        dataflow = Dataflow()
+        with dataflow:
+            yield
+        self._pending = dataflow
+
+    def recorded_inputs(self) -> dict[SlotRef, tuple[SlotRef, ...]]:
+        """For every declared slot a recording saw PWAL compute: the tensors (as the model holds them) it was
+        computed from. Slots missing here are checked against their ``derived_from``, else the whole layer."""
+        return {
+            SlotRef(sealed.qualname, slot.path.text): tuple(ref.ref for ref in slot.inputs)
+            for sealed in self._layers
+            for slot in sealed.slots
+            if slot.inputs is not None
+        }
+
+    def _input_index(self, dataflow: Dataflow) -> tuple[Callable[[Any], InputRef | None], dict[int, set[int]]]:
+        """Every tensor the model holds, by storage, as the first path found (parameters and buffers, then plain
+        tensor attributes, then the seal's deeper paths); and by module id, the storages of its weights (anything
+        but its declared slots) the recording saw written."""
+        index: dict[int, tuple[Any, InputRef]] = {}
+        updated: dict[int, set[int]] = {}
+        modules = list(self.model.named_modules())
+
+        def add(module: nn.Module, qualname: str, text: str, value: Any, weight: bool) -> None:
+            if not isinstance(value, torch.Tensor) or value.layout is not torch.strided or value.device.type == "meta":
+                return
+            storage = value.untyped_storage()
+            if weight and dataflow.updated(value):
+                updated.setdefault(id(module), set()).add(id(storage))
+            if id(storage) in index:
+                return
+            try:
+                path = SlotPath(text)
+            except GraphSafeError:  # an attribute name outside the path grammar cannot be watched by path
+                return
+            index[id(storage)] = (storage, InputRef(weakref.ref(module), path, SlotRef(qualname, path.text)))
+
+        for qualname, module in modules:
+            for name, value in (*module._parameters.items(), *module._buffers.items()):
+                add(module, qualname, name, value, True)
+        for qualname, module in modules:
+            declared = declarations_of(module)
+            for name, value in list(vars(module).items()):
+                add(module, qualname, name, value, name not in declared)
+        for sealed in self._layers:
+            layer = sealed.layer_ref()
+            if layer is not None:
+                for slot in sealed.slots:
+                    add(layer, sealed.qualname, slot.path.text, slot.get(layer), False)
+
+        def held(storage: Any) -> InputRef | None:
+            entry = index.get(id(storage))
+            return entry[1] if entry is not None and entry[0] is storage else None
+
+        return held, updated
+
+    def _learn_initial_inputs(self, dataflow: Dataflow) -> None:
+        """Keep what the recorded initial load computed each declared slot from (see :meth:`record_inputs`)."""
+        held, _ = self._input_index(dataflow)
+        for sealed in self._layers:
+            layer = sealed.layer_ref()
+            for slot in sealed.slots:
+                current = slot.get(layer) if slot.tracks_freshness and layer is not None else None
+                if isinstance(current, torch.Tensor) and dataflow.updated(current):
+                    slot.inputs = tuple(dataflow.reads(current, held))
+        self._recorded = True
 
     def reseal(self, *, recaptured: bool = False) -> GraphContract:
         """Seal again after the graphs were captured again; makes the contract serving-safe again.
@@ -322,6 +426,18 @@ class GraphContract:
                 f"{SlotRef(qualname, '')} ({type(layer).__name__}): declared slot {missing.path!r} {missing.what} "
                 f"at seal (declared by {missing.declaration.source}); assign it before seal() or remove the declaration"
             )
+        for entry in classified.tensors:
+            declaration = entry.declaration
+            if declaration is None:
+                continue
+            for source in declaration.derived_from or ():
+                if not isinstance(SlotPath(source).resolve_or(layer, None), torch.Tensor):
+                    raise DeclarationError(
+                        f"{SlotRef(qualname, entry.path.text)} ({type(layer).__name__}): declared slot "
+                        f"{entry.path.text!r} names derived_from {source!r}, which does not resolve to a tensor at "
+                        f"seal (declared by {declaration.source}); name the tensor it is computed from, or drop "
+                        "derived_from and let graphsafe record what PWAL reads"
+                    )
         slots = [_sealed_slot(entry) for entry in classified.tensors]
         exhausted = classified.exhausted
         if not slots and exhausted is None and self.detect != "every-reload":
@@ -451,8 +567,7 @@ class GraphContract:
             self.seal()
             return
         self.mark_unsafe(
-            "the last reload failed: "
-            + (repr(error) if error is not None else f"{len(outcome.problems)} finding(s)")
+            "the last reload failed: " + (repr(error) if error is not None else f"{len(outcome.problems)} finding(s)")
         )
         if error is not None:
             return  # the transaction re-raises the original error
@@ -494,6 +609,16 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
     return DeclaredDriftError(f"{header}\n{body}", outcome)
 
 
+def _unloaded_warning(notes: list[str]) -> UnloadedInputWarning:
+    shown = "; ".join(notes[:5]) + (f"; and {len(notes) - 5} more" if len(notes) > 5 else "")
+    return UnloadedInputWarning(
+        f"graphsafe: PWAL computed {len(notes)} derived slot(s) only from tensors this reload never wrote, while "
+        f"it wrote other tensors of their layers: {shown}. If those are copies of earlier weights, the slots keep "
+        "values the contract cannot tell are stale: compute them from the loaded tensors "
+        "(contract.recorded_inputs() lists what each slot reads)"
+    )
+
+
 class ReloadTransaction:
     """One reload under a contract. Use as a context manager, or call :meth:`begin` and :meth:`finish`."""
 
@@ -512,6 +637,10 @@ class ReloadTransaction:
         self._seconds = 0.0
         self._begun = False
         self._finished = False
+        # Active on a contract's first reload: what PWAL reads, learned once (see GraphContract.recorded_inputs).
+        self._dataflow: Dataflow | None = None
+        self._recording_thread = 0  # the thread whose dispatch-mode stack holds _dataflow
+        self._unloaded: list[str] = []  # slots PWAL computed only from tensors this reload never wrote
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -571,7 +700,37 @@ class ReloadTransaction:
             self._begun = False
             contract._lock.release()
             raise
+        if contract.record_first_reload and not contract._recorded:
+            self._dataflow = Dataflow()
+            self._dataflow.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+            self._recording_thread = threading.get_ident()
         return self
+
+    def _stop_recording(self) -> Dataflow | None:
+        dataflow, self._dataflow = self._dataflow, None
+        if dataflow is None:
+            return None
+        if threading.get_ident() != self._recording_thread:
+            # Dispatch modes are per thread: this one sits on the stack of the thread that began the reload and
+            # cannot be popped from here. Made inert, it learns nothing (it never saw this thread's ops).
+            dataflow.paused = True
+            return None
+        dataflow.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        return dataflow
+
+    def _learn_inputs(self, dataflow: Dataflow, snapshots: list[LayerSnapshot]) -> None:
+        """Before restore: keep on each slot PWAL recomputed what the recording saw it read."""
+        snapshots = [s for s in snapshots if s.freshness and not s.done]
+        if not snapshots:
+            return
+        held, updated = self.contract._input_index(dataflow)
+
+        def reads(tensor: torch.Tensor) -> list[InputRef]:
+            return dataflow.reads(tensor, held)
+
+        for snapshot in snapshots:
+            written = {storage for module in snapshot.layer.modules() for storage in updated.get(id(module), ())}
+            self._unloaded.extend(snapshot.learn_inputs(reads, dataflow.updated, written))
 
     def __enter__(self) -> ReloadTransaction:
         return self.begin()
@@ -584,6 +743,7 @@ class ReloadTransaction:
         if exc is not None and not isinstance(exc, Exception):
             # KeyboardInterrupt and friends: mark unsafe and let them through untouched.
             self._finished = True
+            self._stop_recording()
             self.contract._active = None
             self.contract.mark_unsafe(f"the reload was interrupted by {exc_type.__name__ if exc_type else exc!r}")
             self.contract._lock.release()
@@ -594,8 +754,14 @@ class ReloadTransaction:
         """Snapshot ``layer`` (and sealed layers under it) before it is re-materialised."""
         self._require_open("before_layer()")
         start = time.perf_counter()
-        for sealed in self.contract._layer_entries(layer):
-            self._snapshot(sealed)
+        if self._dataflow is not None:
+            self._dataflow.paused = True  # the snapshot's own reads are not PWAL's
+        try:
+            for sealed in self.contract._layer_entries(layer):
+                self._snapshot(sealed)
+        finally:
+            if self._dataflow is not None:
+                self._dataflow.paused = False
         self._seconds += time.perf_counter() - start
 
     def after_layer(self, layer: nn.Module) -> None:
@@ -607,25 +773,34 @@ class ReloadTransaction:
         """
         self._require_open("after_layer()")
         start = time.perf_counter()
-        group: list[LayerSnapshot] = []
-        for sealed in self.contract._layer_entries(layer):
-            snapshot = self._snapshots.get(id(sealed))
-            if snapshot is None:
-                snapshot = self._snapshot(sealed)
-                if snapshot is not None and self.layerwise:
-                    # Taken after the load: it sees PWAL's tensors as the captured ones, so neither stale
-                    # values nor tensors that appeared after the seal can be checked. Fail closed.
-                    snapshot.findings.append(
-                        sealed.layer_finding(
-                            FindingKind.RELOAD_ERROR,
-                            "after_layer() without before_layer(): the layer's state before the load "
-                            "was never snapshotted, so stale values and moved late tensors go unchecked",
-                            declared=True,
+        dataflow = self._dataflow
+        if dataflow is not None:
+            dataflow.paused = True  # restore's copies are the contract's, not PWAL's
+        try:
+            group: list[LayerSnapshot] = []
+            for sealed in self.contract._layer_entries(layer):
+                snapshot = self._snapshots.get(id(sealed))
+                if snapshot is None:
+                    snapshot = self._snapshot(sealed)
+                    if snapshot is not None and self.layerwise:
+                        # Taken after the load: it sees PWAL's tensors as the captured ones, so neither stale
+                        # values nor tensors that appeared after the seal can be checked. Fail closed.
+                        snapshot.findings.append(
+                            sealed.layer_finding(
+                                FindingKind.RELOAD_ERROR,
+                                "after_layer() without before_layer(): the layer's state before the load "
+                                "was never snapshotted, so stale values and moved late tensors go unchecked",
+                                declared=True,
+                            )
                         )
-                    )
-            if snapshot is not None and not snapshot.done and not sealed.shared_across_layers:
-                group.append(snapshot)
-        self._restore_group(group)
+                if snapshot is not None and not snapshot.done and not sealed.shared_across_layers:
+                    group.append(snapshot)
+            if dataflow is not None:  # layers restored at finish() learn there, once
+                self._learn_inputs(dataflow, group)
+            self._restore_group(group)
+        finally:
+            if dataflow is not None:
+                dataflow.paused = False
         self._seconds += time.perf_counter() - start
 
     def finish(self, error: BaseException | None = None) -> ReloadOutcome:
@@ -647,6 +822,10 @@ class ReloadTransaction:
         contract = self.contract
         start = time.perf_counter()
         try:
+            dataflow = self._stop_recording()
+            if dataflow is not None and error is None:
+                self._learn_inputs(dataflow, list(self._snapshots.values()))
+                contract._recorded = True
             if error is None:
                 # One plan for the whole model: every copy is planned against every other before any is launched,
                 # and small copies of every layer share one _foreach_copy_ per group.
@@ -706,6 +885,8 @@ class ReloadTransaction:
         self.outcome = outcome
         listener_error = contract._notify(outcome)
         contract._apply(outcome, error)
+        if self._unloaded:  # a note, after the contract acted (a warnings filter may turn it into an error)
+            warnings.warn(_unloaded_warning(self._unloaded), stacklevel=3)
         if listener_error is not None:
             raise listener_error
         return outcome

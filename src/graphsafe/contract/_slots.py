@@ -9,6 +9,7 @@ then compares cheap fields first and falls back to the full geometry comparison 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,9 +32,9 @@ from graphsafe.outcome import (
     tensor_kind,
 )
 from graphsafe.paths import MISSING, Getter, Setter, SlotPath, compile_getter, compile_setter
-from graphsafe.registry import Declaration
+from graphsafe.registry import Declaration, declarations_of
 
-__all__ = ["LayerSnapshot", "RestorePlan", "SealedLayer", "SealedSlot", "SharedIndex"]
+__all__ = ["InputRef", "LayerSnapshot", "RestorePlan", "SealedLayer", "SealedSlot", "SharedIndex"]
 
 _MISSING: Any = MISSING
 
@@ -56,6 +57,8 @@ class SealedSlot:
     restorable: bool = True
     reason: str | None = None
     alias_of: str | None = None
+    #: What PWAL was seen computing this slot from (a recorded reload), or ``None`` when never recorded.
+    inputs: tuple[InputRef, ...] | None = None
     key: tuple[Any, ...] = field(init=False)
     # The compiled plan (derived from the fields above at construction):
     get: Getter = field(init=False, repr=False)
@@ -209,71 +212,173 @@ def _bits(conj: bool, neg: bool) -> str:
     return "+".join(name for name, on in (("conj", conj), ("neg", neg)) if on) or "none"
 
 
-# What a declared slot and its inputs looked like before PWAL, to tell a skipped rebuild (``stale``):
-# (tensor at the path, its version, the declared sources, the inputs' state). A tuple: one is made per slot and
-# reload.
-_Freshness = tuple[torch.Tensor, int, "tuple[str, ...] | None", "_InputState"]
-
-
-def _own_parameters(layer: nn.Module) -> list[torch.Tensor]:
-    """``[p for _, p in layer.named_parameters(recurse=False)]``, read directly unless a class overrides it."""
-    cls = type(layer)
-    if cls.named_parameters is not _NAMED_PARAMETERS or cls._named_members is not _NAMED_MEMBERS:
-        return [p for _, p in layer.named_parameters(recurse=False)]
-    own: list[torch.Tensor] = []
-    for p in layer._parameters.values():
-        if p is not None and not any(p is q for q in own):  # named_parameters drops repeats
-            own.append(p)
-    return own
-
-
-_NAMED_PARAMETERS: Any = nn.Module.named_parameters
-_NAMED_MEMBERS: Any = nn.Module._named_members
-
-
-def _input_tensors(layer: nn.Module, sources: tuple[str, ...] | None) -> list[torch.Tensor]:
-    if sources is None:
-        own = _own_parameters(layer)
-        return own if own else list(layer.parameters())
-    found = []
-    for source in sources:
-        value = SlotPath(source).resolve_or(layer, None)
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-    return found
-
-
-_SIGNATURE_ELEMENTS = 256
-
-
-def _signature(tensor: torch.Tensor) -> torch.Tensor:
-    # A strided sample of the values: loaders commonly write through ``param.data.copy_``, which does not move the
-    # parameter's version counter, so the values themselves are the only witness. Sampling keeps this a tiny
-    # kernel; a change confined to unsampled elements can escape it (documented in docs/fault-matrix.md).
-    flat = tensor.detach().reshape(-1)
-    step = max(1, flat.numel() // _SIGNATURE_ELEMENTS)
-    return flat[: step * _SIGNATURE_ELEMENTS : step].clone()  # == flat[::step][:_SIGNATURE_ELEMENTS], one view
+# -- freshness ---------------------------------------------------------------------------------------------
+#
+# A declared, non-static slot is ``stale`` when one of its inputs changed during the reload and PWAL neither
+# rebuilt it (a new storage at its path) nor really wrote it in place (its value sample changed). Its inputs are,
+# in order of preference: what the recording of a first reload saw PWAL read (``SealedSlot.inputs``, plus any
+# ``derived_from``); the declared ``derived_from``; else every parameter, buffer and plain tensor attribute of the
+# layer and the modules under it (its own declared slots excepted).
 
 
 @dataclass(frozen=True, slots=True)
-class _InputState:
-    identity: tuple[tuple[int, int], ...]
-    samples: tuple[torch.Tensor, ...]
+class InputRef:
+    """A tensor a derived slot was seen being computed from, as the model holds it: a module and a path on it."""
 
-    def same_as(self, other: _InputState) -> bool:
-        return self.identity == other.identity and all(
-            torch.equal(a, b) for a, b in zip(self.samples, other.samples, strict=True)
-        )
+    module_ref: weakref.ReferenceType[nn.Module]
+    path: SlotPath
+    ref: SlotRef  # the module's qualified name and the path: how the input is named to users
+
+    def resolve(self) -> Any:
+        module = self.module_ref()
+        return _MISSING if module is None else _getter(self.path)(module)
+
+    def label(self, layer: str) -> str:
+        """The input's name relative to ``layer`` where it lies under it (``inner.weight``), else ``owner:path``."""
+        if self.ref.layer == layer:
+            return self.path.text
+        if not layer or self.ref.layer.startswith(layer + "."):
+            return f"{self.ref.layer[len(layer) + 1 if layer else 0 :]}.{self.path.text}"
+        return str(self.ref)
 
 
-def _input_state(layer: nn.Module, sources: tuple[str, ...] | None) -> _InputState:
-    # A weight load either replaces the inputs (storage changes), writes them through the parameter (version
-    # moves) or writes them through ``.data`` (only the values change).
-    # A wrapper input (a quantized weight) is read through its inner tensors.
-    tensors = [part for t in _input_tensors(layer, sources) if t.device.type != "meta" for part in memory_tensors(t)]
-    return _InputState(
-        tuple((id(t.untyped_storage()), t._version) for t in tensors), tuple(_signature(t) for t in tensors)
-    )
+@functools.lru_cache(maxsize=65536)
+def _path(text: str) -> SlotPath:
+    return SlotPath(text)
+
+
+@functools.lru_cache(maxsize=65536)
+def _getter(path: SlotPath) -> Getter:
+    return compile_getter(path)
+
+
+_SIGNATURE_ELEMENTS = 256
+# A derived slot's own sample is larger: a real in-place write that leaves every sampled element as it was would
+# be taken for a no-op (stale), e.g. a requantization of a small weight delta that flips few packed values.
+_SLOT_SIGNATURE_ELEMENTS = 4096
+
+
+def _signature(tensor: torch.Tensor, elements: int = _SIGNATURE_ELEMENTS) -> torch.Tensor:
+    # A strided sample of the values: loaders commonly write through ``param.data.copy_``, which does not move the
+    # parameter's version counter, so the values themselves are the only witness. Sampling keeps this a tiny
+    # kernel; a change confined to unsampled elements can escape it (documented in docs/fault-matrix.md).
+    parts = memory_tensors(tensor)
+    if parts[0] is not tensor:  # a wrapper subclass: the values are its inner tensors'
+        return torch.cat([_signature(part, elements) for part in parts])
+    value = tensor.detach()
+    if value.is_contiguous():
+        flat = value.reshape(-1)
+        step = max(1, flat.numel() // elements)
+        sample = flat[: step * elements : step]  # == flat[::step][:elements], one view
+    else:  # a grid of about ``elements`` points: ``reshape(-1)`` of the whole view would copy all of it
+        per_dim = max(1, int(elements ** (1 / max(1, value.dim()))))
+        index = tuple(slice(None, None, max(1, n // per_dim)) for n in value.shape)
+        sample = value[index].reshape(-1)
+    # Compared as bytes: NaN equals NaN, and -0.0 differs from 0.0 (a write that changes any bit is a write).
+    return sample.clone().view(torch.uint8)
+
+
+def _strided(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.layout is torch.strided and value.device.type != "meta"
+
+
+def _same_sample(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+# An input before PWAL: (storage, version, value sample), or None where the path held no tensor.
+_InputBefore = tuple["weakref.ReferenceType[Any]", int, torch.Tensor] | None
+# How an input changed: not at all; written with maybe the same values (its version counter moved, or another
+# storage now holds the same sampled values); or for sure (other sampled values, gone).
+_UNCHANGED, _MAYBE, _CHANGED = 0, 1, 2
+
+
+def _input_before(value: Any) -> _InputBefore:
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+        return None
+    return weakref.ref(value.untyped_storage()), value._version, _signature(value)
+
+
+def _input_change(before: _InputBefore, value: Any) -> int:
+    if before is None:
+        return _UNCHANGED if not isinstance(value, torch.Tensor) else _CHANGED
+    if not isinstance(value, torch.Tensor):
+        return _CHANGED
+    storage, version, sample = before
+    if not _same_sample(sample, _signature(value)):
+        return _CHANGED
+    return _UNCHANGED if storage() is value.untyped_storage() and value._version == version else _MAYBE
+
+
+# One input of a layer's snapshot: (name for messages, how to resolve it now, what it was before PWAL).
+_Input = tuple[str, Callable[[], Any], _InputBefore]
+# A declared slot before PWAL: (tensor at the path, its version, its value sample, the keys of its inputs).
+_Freshness = tuple[torch.Tensor, int, torch.Tensor, tuple[Any, ...]]
+
+
+def _attribute(module: nn.Module, name: str) -> Callable[[], Any]:
+    module_ref = weakref.ref(module)
+
+    def resolve() -> Any:
+        owner = module_ref()
+        return _MISSING if owner is None else getattr(owner, name, _MISSING)
+
+    return resolve
+
+
+def _layer_inputs(layer: nn.Module) -> list[tuple[Any, str, Callable[[], Any]]]:
+    """The fallback inputs of ``layer``: ``(key, name, resolve)`` for every parameter, buffer and plain tensor
+    attribute of the layer and the modules under it, except each module's own declared slots."""
+    found: list[tuple[Any, str, Callable[[], Any]]] = []
+    for prefix, module in layer.named_modules():
+        declared = declarations_of(module)
+        names: list[str] = [n for n, p in module._parameters.items() if p is not None]
+        names += [n for n, b in module._buffers.items() if b is not None]
+        names += [n for n, v in vars(module).items() if isinstance(v, torch.Tensor) and n not in declared]
+        for name in names:
+            found.append(((id(module), name), f"{prefix}.{name}" if prefix else name, _attribute(module, name)))
+    return found
+
+
+@dataclass(slots=True)
+class _Inputs:
+    """The inputs a layer's snapshot watches, each resolved and sampled once however many slots read it."""
+
+    layer: nn.Module
+    qualname: str
+    inputs: dict[Any, _Input] = field(default_factory=dict)
+    fallback: tuple[Any, ...] | None = None  # the keys of _layer_inputs, computed on first need
+
+    def _add(self, key: Any, name: str, resolve: Callable[[], Any]) -> Any:
+        if key not in self.inputs:
+            self.inputs[key] = (name, resolve, _input_before(resolve()))
+        return key
+
+    def of(self, slot: SealedSlot) -> tuple[Any, ...]:
+        """The keys of ``slot``'s inputs (see the section comment for which).
+
+        A recorded input or a ``derived_from`` name that no longer resolves to a tensor (a module replaced, a
+        tensor deleted) makes the slot fall back to the whole layer: an input that cannot be watched must not
+        make the slot look fresh.
+        """
+        layer = self.layer
+        sources = slot.declaration.derived_from if slot.declaration is not None else None
+        recorded = slot.inputs
+        if recorded is not None and not all(isinstance(ref.resolve(), torch.Tensor) for ref in recorded):
+            recorded = None
+        paths = [_path(source) for source in sources or ()]
+        if (recorded is None and sources is None) or not all(
+            isinstance(_getter(path)(layer), torch.Tensor) for path in paths
+        ):
+            if self.fallback is None:
+                self.fallback = tuple(self._add(*entry) for entry in _layer_inputs(layer))
+            return self.fallback
+        keys: list[Any] = []
+        for ref in recorded or ():
+            keys.append(self._add((id(ref.module_ref()), ref.path.text), ref.label(self.qualname), ref.resolve))
+        for path in paths:
+            keys.append(self._add((id(layer), path.text), path.text, functools.partial(_getter(path), layer)))
+        return tuple(dict.fromkeys(keys))
 
 
 @dataclass(slots=True)
@@ -286,6 +391,7 @@ class LayerSnapshot:
     captured: list[torch.Tensor | None]
     findings: list[Finding] = field(default_factory=list)
     freshness: dict[int, _Freshness] = field(default_factory=dict)
+    inputs: _Inputs | None = None
     restored: int = 0
     bytes_copied: int = 0
     done: bool = False
@@ -295,7 +401,7 @@ class LayerSnapshot:
     #: about to write into the memory that tensor reads, before this layer was restored (layerwise reloads).
     overrides: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     #: Freshness checks :meth:`restore` found due, run by :meth:`check_freshness` once the plan's copies landed.
-    fresh_due: list[tuple[int, SealedSlot, torch.Tensor]] = field(default_factory=list)
+    fresh_due: list[tuple[int, SealedSlot, torch.Tensor, bool]] = field(default_factory=list)
     #: New tensors :meth:`restore` leaves at their paths (findings): the plan must not change what they read.
     kept: list[torch.Tensor] = field(default_factory=list)
     #: Slot index -> what an ``alias-broken`` slot keeps instead of its new tensor, whose memory a copy overwrote.
@@ -308,7 +414,7 @@ class LayerSnapshot:
         captured: list[torch.Tensor | None] = []
         findings: list[Finding] = []
         freshness: dict[int, _Freshness] = {}
-        input_cache: dict[tuple[str, ...] | None, _InputState] = {}
+        inputs: _Inputs | None = None
         tensor_type = torch.Tensor
         for index, slot in enumerate(slots):
             tensor = slot.tensor_ref()
@@ -327,13 +433,56 @@ class LayerSnapshot:
             if slot.tracks_freshness:
                 current = slot.get(layer)
                 if isinstance(current, tensor_type):
-                    sources = slot.declaration.derived_from  # type: ignore[union-attr]
-                    inputs = input_cache.get(sources)
                     if inputs is None:
-                        inputs = input_cache[sources] = _input_state(layer, sources)
-                    freshness[index] = (current, current._version, sources, inputs)
+                        inputs = _Inputs(layer, sealed.qualname)
+                    freshness[index] = (
+                        current,
+                        current._version,
+                        _signature(current, _SLOT_SIGNATURE_ELEMENTS),
+                        inputs.of(slot),
+                    )
         shared = sealed.shares_storage or len(slots) > len(sealed.slots)
-        return cls(sealed, layer, slots, captured, findings, freshness, shared=shared)
+        return cls(sealed, layer, slots, captured, findings, freshness, inputs, shared=shared)
+
+    def learn_inputs(
+        self, reads: Callable[[torch.Tensor], list[InputRef]], updated: Callable[[Any], bool], written: set[int]
+    ) -> list[str]:
+        """After a recorded PWAL, before restore: keep on each derived slot PWAL recomputed what it was computed
+        from (``reads``, the dataflow as the model holds it).
+
+        Returns a note per slot computed only from tensors this reload never wrote (``updated``) while the reload
+        wrote weights of the layer (``written``, storage ids) that no slot read: the signature of a PWAL reading a
+        private copy of earlier weights. A partial reload that leaves some inputs alone stays quiet, and so does a
+        layer where PWAL skipped a slot (what it would read is unknown).
+
+        A slot PWAL did not recompute keeps no record (it keeps the fallback inputs): a skipped rebuild says
+        nothing about what a rebuild reads, and an in-place write that read nothing the model holds
+        (``clamp_(-inf, inf)``) must not teach the contract that the slot has no inputs.
+        """
+        learned: list[tuple[SealedSlot, tuple[InputRef, ...]]] = []
+        for index, (before, _, _, _) in self.freshness.items():
+            slot = self.slots[index]
+            current = slot.get(self.layer)
+            if not isinstance(current, torch.Tensor):
+                continue
+            if not updated(current):
+                continue  # the recording never saw it made or written (another thread, say): it says nothing
+            found = tuple(reads(current))
+            if not found and current.untyped_storage() is before.untyped_storage():
+                continue
+            slot.inputs = found
+            learned.append((slot, found))
+        if len(learned) < len(self.freshness):
+            return []  # a slot PWAL skipped may be the one that reads what the reload wrote
+        read = {id(t.untyped_storage()) for _, found in learned for t in map(InputRef.resolve, found) if _strided(t)}
+        if not written - read:
+            return []
+        notes: list[str] = []
+        for slot, found in learned:
+            if found and not any(updated(ref.resolve()) for ref in found):
+                names = ", ".join(repr(ref.label(self.sealed.qualname)) for ref in found)
+                notes.append(f"{SlotRef(self.sealed.qualname, '')} slot {slot.path.text!r} from {names}")
+        return notes
 
     def in_place(self) -> bool:
         """Whether every slot is its captured tensor on its captured memory: then restore and verify are no-ops.
@@ -534,42 +683,62 @@ class LayerSnapshot:
         return pairs
 
     def check_freshness(self) -> None:
-        """Run the freshness checks :meth:`restore` found due; call with the plan's copies done."""
+        """Judge the slots :meth:`restore` found on their captured memory with their old values (see
+        :meth:`_note_fresh`) against their inputs; call with the plan's copies done."""
         due, self.fresh_due = self.fresh_due, []
-        after_inputs: dict[tuple[str, ...] | None, bool] = {}
-        for index, slot, current in due:
-            self._check_fresh(index, slot, current, after_inputs)
+        after_inputs: dict[Any, int] = {}
+        for index, slot, current, rewritten in due:
+            self._check_fresh(index, slot, current, rewritten, after_inputs)
 
     def _note_fresh(self, index: int, slot: SealedSlot, current: torch.Tensor) -> None:
-        """A declared slot PWAL neither rebuilt nor wrote in place (read now, before any copy of the plan moves its
-        version) is checked against its inputs once the copies landed."""
-        tensor, version, _, _ = self.freshness[index]
-        if current is tensor and current._version == version:
-            self.fresh_due.append((index, slot, current))
+        """Note a declared slot PWAL neither rebuilt nor really wrote in place, read now, as PWAL left it (before
+        any copy of the plan lands): :meth:`check_freshness` judges it once every input is final.
+
+        Called for a slot found on its captured memory after PWAL. A write counts only if it changed the slot's
+        value sample (``clamp_(-inf, inf)`` moves the version counter and keeps the old values).
+        """
+        before = self.freshness.get(index)
+        if before is None or self.inputs is None:
+            return
+        tensor, version, sample, _ = before
+        if current.untyped_storage() is not tensor.untyped_storage():
+            return  # PWAL put another tensor at the path (restore copies it): rebuilt
+        if not _same_sample(sample, _signature(current, _SLOT_SIGNATURE_ELEMENTS)):
+            return  # written in place with other values
+        self.fresh_due.append((index, slot, current, current._version != version))
 
     def _check_fresh(
-        self,
-        index: int,
-        slot: SealedSlot,
-        current: torch.Tensor,
-        after_inputs: dict[tuple[str, ...] | None, bool],
+        self, index: int, slot: SealedSlot, current: torch.Tensor, rewritten: bool, after_inputs: dict[Any, int]
     ) -> None:
-        """Flag a declared slot PWAL neither rebuilt nor wrote in place although its inputs changed."""
-        _, _, sources, inputs_before = self.freshness[index]
-        unchanged = after_inputs.get(sources)  # the inputs do not change during restore: once per layer
-        if unchanged is None:
-            unchanged = after_inputs[sources] = _input_state(self.layer, sources).same_as(inputs_before)
-        if unchanged:
-            return  # a partial reload that did not touch this slot's inputs
-        inputs = ", ".join(sources) if sources else "the layer's parameters"
+        """Flag a noted slot whose inputs changed.
+
+        A slot rewritten in place with its old sampled values is still taken as refreshed when the inputs too were
+        only maybe written (the same sampled values through the parameter or in a new tensor): a same-weights
+        reload.
+        """
+        assert self.inputs is not None  # _note_fresh notes only slots with inputs
+        keys = self.freshness[index][3]
+        changed: list[str] = []
+        worst = _UNCHANGED
+        for key in keys:
+            change = after_inputs.get(key)
+            if change is None:  # the inputs do not change during restore: once per input and layer
+                _, resolve, input_before = self.inputs.inputs[key]
+                change = after_inputs[key] = _input_change(input_before, resolve())
+            if change != _UNCHANGED:
+                changed.append(self.inputs.inputs[key][0])
+                worst = max(worst, change)
+        if worst == _UNCHANGED or (worst == _MAYBE and rewritten):
+            return  # a partial reload that did not touch this slot's inputs, or the same values written again
+        what = "kept the old values through an in-place write" if rewritten else "neither rebuilt it nor wrote it"
         self.findings.append(
             self.sealed.finding(
                 FindingKind.STALE,
                 slot,
                 after=fingerprint(current),
-                detail=f"its inputs ({inputs}) changed but PWAL neither rebuilt it nor wrote it in place; the graph "
-                "would read old values at the right address. Rebuild it in PWAL, or declare it static=True if "
-                "its contents do not depend on the weights",
+                detail=f"its input(s) {', '.join(changed)} changed but PWAL {what}; the graph would read old values "
+                "at the right address. Rebuild it in PWAL, or declare it static=True if its contents do not depend "
+                "on the weights",
             )
         )
 

@@ -88,8 +88,10 @@ def graph_visible(
     Decorates a method ``(self, layer, ...)``, a function ``(layer, ...)`` or a layer's own method ``(self, ...)``;
     ``layer_arg`` names the parameter holding the layer when none of these fit. After the wrapped call returns,
     each path is resolved on the layer and declared for it. A path that does not resolve to a tensor then raises
-    :class:`~graphsafe.DeclarationError`. ``derived_from`` names the slots the tensors are computed from (default:
-    the layer's parameters); ``static=True`` marks contents PWAL legitimately leaves alone (zeroed scratch).
+    :class:`~graphsafe.DeclarationError`. ``derived_from`` names the tensors (paths on the layer) they are computed
+    from; it must resolve, else :class:`~graphsafe.DeclarationError`. Without it the contract records what PWAL
+    really reads on the first reload (until then: the layer's parameters, buffers and tensor attributes).
+    ``static=True`` marks contents PWAL legitimately leaves alone (zeroed scratch).
     """
     if not paths:
         raise DeclarationError("graph_visible() needs at least one slot path")
@@ -159,6 +161,13 @@ def _declare(
         and existing.static == static
     ):
         return existing  # the common case: PWAL re-declaring the same slot on every reload
+    for item in derived_from or ():
+        if not isinstance(_slot_path(item).resolve_or(layer, None), torch.Tensor):
+            raise DeclarationError(
+                f"{where}: declared slot {path.text!r} on {type(layer).__name__} names derived_from {item!r}, which "
+                "does not resolve to a tensor of the layer; name the tensor the slot is computed from (a path "
+                "relative to the layer), or drop derived_from and let graphsafe record what PWAL reads"
+            )
     declaration = Declaration(path=path, source=source, derived_from=derived_from, static=static)
     store.put(declaration)
     return declaration
