@@ -47,6 +47,11 @@ def _crash(scenario: Scenario, exc: BaseException, when: str) -> Result:
     return Result(scenario, oracle.CRASH, f"{when}: {type(exc).__name__}", detail=f"{exc!r}{at}")
 
 
+def _reads(model: models.FuzzModel, x: torch.Tensor, values: bool = True) -> dict[oracle.Key, oracle.Read]:
+    """What the forward reads (``values=False``: only where, for the capture: no strong reference is kept)."""
+    return oracle.record(lambda note: models.forward(model, x, note), (x,), values=values)
+
+
 def run(scenario: Scenario, after_reload: Callable[[models.FuzzModel], None] | None = None) -> Result:
     """Run ``scenario`` and return the oracle's verdict. Raises :class:`FuzzerBug` for the generator's own bugs.
 
@@ -69,10 +74,8 @@ def run(scenario: Scenario, after_reload: Callable[[models.FuzzModel], None] | N
         return Result(scenario, oracle.FALSE_ALARM, f"seal refused: {type(exc).__name__}", "REFUSED", str(exc))
     except Exception as exc:
         return _crash(scenario, exc, "seal")
-    captured = oracle.record(lambda note: models.forward(model, x, note), (x,), values=False)
-    cold_model = models.build(scenario, new)
-    cold = oracle.record(lambda note: models.forward(cold_model, x, note), (x,))
-    del cold_model
+    captured = _reads(model, x, values=False)
+    cold = _reads(models.build(scenario, new), x)
     if scenario.mode != "strict":
         contract.on_recapture(lambda outcome: None)  # a CPU "recapture": the contract reseals after it
 
@@ -82,7 +85,7 @@ def run(scenario: Scenario, after_reload: Callable[[models.FuzzModel], None] | N
     try:
         with contract.reload():
             models.reload(model, new)
-            after = oracle.record(lambda note: models.forward(model, x, note), (x,))
+            after = _reads(model, x)
     except FuzzerBug:
         raise
     except GraphSafeError:
@@ -98,7 +101,7 @@ def run(scenario: Scenario, after_reload: Callable[[models.FuzzModel], None] | N
         after_reload(model)
     if status == "COMMITTED":
         gc.collect(1)  # a storage only garbage holds (an exception's frames) must read as freed; young is enough
-    post = oracle.record(lambda note: models.forward(model, x, note), (x,))
+    post = _reads(model, x)
     facts = oracle.Facts(
         status=status,
         replay_wrong=oracle.replay_wrong(captured, cold),
