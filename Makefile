@@ -20,7 +20,7 @@ BIN  := $(VENV)/bin
 INSTALL_HASH := $(shell { cat pyproject.toml; echo '$(TORCH_SPEC) [$(EXTRAS)]'; } | sha256sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(INSTALL_HASH)
 
-.PHONY: venv vllm-venv demo test test-core lint typecheck pytest gpu-test bench clean distclean
+.PHONY: venv vllm-venv demo test test-core lint typecheck pytest fuzz gpu-test bench clean distclean
 
 venv: $(STAMP)
 
@@ -72,6 +72,18 @@ test-core: venv
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy --strict src/graphsafe
 	$(BIN)/python -m pytest -q --ignore=tests/vllm
+
+# The differential fuzzer's long run (tests/fuzz): random scenarios, a new seed each run, counts printed at the end
+# (silent successes, crashes, false alarms, by mutation kind). `make test` runs its fixed-seed slice.
+#   GRAPHSAFE_FUZZ_EXAMPLES  how many reloads (default 50000, about an hour on one core)
+#   GRAPHSAFE_FUZZ_SEED      replay one run's seed (hypothesis prints it)
+#   GRAPHSAFE_FUZZ_SHRINK=1  stop at the first silent success or crash and shrink it to a minimal scenario
+GRAPHSAFE_FUZZ_EXAMPLES ?= 50000
+
+fuzz: venv
+	GRAPHSAFE_FUZZ_PROFILE=graphsafe-fuzz-long GRAPHSAFE_FUZZ_EXAMPLES=$(GRAPHSAFE_FUZZ_EXAMPLES) \
+		$(BIN)/python -m pytest -q -s -p no:cacheprovider -o timeout=0 \
+		tests/fuzz/test_fuzz.py::test_the_contract_never_lies_to_the_differential_fuzzer
 
 # For the GPU machine: its system python3 already has torch (CUDA) and pytest,
 # and nothing can be installed there, so no venv.

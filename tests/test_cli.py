@@ -52,8 +52,18 @@ def test_report_help_documents_the_target_protocol_and_choices() -> None:
     result = graphsafe("report", "--help")
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
-    for needle in ("module:callable", "reload(model, seed)", "warmup(model)", "(model, reload)", "--format",
-                   *FORMATS, "strict", "recapture", "migrate", "-o"):
+    for needle in (
+        "module:callable",
+        "reload(model, seed)",
+        "warmup(model)",
+        "(model, reload)",
+        "--format",
+        *FORMATS,
+        "strict",
+        "recapture",
+        "migrate",
+        "-o",
+    ):
         assert needle in text, needle
 
 
@@ -154,7 +164,7 @@ def test_report_with_capture_lists_unowned_storage() -> None:
 
 
 TARGETS = textwrap.dedent(
-    '''
+    """
     import torch
     from torch import nn
 
@@ -223,7 +233,7 @@ TARGETS = textwrap.dedent(
 
 
     NOT_CALLABLE = 3
-    '''
+    """
 )
 
 

@@ -272,6 +272,7 @@ def test_a_rank_that_refuses_to_begin_still_takes_part_so_rounds_stay_paired() -
         elapsed = time.monotonic() - start
         # The refusing rank has no outcome of its own for this reload (it never began one).
         first = contract.last_outcome.status if contract.last_outcome is not None else F
+        contract.note_capture()  # every rank captures its graphs again, then reseals
         contract.reseal()
         again = _contract_reload(group, contract, model, seed=20 + group.rank, fault=None, timeout=10)
         assert again is None, again
@@ -388,7 +389,8 @@ def _scenario_raise(rank: int, world: int, timeout: float, out: dict[str, Any]) 
     model, contract = _shard(rank)
     out["failed"] = _attempt(contract, model, seed=10 + rank, timeout=timeout, fault="raise" if rank == 1 else None)
     dist.barrier()
-    contract.reseal()  # every rank reloads in full and reseals after a failed group reload
+    contract.note_capture()  # every rank reloads in full, recaptures and reseals after a failed group reload
+    contract.reseal()
     out["after"] = _attempt(contract, model, seed=20 + rank, timeout=timeout)
 
 
@@ -408,6 +410,7 @@ def _scenario_timeout(rank: int, world: int, timeout: float, out: dict[str, Any]
     if rank != late:
         store.set(gave_up[rank], "1")
     dist.barrier()
+    contract.note_capture()  # every rank captures its graphs again, then reseals
     contract.reseal()
     out["after"] = _attempt(contract, model, seed=20 + rank, timeout=timeout)
 

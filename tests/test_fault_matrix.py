@@ -94,6 +94,7 @@ EXPECTED: dict[str, dict[str, Expect]] = {
     "test_respecified_dtype": DRIFT,
     "test_respecified_stride": DRIFT,
     "test_respecified_offset": DRIFT,
+    "test_respecified_read_bits": DRIFT,
     # A declared path that is gone blocks the automatic reseal too (it cannot be fingerprinted).
     "test_vanished": per_mode(
         failed(DeclaredDriftError),
@@ -425,6 +426,14 @@ def test_respecified_offset(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_respecified_read_bits(mode: str) -> None:
+    def lazily_negated(layer: Site) -> None:
+        layer.w_t = torch._neg_view(-layer.w_t)  # the same values, read through a neg bit from negated bytes
+
+    _respecified(mode, "test_respecified_read_bits", lazily_negated, "w_t", "conj/neg bits none -> neg")
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_vanished(mode: str) -> None:
     model, contract = site_contract(mode)
 
@@ -436,9 +445,15 @@ def test_vanished(mode: str) -> None:
     only_layer1(run.kinds(), run, {"w_t": FindingKind.VANISHED})
     if run.error is not None and mode != "strict":
         assert "w_t" in str(run.error) and "layers.1" in str(run.error)  # the reseal names what blocks it
+    with pytest.raises(NotServingSafeError, match="recapture the graphs"):
+        contract.reseal()  # no capture since the reload (or the automatic reseal) failed
+    contract.note_capture()
     with pytest.raises(DeclarationError):
         contract.reseal()
     model.layers[1].quant_method.process_weights_after_loading(model.layers[1])  # PWAL puts it back
+    with pytest.raises(NotServingSafeError):
+        contract.reseal()  # the capture saw the model without it: capture the fixed model
+    contract.note_capture()
     assert contract.reseal().serving_safe
 
 
@@ -670,7 +685,10 @@ def test_reload_when_not_serving_safe(mode: str) -> None:
     assert loaded == []  # the body never ran: nothing was loaded into an unsafe model
 
     model.layers[1].fault = None
-    load(model, 2)  # a full reload outside the contract, then reseal: serving again
+    load(model, 2)  # a full reload outside the contract, a recapture, then reseal: serving again
+    with pytest.raises(NotServingSafeError, match="recapture the graphs"):
+        contract.reseal()
+    contract.note_capture()
     contract.reseal()
     assert attempt(contract, lambda: load(model, 3)).outcome.status is Status.COMMITTED  # type: ignore[union-attr]
 

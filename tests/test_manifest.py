@@ -291,9 +291,7 @@ def test_storages_are_tied_to_the_paths_that_held_them() -> None:
     assert holders[("layers.1", "kernel.w_t")] is Origin.WALKER
     assert holders[("layers.0", "kernel.scale")] is Origin.DECLARED
     unowned = manifest.unowned()
-    assert storage_ids(*(_CACHE[id(layer(model, i))] for i in range(2))) == {
-        id(e.storage_ref()) for e in unowned
-    }
+    assert storage_ids(*(_CACHE[id(layer(model, i))] for i in range(2))) == {id(e.storage_ref()) for e in unowned}
 
 
 def test_declared_only_contract_still_names_walker_paths() -> None:
@@ -347,8 +345,12 @@ def test_storage_kept_alive_but_no_longer_held_is_orphaned() -> None:
     outcome = contract.last_outcome
     assert outcome is not None
     orphaned = {f.where: f for f in outcome.findings if f.kind is FindingKind.ORPHANED}
-    assert set(orphaned) == {"layers.0:kernel.w_t", "layers.0:kernel.scale", "layers.1:kernel.w_t",
-                             "layers.1:kernel.scale"}
+    assert set(orphaned) == {
+        "layers.0:kernel.w_t",
+        "layers.0:kernel.scale",
+        "layers.1:kernel.w_t",
+        "layers.1:kernel.scale",
+    }
     finding = orphaned["layers.0:kernel.w_t"]
     assert finding.after is not None and finding.before is not None
     assert finding.after.data_ptr != finding.before.data_ptr
@@ -401,7 +403,9 @@ def test_reseal_without_recapture_keeps_reporting() -> None:
     keep = model_state(model)
     with contract.reload():
         load(model, seed=1)
-    contract.reseal()  # wrong, but it must not hide that the graph still reads the old storage
+    # A caller who vouches wrongly (no recapture ran): the manifest must not hide that the graph still reads the
+    # old storage.
+    contract.reseal(recaptured=True)
     with contract.reload():
         load(model, seed=2)
     outcome = contract.last_outcome

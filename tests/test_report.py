@@ -301,8 +301,7 @@ def test_goldens_are_stable_across_runs() -> None:
 
 
 @pytest.mark.parametrize("fmt", ["text", "markdown", "tree", "dot"])
-def test_human_formats_print_no_addresses(golden: tuple[GoldenModel, GraphContract, MigrationReport],
-                                          fmt: str) -> None:
+def test_human_formats_print_no_addresses(golden: tuple[GoldenModel, GraphContract, MigrationReport], fmt: str) -> None:
     _, _, report = golden
     rendered = report.render(fmt)
     assert not re.search(r"0x[0-9a-f]{6,}", rendered)
@@ -354,12 +353,21 @@ def test_entries_name_every_undeclared_tensor_and_nothing_declared(
     entries = _by_where(report)
     q = "quant_method.kernel."
     expected = {
-        ("layers.0", f"{q}workspace"), ("layers.0", f"{q}ab_strides"), ("layers.0", f"{q}c_strides"),
+        ("layers.0", f"{q}workspace"),
+        ("layers.0", f"{q}ab_strides"),
+        ("layers.0", f"{q}c_strides"),
         ("layers.0", "w_t"),
-        ("layers.1", f"{q}workspace"), ("layers.1", f"{q}ab_strides"), ("layers.1", f"{q}c_strides"),
-        ("layers.1", "w_t"), ("layers.1", "bias_t"),
-        ("layers.2", "rope"), ("layers.2", "_scratch"), ("layers.2", "W_UV"), ("layers.2", "W_UK_T"),
-        ("layers.2", "topk"), ("layers.2", "act.keywords['perm']"),
+        ("layers.1", f"{q}workspace"),
+        ("layers.1", f"{q}ab_strides"),
+        ("layers.1", f"{q}c_strides"),
+        ("layers.1", "w_t"),
+        ("layers.1", "bias_t"),
+        ("layers.2", "rope"),
+        ("layers.2", "_scratch"),
+        ("layers.2", "W_UV"),
+        ("layers.2", "W_UK_T"),
+        ("layers.2", "topk"),
+        ("layers.2", "act.keywords['perm']"),
     }
     assert set(entries) == expected
     # The declared slot and the undeclared path onto its storage are not migration work.
@@ -540,8 +548,10 @@ def test_fix_lines_are_grouped_by_owner_and_exact(golden: tuple[GoldenModel, Gra
         FixKind.GRAPH_VISIBLE,
         method,
         ("layers.0", "layers.1"),  # one line for both layers of the owner
-        ('@graph_visible("quant_method.kernel.workspace", "quant_method.kernel.ab_strides", '
-         '"quant_method.kernel.c_strides", "w_t")',),
+        (
+            '@graph_visible("quant_method.kernel.workspace", "quant_method.kernel.ab_strides", '
+            '"quant_method.kernel.c_strides", "w_t")',
+        ),
     )
     # bias_t exists on layers.1 only: a decorator would raise on layers.0, so it is declared per layer.
     assert fixes[1][0] is FixKind.REGISTER_DERIVED and fixes[1][2] == ("layers.1",)
@@ -551,8 +561,7 @@ def test_fix_lines_are_grouped_by_owner_and_exact(golden: tuple[GoldenModel, Gra
         FixKind.GRAPH_VISIBLE,
         attention,
         ("layers.2",),
-        ('@graph_visible("W_UV", "W_UK_T", "topk", "act.keywords[\'perm\']")',
-         '@graph_visible("rope", static=True)'),
+        ('@graph_visible("W_UV", "W_UK_T", "topk", "act.keywords[\'perm\']")', '@graph_visible("rope", static=True)'),
     )
     assert fixes[3][0] is FixKind.REGISTER_DERIVED and fixes[3][3] == ('register_derived(layer, "_scratch")',)
     assert len(fixes) == 4

@@ -300,8 +300,10 @@ def test_runner_owns_its_graphs(x: torch.Tensor) -> None:
 def test_zoo_round_trip_in_fallback(name: str) -> None:
     # The CPU twin of tests/gpu: every example, legacy under recapture and migrated under strict.
     ex = EXAMPLES[name]
-    for variant, mode, expected in (("legacy", "recapture", Status.NEEDS_RECAPTURE),
-                                    ("migrated", "strict", Status.COMMITTED)):
+    for variant, mode, expected in (
+        ("legacy", "recapture", Status.NEEDS_RECAPTURE),
+        ("migrated", "strict", Status.COMMITTED),
+    ):
         model = ex.build(variant, seed=0)
         inp = ex.example_input(model)
         contract = GraphContract(model, mode)

@@ -30,6 +30,7 @@ from graphsafe.errors import (
     RecaptureError,
     ReloadFailedError,
     UndeclaredDriftError,
+    UnloadedInputWarning,
 )
 
 if _TYPE_CHECKING:
@@ -121,6 +122,7 @@ __all__ = [
     "Status",
     "TensorRef",
     "UndeclaredDriftError",
+    "UnloadedInputWarning",
     "WalkBudget",
     "__version__",
     "capture",

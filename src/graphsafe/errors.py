@@ -23,6 +23,7 @@ __all__ = [
     "RecaptureError",
     "ReloadFailedError",
     "UndeclaredDriftError",
+    "UnloadedInputWarning",
 ]
 
 
@@ -94,3 +95,11 @@ class RecaptureError(ContractViolation):
 
 class RankAgreementError(ContractViolation):
     """Ranks did not agree on a reload outcome (a rank failed, or did not arrive in time)."""
+
+
+class UnloadedInputWarning(GraphSafeError, UserWarning):
+    """A note, not a failure: PWAL computed a derived slot only from tensors the reload never wrote (for instance
+    a private copy of the first weights), while it wrote other tensors of the layer.
+
+    Issued once, by the reload that records what PWAL reads. The slot may keep stale values no check can see.
+    """

@@ -14,15 +14,24 @@ __all__ = ["RemovableHandle"]
 
 
 class RemovableHandle(AbstractContextManager["RemovableHandle"]):
-    """Undoes one registration. Made by graphsafe (``register_derived``, ``on_recapture``, ``on_outcome``)."""
+    """Undoes one registration. Made by graphsafe (``register_derived``, ``on_recapture``, ``on_outcome``).
 
-    __slots__ = ("_active", "_remove", "description")
+    Built from two callables; a registration made on a hot path (PWAL re-declaring every slot on every reload)
+    subclasses it instead and overrides :meth:`remove`, :attr:`active` and :attr:`description`, sparing the
+    closures.
+    """
+
+    __slots__ = ("_active", "_description", "_remove")
 
     def __init__(self, remove: Callable[[], None], active: Callable[[], bool], description: str) -> None:
         self._remove = remove
         self._active = active
-        #: What was registered, for messages (``register_derived(Linear, 'workspace')``).
-        self.description = description
+        self._description = description
+
+    @property
+    def description(self) -> str:
+        """What was registered, for messages (``register_derived(Linear, 'workspace')``)."""
+        return self._description
 
     @property
     def active(self) -> bool:

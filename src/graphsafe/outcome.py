@@ -5,7 +5,8 @@ never parsed back from text: the contract makes them, the report, the manifest, 
 read them.
 
 * :class:`Fingerprint`: what a captured graph depends on for one tensor (storage identity and liveness, pointers,
-  offset, shape, stride, dtype, device). ``key`` packs the comparable fields into one tuple.
+  offset, shape, stride, dtype, device, and how the bytes are read: conjugate and negative bits, layout, tensor
+  subclass; a wrapper subclass's inner tensors). ``key`` packs the comparable fields into one tuple.
 * :class:`Origin`: why a slot is tracked. :class:`SlotRef`: ``layer:path``, the one way a slot is named.
 * :class:`FindingKind` (with its severity order), :class:`Finding`, :class:`Status`, :class:`ReloadOutcome`.
 * :class:`SlotInfo`: a tracked slot as the contract sealed it.
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
     "Finding",
@@ -32,6 +34,9 @@ __all__ = [
     "Status",
     "fingerprint",
     "geometry_key",
+    "inner_tensors",
+    "memory_tensors",
+    "tensor_kind",
 ]
 
 
@@ -40,11 +45,70 @@ def _significant_stride(shape: tuple[int, ...], stride: tuple[int, ...]) -> tupl
     return tuple(s if n != 1 else 0 for n, s in zip(shape, stride, strict=True))
 
 
+def tensor_kind(tensor: torch.Tensor) -> type:
+    """The class of ``tensor`` as it matters to a kernel: a plain ``Parameter`` (or ``Buffer``) is a ``Tensor``.
+
+    ``nn.Parameter(x)`` of a subclass ``x`` keeps ``x``'s class, so a subclass is seen whether or not it is a
+    parameter; a plain ``Parameter`` replaced by a plain tensor (or back) reads the same bytes the same way.
+    """
+    cls = type(tensor)
+    return torch.Tensor if cls in _PLAIN_KINDS else cls
+
+
+_PLAIN_KINDS: frozenset[type] = frozenset(
+    cls for cls in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None)) if isinstance(cls, type)
+)
+
+
+def inner_tensors(tensor: torch.Tensor) -> tuple[tuple[str, torch.Tensor], ...] | None:
+    """A wrapper subclass's inner tensors by attribute name (``__tensor_flatten__``), or ``None`` for a tensor
+    with storage of its own (plain tensors, parameters, plain subclasses).
+
+    A wrapper (``_make_wrapper_subclass``, as torchao's quantized tensors) owns no storage: the memory a graph
+    reads is its inner tensors'. Raises :class:`TypeError` when the flatten protocol does not give tensors.
+    """
+    if type(tensor) in _PLAIN_KINDS or not is_traceable_wrapper_subclass(tensor):
+        return None
+    names, _ = tensor.__tensor_flatten__()
+    inner = tuple((name, getattr(tensor, name)) for name in names)
+    for name, value in inner:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{type(tensor).__name__}.__tensor_flatten__ names {name!r}, which is not a tensor")
+    if not inner:
+        raise TypeError(f"{type(tensor).__name__} is a wrapper subclass with no inner tensors: no memory to track")
+    return inner
+
+
+def memory_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose storages ``tensor`` reads: itself, or a wrapper's inner tensors (recursively), in flatten
+    order."""
+    inner = inner_tensors(tensor)
+    if inner is None:
+        return [tensor]
+    return [part for _, value in inner for part in memory_tensors(value)]
+
+
+def _comparable(meta: Any) -> Any:
+    # A wrapper's flatten metadata is part of how its bytes are read (a block size, an original dtype). Compare it
+    # by value where that gives a plain bool, else by its text.
+    try:
+        if bool(meta == meta):
+            hash(meta)
+            return meta
+    except Exception:
+        pass
+    return repr(meta)
+
+
 # Not frozen: a frozen dataclass pays an object.__setattr__ per field on construction, and the walker and the seal
 # build one fingerprint per tensor. Treat instances as immutable.
 @dataclass(slots=True, eq=False)
 class Fingerprint:
-    """What a captured graph depends on for one tensor."""
+    """What a captured graph depends on for one tensor.
+
+    For a wrapper subclass (``inner`` not empty) the storage fields are those of its first inner tensor and
+    ``inner`` holds every inner tensor's own fingerprint: the captured memory is theirs.
+    """
 
     storage_ptr: int
     storage_nbytes: int
@@ -55,6 +119,14 @@ class Fingerprint:
     dtype: torch.dtype
     device: torch.device
     storage_ref: weakref.ReferenceType[Any] = field(repr=False)
+    #: How the bytes are read: the lazy conjugate and negative bits, the layout and the class (see tensor_kind).
+    conj: bool = False
+    neg: bool = False
+    layout: torch.layout = torch.strided
+    kind: type = torch.Tensor
+    #: A wrapper subclass's inner tensors ``(name, fingerprint)`` and its flatten metadata (comparable form).
+    inner: tuple[tuple[str, Fingerprint], ...] = ()
+    meta: Any = None
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -68,37 +140,60 @@ class Fingerprint:
             _significant_stride(self.shape, self.stride),
             self.dtype,
             self.device,
+            self.conj,
+            self.neg,
+            self.layout,
+            self.kind,
+            tuple((name, fp.key) for name, fp in self.inner),
+            self.meta,
         )
 
     @property
     def alive(self) -> bool:
-        """Whether the fingerprinted storage still exists."""
-        return self.storage_ref() is not None
+        """Whether the fingerprinted storage (every inner storage of a wrapper) still exists."""
+        return self.storage_ref() is not None and all(fp.alive for _, fp in self.inner)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the view (elements times element size)."""
+        """Bytes of the view (elements times element size; a wrapper's inner views summed)."""
+        if self.inner:
+            return sum(fp.nbytes for _, fp in self.inner)
         numel = 1
         for n in self.shape:
             numel *= n
         return numel * self.dtype.itemsize
 
+    def memory(self) -> list[Fingerprint]:
+        """The fingerprints of the tensors whose storages this one reads (see :func:`memory_tensors`)."""
+        if not self.inner:
+            return [self]
+        return [part for _, fp in self.inner for part in fp.memory()]
+
     def same_storage(self, other: Fingerprint) -> bool:
-        """Whether both fingerprints name the same live storage object."""
+        """Whether both fingerprints name the same live storage objects (a wrapper's, inner by inner)."""
         mine = self.storage_ref()
-        return mine is not None and mine is other.storage_ref()
+        if mine is None or mine is not other.storage_ref() or len(self.inner) != len(other.inner):
+            return False
+        return all(a.same_storage(b) for (_, a), (_, b) in zip(self.inner, other.inner, strict=True))
 
     def describe(self) -> str:
         """A short human-readable rendering used in error messages and reports."""
         state = "" if self.alive else " (freed)"
-        return (
-            f"{_dtype_name(self.dtype)}{list(self.shape)} stride={list(self.stride)} "
+        bits = "".join(f" {bit}" for bit, on in (("conj", self.conj), ("neg", self.neg)) if on)
+        kind = "" if self.kind is torch.Tensor else f" {self.kind.__name__}"
+        if self.layout is not torch.strided:
+            kind += f" {self.layout}"
+        text = (
+            f"{_dtype_name(self.dtype)}{list(self.shape)}{kind}{bits} stride={list(self.stride)} "
             f"offset={self.storage_offset} @0x{self.data_ptr:x} on {self.device}{state}"
         )
+        if self.inner:
+            text += " {" + "; ".join(f"{name}: {fp.describe()}" for name, fp in self.inner) + "}"
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly rendering."""
-        return {
+        out: dict[str, Any] = {
             "data_ptr": self.data_ptr,
             "storage_ptr": self.storage_ptr,
             "storage_nbytes": self.storage_nbytes,
@@ -108,7 +203,17 @@ class Fingerprint:
             "dtype": _dtype_name(self.dtype),
             "device": str(self.device),
             "alive": self.alive,
+            "conj": self.conj,
+            "neg": self.neg,
         }
+        if self.layout is not torch.strided:
+            out["layout"] = str(self.layout).removeprefix("torch.")
+        if self.kind is not torch.Tensor:
+            out["kind"] = f"{self.kind.__module__}.{self.kind.__qualname__}"
+        if self.inner:
+            out["inner"] = [{"name": name, **fp.to_dict()} for name, fp in self.inner]
+            out["meta"] = repr(self.meta)
+        return out
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -116,7 +221,32 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def fingerprint(tensor: torch.Tensor) -> Fingerprint:
-    """Fingerprint ``tensor`` (a plain tensor, a view, or a parameter)."""
+    """Fingerprint ``tensor`` (a plain tensor, a view, a parameter, a subclass; a wrapper through its inner tensors).
+
+    Raises :class:`TypeError` or :class:`RuntimeError` for a tensor without storage that is no flattenable wrapper
+    (sparse, meta-less fakes); callers that meet arbitrary tensors catch them.
+    """
+    inner = inner_tensors(tensor)
+    if inner is not None:
+        parts = tuple((name, fingerprint(value)) for name, value in inner)
+        first = parts[0][1]
+        return Fingerprint(
+            storage_ptr=first.storage_ptr,
+            storage_nbytes=first.storage_nbytes,
+            data_ptr=first.data_ptr,
+            storage_offset=int(tensor.storage_offset()),
+            shape=tuple(tensor.shape),
+            stride=tuple(tensor.stride()),
+            dtype=tensor.dtype,
+            device=tensor.device,
+            storage_ref=first.storage_ref,
+            conj=False,  # a wrapper's bits live in its inner tensors (compared there)
+            neg=False,
+            layout=tensor.layout,
+            kind=type(tensor),
+            inner=parts,
+            meta=_comparable(tensor.__tensor_flatten__()[1]),  # type: ignore[attr-defined]
+        )
     storage = tensor.untyped_storage()
     return Fingerprint(
         storage_ptr=storage.data_ptr(),
@@ -128,13 +258,38 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint:
         dtype=tensor.dtype,
         device=tensor.device,
         storage_ref=weakref.ref(storage),
+        conj=tensor.is_conj(),
+        neg=tensor.is_neg(),
+        layout=tensor.layout,
+        kind=tensor_kind(tensor),
     )
 
 
 def geometry_key(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """Shape, significant stride, dtype and device: what must match for a copy to be a faithful restore."""
+    """Shape, significant stride, dtype, device and how the bytes are read (conjugate and negative bits, layout,
+    class; a wrapper's metadata and its inner tensors' geometry and offsets): what must match for a copy to be a
+    faithful restore."""
     shape = tuple(tensor.shape)
-    return (shape, _significant_stride(shape, tuple(tensor.stride())), tensor.dtype, tensor.device)
+    inner = inner_tensors(tensor)
+    if inner is None:
+        extra: tuple[Any, ...] = ()
+        bits = (tensor.is_conj(), tensor.is_neg())
+    else:
+        extra = (
+            _comparable(tensor.__tensor_flatten__()[1]),  # type: ignore[attr-defined]
+            tuple((name, geometry_key(value), int(value.storage_offset())) for name, value in inner),
+        )
+        bits = (False, False)
+    return (
+        shape,
+        _significant_stride(shape, tuple(tensor.stride())),
+        tensor.dtype,
+        tensor.device,
+        *bits,
+        tensor.layout,
+        tensor_kind(tensor),
+        *extra,
+    )
 
 
 class Origin(enum.Enum):

@@ -189,9 +189,7 @@ def test_legacy_in_recapture_mode_recaptures_and_is_equal(
 
 
 # -- 3. A -> B -> A ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("variant", "mode"), [("migrated", "strict"), ("legacy", "migrate"), ("legacy", "recapture")]
-)
+@pytest.mark.parametrize(("variant", "mode"), [("migrated", "strict"), ("legacy", "migrate"), ("legacy", "recapture")])
 @pytest.mark.parametrize("name", NAMES)
 def test_round_trip_returns_to_the_first_output_exactly(
     name: str, variant: str, mode: str, device: torch.device, gpu_notes: list[str]

@@ -55,8 +55,13 @@ HEAD = 4
 HEADS = 4
 KV_HEADS = 2
 INTER = 32
-GRAPHSAFE_ENV = ("GRAPHSAFE_MODE", "GRAPHSAFE_REPORT", "GRAPHSAFE_DETECT", "GRAPHSAFE_FIX_NONPERSISTENT",
-                 "GRAPHSAFE_MANIFEST")
+GRAPHSAFE_ENV = (
+    "GRAPHSAFE_MODE",
+    "GRAPHSAFE_REPORT",
+    "GRAPHSAFE_DETECT",
+    "GRAPHSAFE_FIX_NONPERSISTENT",
+    "GRAPHSAFE_MANIFEST",
+)
 
 
 # -- a quant method whose PWAL makes the zoo's kinds of derived tensors ------------------------------------------
@@ -188,8 +193,11 @@ def checkpoint(seed: int) -> dict[str, torch.Tensor]:
     """Checkpoint-format weights; different seeds give different values."""
     g = torch.Generator().manual_seed(seed)
     shapes = {
-        "q_proj": (HEADS * HEAD, HIDDEN), "k_proj": (KV_HEADS * HEAD, HIDDEN), "v_proj": (KV_HEADS * HEAD, HIDDEN),
-        "up": (INTER, HIDDEN), "down": (HIDDEN, INTER),
+        "q_proj": (HEADS * HEAD, HIDDEN),
+        "k_proj": (KV_HEADS * HEAD, HIDDEN),
+        "v_proj": (KV_HEADS * HEAD, HIDDEN),
+        "up": (INTER, HIDDEN),
+        "down": (HIDDEN, INTER),
     }
     weights = {}
     for name, shape in shapes.items():
@@ -202,11 +210,21 @@ def checkpoint(seed: int) -> dict[str, torch.Tensor]:
 def make_config(folder: str) -> VllmConfig:
     """A VllmConfig on CPU whose model config is a tiny Llama described by a local config.json (no hub)."""
     with open(os.path.join(folder, "config.json"), "w") as handle:
-        json.dump({
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-            "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-            "num_hidden_layers": 1, "vocab_size": 64, "max_position_embeddings": 64, "torch_dtype": "float32",
-        }, handle)
+        json.dump(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": HIDDEN,
+                "intermediate_size": INTER,
+                "num_attention_heads": HEADS,
+                "num_key_value_heads": KV_HEADS,
+                "num_hidden_layers": 1,
+                "vocab_size": 64,
+                "max_position_embeddings": 64,
+                "torch_dtype": "float32",
+            },
+            handle,
+        )
     model_config = ModelConfig(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=64)
     return VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"))
 
@@ -592,9 +610,7 @@ def test_recapture_refuses_with_requests_in_flight(
     assert not gs_vllm.current_state().contracts[model].serving_safe
 
 
-def test_recapture_without_a_runner_raises_naming_the_fix(
-    vllm_config: VllmConfig, plugin: Callable[..., Any]
-) -> None:
+def test_recapture_without_a_runner_raises_naming_the_fix(vllm_config: VllmConfig, plugin: Callable[..., Any]) -> None:
     plugin("recapture")
     model = build(vllm_config, seed=0)
     with pytest.raises(RecaptureError, match="no vLLM model runner"):
@@ -813,8 +829,12 @@ def test_vllm_loads_the_plugin_through_its_entry_point(monkeypatch: pytest.Monke
         vllm.plugins.load_general_plugins()
         state = gs_vllm.current_state()
         assert state is not None and state.config.mode == "strict"
-        for fn in (layerwise._layerwise_process, vllm_reload.initialize_layerwise_reload,
-                   inplace.initialize_layerwise_reload, layerwise.finalize_layerwise_processing):
+        for fn in (
+            layerwise._layerwise_process,
+            vllm_reload.initialize_layerwise_reload,
+            inplace.initialize_layerwise_reload,
+            layerwise.finalize_layerwise_processing,
+        ):
             assert hasattr(fn, ORIGINAL_ATTR)
         wrapped = layerwise._layerwise_process
         assert gs_vllm.register() is state  # idempotent: no second wrapper around the first
@@ -913,4 +933,3 @@ def test_import_graphsafe_does_not_import_vllm() -> None:
     code = "import sys, graphsafe, graphsafe.adapters.vllm; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
-

@@ -3,6 +3,7 @@
 * :func:`classify`: the one classification of a layer's tensors (declared, parameter, buffer, alias, walker).
 * :func:`walk` / :func:`collect`: the walker (undeclared tensors reachable from a layer).
 * :func:`record_capture` / :class:`Manifest`: the capture-time manifest (what a graph really read).
+* :class:`Dataflow`: which storages PWAL computed each tensor from (what a reload really read).
 
 Collectors observe; they never restore anything.
 """
@@ -11,10 +12,12 @@ from graphsafe.collectors._classify import (
     UNTRACKABLE_ADVICE,
     Classified,
     LayerTensors,
+    TrackedStorage,
     Unresolved,
     classify,
     classify_walk,
 )
+from graphsafe.collectors._dataflow import Dataflow
 from graphsafe.collectors._manifest import (
     CapturedStorage,
     Holder,
@@ -28,11 +31,13 @@ __all__ = [
     "UNTRACKABLE_ADVICE",
     "CapturedStorage",
     "Classified",
+    "Dataflow",
     "Holder",
     "LayerTensors",
     "Manifest",
     "SealedModel",
     "TensorRef",
+    "TrackedStorage",
     "Unresolved",
     "WalkResult",
     "classify",

@@ -18,8 +18,9 @@ Static is a property of a declaration (:attr:`Classified.static`), not a class o
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,11 +28,19 @@ from torch.nn.parameter import is_lazy
 
 from graphsafe.collectors.walker import WalkResult, walk
 from graphsafe.devices import DeviceSet, WalkBudget
-from graphsafe.outcome import Fingerprint, Origin, fingerprint
+from graphsafe.outcome import Fingerprint, Origin, fingerprint, memory_tensors
 from graphsafe.paths import Attr, SlotPath, format_path
 from graphsafe.registry import Declaration, declarations_of
 
-__all__ = ["UNTRACKABLE_ADVICE", "Classified", "LayerTensors", "Unresolved", "classify", "classify_walk"]
+__all__ = [
+    "UNTRACKABLE_ADVICE",
+    "Classified",
+    "LayerTensors",
+    "TrackedStorage",
+    "Unresolved",
+    "classify",
+    "classify_walk",
+]
 
 #: What an author does about a place the walker found device tensors at but no slot path can name, resolve or
 #: restore (each of :attr:`LayerTensors.notes`): the contract's ``untrackable`` finding and the report say it.
@@ -98,9 +107,12 @@ class LayerTensors:
         return self.of(Origin.WALKER)
 
 
-def _state_entries(
-    layer: nn.Module, declared: Collection[str], storages: dict[int, str], devices: DeviceSet | None
-) -> list[Classified]:
+def _storage_ids(tensor: torch.Tensor) -> list[int]:
+    """The storages ``tensor`` reads (a wrapper subclass has none of its own: its inner tensors')."""
+    return [id(part.untyped_storage()) for part in memory_tensors(tensor)]
+
+
+def _state_entries(layer: nn.Module, declared: Collection[str], devices: DeviceSet | None) -> list[Classified]:
     """The layer's own parameters and buffers not already declared under their name."""
     entries: list[Classified] = []
     for origin, table in ((Origin.PARAMETER, layer._parameters), (Origin.BUFFER, layer._buffers)):
@@ -117,17 +129,32 @@ def _state_entries(
             ):
                 continue
             entries.append(Classified(path, tensor, fingerprint(tensor), origin))
-            storages.setdefault(id(tensor.untyped_storage()), path.text)
     return entries
 
 
-def classify_walk(result: WalkResult, known: Collection[str], storages: Mapping[int, str]) -> list[Classified]:
-    """The walker's finds not in ``known``: an alias where the storage is in ``storages``, else a walker slot."""
+#: ``(path, origin, untyped storage)`` of a tracked slot, one per storage it reads (a wrapper subclass reads
+#: several): what :func:`classify_walk` needs to find aliases.
+TrackedStorage = tuple[str, Origin, Any]
+
+
+def _alias_targets(tracked: Iterable[TrackedStorage]) -> dict[int, str]:
+    """Rule 3's targets: storage id -> the path of the first declared, parameter or buffer slot on it."""
+    targets: dict[int, str] = {}
+    for path, origin, storage in tracked:
+        if storage is not None and (origin is Origin.DECLARED or origin.is_state):
+            targets.setdefault(id(storage), path)
+    return targets
+
+
+def classify_walk(result: WalkResult, known: Collection[str], tracked: Iterable[TrackedStorage]) -> list[Classified]:
+    """The walker's finds not in ``known``: an alias (rule 3) where the storage is a ``tracked`` declared,
+    parameter or buffer slot's, else a walker slot (rule 4)."""
+    storages = _alias_targets(tracked)
     entries: list[Classified] = []
     for ref in result.refs:
         if ref.path in known:
             continue
-        alias_of = storages.get(id(ref.tensor.untyped_storage()))
+        alias_of = next((storages[s] for s in _storage_ids(ref.tensor) if s in storages), None)
         entries.append(
             Classified(
                 SlotPath(ref.path),
@@ -161,7 +188,6 @@ def classify(
     declarations = dict(declarations_of(layer))
     entries: list[Classified] = []
     unresolved: list[Unresolved] = []
-    storages: dict[int, str] = {}
     for text, declaration in declarations.items():
         value = declaration.path.resolve_or(layer, None)
         if not isinstance(value, torch.Tensor):
@@ -176,8 +202,7 @@ def classify(
             unresolved.append(Unresolved(text, declaration, what))
             continue
         entries.append(Classified(declaration.path, value, fingerprint(value), Origin.DECLARED, declaration))
-        storages.setdefault(id(value.untyped_storage()), text)
-    entries.extend(_state_entries(layer, declarations.keys(), storages, devices))
+    entries.extend(_state_entries(layer, declarations.keys(), devices))
     if not walk_layer:
         return LayerTensors(tuple(entries), tuple(unresolved))
     result = walk(layer, budget=budget, devices=devices, units=units)
@@ -186,5 +211,10 @@ def classify(
         entry = by_path.get(ref.path)
         if entry is not None:
             entry.walked = True
-    entries.extend(classify_walk(result, declarations.keys(), storages))
+    tracked = [
+        (entry.path.text, entry.origin, part.untyped_storage())
+        for entry in entries
+        for part in memory_tensors(entry.tensor)
+    ]
+    entries.extend(classify_walk(result, declarations.keys(), tracked))
     return LayerTensors(tuple(entries), tuple(unresolved), True, result.exhausted, result.notes)

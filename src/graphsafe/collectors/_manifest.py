@@ -31,7 +31,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphsafe.collectors._classify import classify
 from graphsafe.errors import GraphSafeError
-from graphsafe.outcome import Finding, FindingKind, Fingerprint, Origin, SlotInfo, SlotNamed, fingerprint
+from graphsafe.outcome import (
+    Finding,
+    FindingKind,
+    Fingerprint,
+    Origin,
+    SlotInfo,
+    SlotNamed,
+    fingerprint,
+    inner_tensors,
+    memory_tensors,
+)
 from graphsafe.paths import SlotPath
 
 __all__ = [
@@ -176,8 +186,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         self.internal: dict[int, weakref.ReferenceType[Any]] = {}
         self.ignored: dict[int, weakref.ReferenceType[Any]] = {}
         for tensor in ignore:
-            storage = tensor.untyped_storage()
-            self.ignored[id(storage)] = weakref.ref(storage)
+            for part in _memory(tensor):
+                storage = part.untyped_storage()
+                self.ignored[id(storage)] = weakref.ref(storage)
         # Whether an op ran while a CUDA stream was capturing; if one did, ops outside the capture (torch's own
         # bookkeeping in capture_begin, e.g. the RNG seed/offset fills) are not part of the graph.
         self.capturing = False
@@ -222,6 +233,10 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
     def _mark_internal(self, tensor: torch.Tensor) -> None:
         if tensor.layout is not torch.strided:
             return
+        if type(tensor) is not torch.Tensor and (parts := _parts(tensor)) is not None:
+            for part in parts:
+                self._mark_internal(part)
+            return
         storage = tensor.untyped_storage()
         key = id(storage)
         entry = self.external.get(key)
@@ -231,6 +246,12 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
 
     def _touch(self, tensor: torch.Tensor, op: str, access: int) -> None:
         if tensor.layout is not torch.strided:
+            return
+        if type(tensor) is not torch.Tensor and (parts := _parts(tensor)) is not None:
+            # A wrapper subclass reaches the mode whole; the ops on its inner tensors run under it unseen, so its
+            # inner tensors are what the graph reads.
+            for part in parts:
+                self._touch(part, op, access)
             return
         storage = tensor.untyped_storage()
         key = id(storage)
@@ -297,7 +318,9 @@ def record_capture(
 
     Every tensor an op reads or writes inside the block, whose storage was not created inside the block, is
     recorded in the contract's :class:`Manifest` (created and set as ``contract.manifest`` on first use), which
-    the contract then checks at the end of every reload. Also works around a plain forward (on CPU, for tests).
+    the contract then checks at the end of every reload, and a capture is reported to the contract
+    (``contract.note_capture()``: the evidence its ``reseal()`` needs after a failed reload) once the block exits
+    without an exception. Also works around a plain forward (on CPU, for tests).
     When a CUDA capture ran inside the block, only what ran while the stream was capturing is kept. Python's
     cyclic garbage collector is paused inside the block (a collection could free another graph mid-capture).
 
@@ -340,6 +363,8 @@ def record_capture(
     manifest._install(capture, list(entries.values()))
     if contract is not None:
         contract.manifest = manifest
+        # A capture ran: the evidence a reseal after a failed reload needs.
+        contract.note_capture()
         if reindex:
             manifest._index(contract, manifest.entries(capture))
 
@@ -348,20 +373,40 @@ def record_capture(
 # The manifest: storage -> paths index, reload check, unowned storage.
 
 
+def _parts(tensor: torch.Tensor) -> list[torch.Tensor] | None:
+    """A wrapper subclass's memory tensors (``None`` for a tensor with storage of its own; empty when unreadable)."""
+    try:
+        return memory_tensors(tensor) if inner_tensors(tensor) is not None else None
+    except TypeError:
+        return []
+
+
+def _memory(tensor: torch.Tensor) -> list[torch.Tensor] | tuple[torch.Tensor]:
+    """The tensors whose storages ``tensor`` reads: itself, or a wrapper's inner tensors."""
+    parts = _parts(tensor)
+    return (tensor,) if parts is None else parts
+
+
 class _PathIndex:
     """Model paths by storage, built once per (re)index."""
 
     def __init__(self) -> None:
         self.by_storage: dict[int, tuple[Any, list[Holder]]] = {}
+        # (storage id, layer, path) already added: one set lookup, not a scan of the storage's holders (a storage
+        # viewed at N paths would otherwise cost O(N^2)).
+        self._seen: set[tuple[int, str, str]] = set()
 
     def add(self, tensor: object, layer: str, layer_class: str, path: str, origin: Origin) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
             return
-        storage = tensor.untyped_storage()
-        slot = self.by_storage.setdefault(id(storage), (storage, []))
-        holder = Holder(layer, layer_class, path, origin, SlotPath(path))
-        if all((h.layer, h.path) != (layer, path) for h in slot[1]):
-            slot[1].append(holder)
+        for part in _memory(tensor):
+            storage = part.untyped_storage()
+            key = (id(storage), layer, path)
+            if key in self._seen:
+                continue
+            self._seen.add(key)
+            slot = self.by_storage.setdefault(id(storage), (storage, []))
+            slot[1].append(Holder(layer, layer_class, path, origin, SlotPath(path)))
 
     def holders(self, storage: Any) -> list[Holder]:
         slot = self.by_storage.get(id(storage))
@@ -402,6 +447,8 @@ class SealedModel(Protocol):
     def slots(self) -> Iterator[SlotInfo]: ...
 
     def sealed_layers(self) -> Iterator[tuple[str, nn.Module]]: ...
+
+    def note_capture(self) -> int: ...
 
 
 class Manifest:
@@ -529,7 +576,9 @@ def _holds(model: nn.Module, cache: dict[str, nn.Module | None], holder: Holder,
     if layer is None:
         return False
     value = holder.slot_path.resolve_or(layer, None)
-    return isinstance(value, torch.Tensor) and value.layout is torch.strided and value.untyped_storage() is storage
+    if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
+        return False
+    return any(part.untyped_storage() is storage for part in _memory(value))
 
 
 def _finding(

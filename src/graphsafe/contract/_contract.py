@@ -6,20 +6,23 @@ The contract is the only place that decides an outcome. Adapters translate a fra
 
 from __future__ import annotations
 
+import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
 
-from graphsafe.collectors import UNTRACKABLE_ADVICE, Classified, classify, classify_walk, walk
+from graphsafe.collectors import UNTRACKABLE_ADVICE, Classified, Dataflow, classify, classify_walk, walk
 from graphsafe.contract._access import submodule_is
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._copy import CopyBatch
-from graphsafe.contract._slots import LayerSnapshot, SealedLayer, SealedSlot
+from graphsafe.contract._slots import InputRef, LayerSnapshot, RestorePlan, SealedLayer, SealedSlot, SharedIndex
 from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.errors import (
     ContractViolation,
@@ -31,9 +34,11 @@ from graphsafe.errors import (
     RecaptureError,
     ReloadFailedError,
     UndeclaredDriftError,
+    UnloadedInputWarning,
 )
 from graphsafe.handles import RemovableHandle
 from graphsafe.outcome import Finding, FindingKind, Origin, ReloadOutcome, SlotInfo, SlotRef, Status, fingerprint
+from graphsafe.paths import SlotPath
 from graphsafe.registry import declarations_generation, declarations_of
 
 __all__ = ["DETECT_POLICIES", "MODES", "Detect", "GraphContract", "Mode", "ReloadTransaction"]
@@ -121,6 +126,7 @@ class GraphContract:
         self._layers: list[SealedLayer] = []
         self._units: frozenset[int] = frozenset()  # ids of the model's modules at seal: each its own reload unit
         self._by_layer: dict[int, list[int]] = {}  # id(layer) -> indices into _layers (for before/after_layer)
+        self._shared: SharedIndex = {}  # captured storage id -> every (sealed layer, slot position) reading it
         self._sealed = False
         self._unsafe_reason: str | None = "not sealed yet: call seal() after the first load, before capture"
         self._callbacks: list[Callable[[ReloadOutcome], Any]] = []
@@ -129,9 +135,19 @@ class GraphContract:
         # caller should not do anyway reads stale memory rather than memory the allocator handed to someone else.
         self._quarantine: list[torch.Tensor] = []
         self._active: ReloadTransaction | None = None
+        # One transaction at a time: begin() takes it without blocking, finish() gives it back.
+        self._lock = threading.Lock()
+        # The capture generation (note_capture), and the one the graphs were at when a reload left the contract
+        # unsafe: a reseal needs a capture after it (None: no reload is waiting for a recapture).
+        self._captures = 0
+        self._recapture_after: int | None = None
         self.last_outcome: ReloadOutcome | None = None
         self.manifest: ManifestCheck | None = None
         self.reloads = 0
+        #: Whether the first reload transaction records what PWAL reads (see :meth:`recorded_inputs`).
+        self.record_first_reload = True
+        self._recorded = False  # a recording was taken (at a reload, or of the initial load by record_inputs())
+        self._pending: Dataflow | None = None  # record_inputs() before seal(), consumed by seal()
 
     # -- state -------------------------------------------------------------------------------------------------
     @property
@@ -156,6 +172,22 @@ class GraphContract:
     def unsafe_reason(self) -> str | None:
         """Why the contract is not serving-safe, or ``None``."""
         return self._unsafe_reason
+
+    @property
+    def captures(self) -> int:
+        """The capture generation: how many captures of this model's graphs were reported (:meth:`note_capture`)."""
+        return self._captures
+
+    def note_capture(self) -> int:
+        """Report that the graphs reading this model were captured (again) just now, from the model as it is.
+
+        The evidence :meth:`reseal` needs after a reload left the contract unsafe. The capture adapter
+        (:mod:`graphsafe.adapters.torch`), :func:`~graphsafe.record_capture` and the vLLM adapter call it for every
+        capture they run; code that captures graphs some other way calls it right after its capture. Returns the
+        new capture generation (:attr:`captures`).
+        """
+        self._captures += 1
+        return self._captures
 
     def slots(self) -> Iterator[SlotInfo]:
         """Every sealed slot (declared, parameter or buffer, alias and walker-found)."""
@@ -185,40 +217,206 @@ class GraphContract:
         device tensor).
 
         Call after the first load and PWAL, before capture. Raises :class:`~graphsafe.DeclarationError` if a
-        declared slot does not resolve to a tensor.
+        declared slot does not resolve to a tensor. After a reload that left the contract unsafe, sealing again is
+        :meth:`reseal`, and needs a capture after that reload.
+
+        A seal that finds nothing to track (a ``devices`` filter that matches no tensor of the model, or
+        ``detect="declared-only"`` on a model with no declaration, parameter or buffer) leaves the contract not
+        serving-safe: a contract that tracks nothing cannot keep any captured address. :attr:`unsafe_reason` says
+        which setting to change.
         """
+        return self._seal(recaptured=False)
+
+    def _seal(self, *, recaptured: bool) -> GraphContract:
         if self._active is not None:
             raise GraphSafeError("seal() inside a reload transaction")
+        if self._recapture_after is not None and self._captures <= self._recapture_after and not recaptured:
+            raise NotServingSafeError(
+                f"graphsafe contract of {self._model_name()}: reseal() refused: {self._unsafe_reason}; the captured "
+                "graphs still read the storage they were captured on, so sealing the model's current tensors would "
+                "not make replay safe: recapture the graphs, then reseal() (graphsafe.adapters.torch and "
+                "record_capture report their captures; after a capture of your own call contract.note_capture(), "
+                "or reseal(recaptured=True))",
+                self.last_outcome,
+            )
         layers: list[SealedLayer] = []
         self._units = frozenset(id(module) for module in self.model.modules())
-        for qualname, layer in self.model.named_modules():
-            sealed = self._seal_layer(qualname, layer)
-            if sealed is not None:
-                layers.append(sealed)
+        try:
+            for qualname, layer in self.model.named_modules():
+                sealed = self._seal_layer(qualname, layer)
+                if sealed is not None:
+                    layers.append(sealed)
+        except BaseException:
+            if self._recapture_after is not None:
+                # What blocks the seal (a declared path gone) gets fixed in the model after the capture that was
+                # the evidence, so that capture did not see the model that will be sealed: capture again.
+                self._recapture_after = self._captures
+            raise
+        # What PWAL was seen reading belongs to the layers, not to one seal: a reseal keeps it.
+        recorded = {
+            (id(sealed.layer_ref()), slot.path.text): (sealed.layer_ref, slot.inputs)
+            for sealed in self._layers
+            for slot in sealed.slots
+            if slot.inputs is not None
+        }
+        for sealed in layers:
+            for slot in sealed.slots:
+                entry = recorded.get((id(sealed.layer_ref()), slot.path.text)) if slot.tracks_freshness else None
+                if entry is not None and entry[0]() is sealed.layer_ref():
+                    slot.inputs = entry[1]
         self._layers = layers
         self._index_layers()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._learn_initial_inputs(pending)
         self._quarantine.clear()
         self._sealed = True
-        self._unsafe_reason = None
+        self._recapture_after = None
+        self._unsafe_reason = None if any(sealed.slots for sealed in layers) else self._tracks_nothing()
         if self.manifest is not None:
             self.manifest.reindex(self)
         return self
 
+    def _model_name(self) -> str:
+        model = self._model_ref()
+        return type(model).__name__ if model is not None else "a collected model"
+
+    def _tracks_nothing(self) -> str:
+        """Why an empty seal is not serving-safe, naming the setting that made it empty and what to do."""
+        model = self.model
+        held = sorted({str(t.device) for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"})
+        where = f"its parameters and buffers are on {', '.join(held)}" if held else "it has no parameter or buffer"
+        devices = "every device" if self.devices is None else ", ".join(str(d) for d in self.devices.devices or ())
+        advice = []
+        if self.devices is not None:
+            advice.append('pass devices= naming the device the graphs read ("cuda" matches every cuda:N)')
+        if self.detect == "declared-only":
+            advice.append(
+                'declare the graph-visible tensors (@graph_visible, register_derived) or use detect="sealed-paths"'
+            )
+        advice.append("then reseal()")
+        return (
+            f"the contract tracks nothing: the seal of {type(model).__name__} found no tensor on devices="
+            f"[{devices}] with detect={self.detect!r} ({where}), so no captured address is kept; " + ", ".join(advice)
+        )
+
     def _index_layers(self) -> None:
-        """Precompute what per-reload lookups need: entries by layer, and storages shared across layers."""
+        """Precompute what per-reload lookups need: entries by layer, and the captured storages several slots read
+        (in one layer or across layers), which a restore checks as one (``RestorePlan.watch``)."""
         by_layer: dict[int, list[int]] = {}
-        owner: dict[int, SealedLayer] = {}
+        readers: dict[int, list[tuple[SealedLayer, int]]] = {}
         for position, sealed in enumerate(self._layers):
             by_layer.setdefault(id(sealed.layer_ref()), []).append(position)
-            for slot in sealed.slots:  # every storage is alive at seal, so ids are distinct
-                first = owner.setdefault(id(slot.fp.storage_ref()), sealed)
-                if first is not sealed:
-                    first.shared_across_layers = sealed.shared_across_layers = True
+            for index, slot in enumerate(sealed.slots):  # live storages have distinct ids
+                for part in slot.fp.memory():  # a wrapper subclass reads its inner tensors' storages
+                    storage = part.storage_ref()
+                    if storage is not None:
+                        readers.setdefault(id(storage), []).append((sealed, index))
+        shared = {key: entries for key, entries in readers.items() if len(entries) > 1}
+        for entries in shared.values():
+            if any(sealed is not entries[0][0] for sealed, _ in entries):
+                for sealed, _ in entries:
+                    sealed.shared_across_layers = True
         self._by_layer = by_layer
+        self._shared = shared
 
-    def reseal(self) -> GraphContract:
-        """Seal again after a recapture or a full reload; makes the contract serving-safe again."""
-        return self.seal()
+    # -- what PWAL reads -----------------------------------------------------------------------------------------
+    @contextmanager
+    def record_inputs(self) -> Iterator[None]:
+        """Record what the initial load and PWAL compute each derived slot from: ``with contract.record_inputs():
+        load(); pwal()``, then :meth:`seal`.
+
+        Optional: without it the first reload transaction records the same (once; later reloads do not pay for
+        the recording). Recording the initial load means even that first reload checks each slot against what its
+        PWAL really reads rather than against the whole layer.
+        """
+        if self._sealed:
+            raise GraphSafeError(
+                "record_inputs() records the initial load before seal(); this contract is sealed, and its first "
+                "reload records what PWAL reads by itself"
+            )
+        dataflow = Dataflow()
+        with dataflow:
+            yield
+        self._pending = dataflow
+
+    def recorded_inputs(self) -> dict[SlotRef, tuple[SlotRef, ...]]:
+        """For every declared slot a recording saw PWAL compute: the tensors (as the model holds them) it was
+        computed from. Slots missing here are checked against their ``derived_from``, else the whole layer."""
+        return {
+            SlotRef(sealed.qualname, slot.path.text): tuple(ref.ref for ref in slot.inputs)
+            for sealed in self._layers
+            for slot in sealed.slots
+            if slot.inputs is not None
+        }
+
+    def _input_index(self, dataflow: Dataflow) -> tuple[Callable[[Any], InputRef | None], dict[int, set[int]]]:
+        """Every tensor the model holds, by storage, as the first path found (parameters and buffers, then plain
+        tensor attributes, then the seal's deeper paths); and by module id, the storages of its weights (anything
+        but its declared slots) the recording saw written."""
+        index: dict[int, tuple[Any, InputRef]] = {}
+        updated: dict[int, set[int]] = {}
+        modules = list(self.model.named_modules())
+
+        def add(module: nn.Module, qualname: str, text: str, value: Any, weight: bool) -> None:
+            if not isinstance(value, torch.Tensor) or value.layout is not torch.strided or value.device.type == "meta":
+                return
+            storage = value.untyped_storage()
+            if weight and dataflow.updated(value):
+                updated.setdefault(id(module), set()).add(id(storage))
+            if id(storage) in index:
+                return
+            try:
+                path = SlotPath(text)
+            except GraphSafeError:  # an attribute name outside the path grammar cannot be watched by path
+                return
+            index[id(storage)] = (storage, InputRef(weakref.ref(module), path, SlotRef(qualname, path.text)))
+
+        for qualname, module in modules:
+            for name, value in (*module._parameters.items(), *module._buffers.items()):
+                add(module, qualname, name, value, True)
+        for qualname, module in modules:
+            declared = declarations_of(module)
+            for name, value in list(vars(module).items()):
+                add(module, qualname, name, value, name not in declared)
+        for sealed in self._layers:
+            layer = sealed.layer_ref()
+            if layer is not None:
+                for slot in sealed.slots:
+                    add(layer, sealed.qualname, slot.path.text, slot.get(layer), False)
+
+        def held(storage: Any) -> InputRef | None:
+            entry = index.get(id(storage))
+            return entry[1] if entry is not None and entry[0] is storage else None
+
+        return held, updated
+
+    def _learn_initial_inputs(self, dataflow: Dataflow) -> None:
+        """Keep what the recorded initial load computed each declared slot from (see :meth:`record_inputs`)."""
+        held, _ = self._input_index(dataflow)
+        for sealed in self._layers:
+            layer = sealed.layer_ref()
+            for slot in sealed.slots:
+                current = slot.get(layer) if slot.tracks_freshness and layer is not None else None
+                if isinstance(current, torch.Tensor) and dataflow.updated(current):
+                    slot.inputs = tuple(dataflow.reads(current, held))
+        self._recorded = True
+
+    def reseal(self, *, recaptured: bool = False) -> GraphContract:
+        """Seal again after the graphs were captured again; makes the contract serving-safe again.
+
+        After a reload that left the contract unsafe (``FAILED``, ``NEEDS_RECAPTURE`` with no ``on_recapture``
+        callback, a failed callback, an interrupted reload, :meth:`mark_unsafe`), the captured graphs still read
+        the storage of before that reload, so a reseal alone would make the contract call those graphs safe. It
+        raises :class:`~graphsafe.NotServingSafeError` ("recapture the graphs, then reseal()") unless a capture
+        was reported since (:meth:`note_capture`; the torch adapter, ``record_capture`` and the vLLM adapter do
+        it for their captures).
+
+        ``recaptured=True`` is the caller's word instead of that evidence: it vouches that every captured graph
+        that reads this model's memory was captured again after that reload, from the model as it is now (or that
+        no captured graph reads it any more), and that nothing rebound the model's tensors since.
+        """
+        return self._seal(recaptured=recaptured)
 
     def _seal_layer(self, qualname: str, layer: nn.Module) -> SealedLayer | None:
         generation = declarations_generation(layer)
@@ -234,6 +432,18 @@ class GraphContract:
                 f"{SlotRef(qualname, '')} ({type(layer).__name__}): declared slot {missing.path!r} {missing.what} "
                 f"at seal (declared by {missing.declaration.source}); assign it before seal() or remove the declaration"
             )
+        for entry in classified.tensors:
+            declaration = entry.declaration
+            if declaration is None:
+                continue
+            for source in declaration.derived_from or ():
+                if not isinstance(SlotPath(source).resolve_or(layer, None), torch.Tensor):
+                    raise DeclarationError(
+                        f"{SlotRef(qualname, entry.path.text)} ({type(layer).__name__}): declared slot "
+                        f"{entry.path.text!r} names derived_from {source!r}, which does not resolve to a tensor at "
+                        f"seal (declared by {declaration.source}); name the tensor it is computed from, or drop "
+                        "derived_from and let graphsafe record what PWAL reads"
+                    )
         slots = [_sealed_slot(entry) for entry in classified.tensors]
         exhausted = classified.exhausted
         if not slots and exhausted is None and not classified.notes and self.detect != "every-reload":
@@ -266,8 +476,10 @@ class GraphContract:
         return _listen(self._listeners, fn, "on_outcome")
 
     def mark_unsafe(self, reason: str) -> None:
-        """Declare the captured graphs unsafe to replay until :meth:`reseal` (used by adapters)."""
+        """Declare the captured graphs unsafe to replay until they are captured again and :meth:`reseal` ran
+        (used by adapters and by the transaction when a reload breaks off)."""
         self._unsafe_reason = reason
+        self._recapture_after = self._captures
 
     # -- internals used by the transaction --------------------------------------------------------------------
     def _layer_entries(self, layer: nn.Module) -> list[SealedLayer]:
@@ -303,6 +515,7 @@ class GraphContract:
             else:
                 sealed.slots.append(slot)
         sealed.declared_generation = generation
+        self._index_layers()  # a new slot may read a storage other slots read
 
     def _walker_extras(
         self, sealed: SealedLayer, layer: nn.Module
@@ -314,12 +527,10 @@ class GraphContract:
         known = sealed.known_paths
         # known paths are neither reported nor fingerprinted by the walk
         result = walk(layer, budget=self.budget, devices=self.devices, skip_paths=known, units=self._units)
-        storages = {
-            id(s.fp.storage_ref()): s.path.text
-            for s in sealed.slots
-            if s.origin is Origin.DECLARED or s.origin.is_state
-        }
-        extras = [_sealed_slot(entry) for entry in classify_walk(result, known, storages)]
+        tracked = [
+            (slot.path.text, slot.origin, part.storage_ref()) for slot in sealed.slots for part in slot.fp.memory()
+        ]
+        extras = [_sealed_slot(entry) for entry in classify_walk(result, known, tracked)]
         return extras, result.exhausted, result.notes
 
     def _notify(self, outcome: ReloadOutcome) -> Exception | None:
@@ -350,23 +561,24 @@ class GraphContract:
             return
         if outcome.status is Status.NEEDS_RECAPTURE:
             # Unsafe until the reseal below succeeds: a callback or the reseal itself may raise.
-            self._unsafe_reason = "the reload needs the graphs captured again: recapture, then call reseal()"
+            self.mark_unsafe("the reload needs the graphs captured again: recapture, then call reseal()")
             if not self._callbacks:
                 return
             for callback in list(self._callbacks):
                 try:
                     callback(outcome)
                 except Exception as exc:
-                    self._unsafe_reason = f"recapture callback {callback!r} failed: {exc!r}"
+                    self.mark_unsafe(f"recapture callback {callback!r} failed: {exc!r}")
                     raise RecaptureError(
                         f"recapture after reload failed in {callback!r}: {exc}; the graphs may read stale memory "
-                        "(contract not serving-safe until reseal())",
+                        "(contract not serving-safe until the graphs are captured again and reseal())",
                         outcome,
                     ) from exc
+            self.note_capture()  # the callbacks are the recapture
             self.seal()
             return
-        self._unsafe_reason = "the last reload failed: " + (
-            repr(error) if error is not None else f"{len(outcome.problems)} finding(s)"
+        self.mark_unsafe(
+            "the last reload failed: " + (repr(error) if error is not None else f"{len(outcome.problems)} finding(s)")
         )
         if error is not None:
             return  # the transaction re-raises the original error
@@ -379,7 +591,7 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
     undeclared = [f for f in problems if not f.declared]
     header = (
         f"graphsafe {contract.mode} mode: the reload left {len(problems)} graph-visible slot(s) unsafe; "
-        "the contract is not serving-safe until reseal() (after a recapture or a full reload)."
+        "the contract is not serving-safe until the graphs are captured again and reseal() ran."
     )
     body = outcome.summary()
     if remote and contract._decide([f for f in problems if f.rank is None], None) is not Status.FAILED:
@@ -387,7 +599,7 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
         ranks = ", ".join(str(r) for r in sorted({f.rank for f in remote if f.rank is not None}))
         return RankAgreementError(
             f"graphsafe: the group's reload failed because of rank(s) {ranks}, so every rank of the group fails "
-            f"it; the contract is not serving-safe until reseal().\n{body}",
+            f"it; the contract is not serving-safe until the graphs are captured again and reseal().\n{body}",
             outcome,
         )
     if any(not f.kind.recapture_fixes for f in problems):
@@ -415,6 +627,16 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
     return DeclaredDriftError(f"{header}\n{body}", outcome)
 
 
+def _unloaded_warning(notes: list[str]) -> UnloadedInputWarning:
+    shown = "; ".join(notes[:5]) + (f"; and {len(notes) - 5} more" if len(notes) > 5 else "")
+    return UnloadedInputWarning(
+        f"graphsafe: PWAL computed {len(notes)} derived slot(s) only from tensors this reload never wrote, while "
+        f"it wrote other tensors of their layers: {shown}. If those are copies of earlier weights, the slots keep "
+        "values the contract cannot tell are stale: compute them from the loaded tensors "
+        "(contract.recorded_inputs() lists what each slot reads)"
+    )
+
+
 class ReloadTransaction:
     """One reload under a contract. Use as a context manager, or call :meth:`begin` and :meth:`finish`."""
 
@@ -426,38 +648,107 @@ class ReloadTransaction:
         self._snapshots: dict[int, LayerSnapshot] = {}
         self._gone: set[int] = set()  # sealed layers already reported as replaced or removed
         self._findings: list[Finding] = []
+        #: New tensors earlier restore steps left at their paths (findings): later steps treat them as readers.
+        self._kept: list[torch.Tensor] = []
         self._restored = 0
         self._bytes = 0
         self._seconds = 0.0
         self._begun = False
+        self._finished = False
+        # Active on a contract's first reload: what PWAL reads, learned once (see GraphContract.recorded_inputs).
+        self._dataflow: Dataflow | None = None
+        self._recording_thread = 0  # the thread whose dispatch-mode stack holds _dataflow
+        self._unloaded: list[str] = []  # slots PWAL computed only from tensors this reload never wrote
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
+    def _where(self) -> str:
+        return f"graphsafe reload of {self.contract._model_name()}"
+
+    def _require_open(self, step: str) -> None:
+        if self._finished:
+            raise GraphSafeError(
+                f"{self._where()}: {step} on a reload transaction that already finished; open a new one with "
+                "contract.reload()"
+            )
+        if not self._begun:
+            raise GraphSafeError(
+                f"{self._where()}: {step} without begin(): the reload transaction is not open; call begin() first "
+                "(or use it as a context manager)"
+            )
+
     def begin(self) -> ReloadTransaction:
-        """Start the reload: refuse if the contract is not serving-safe; snapshot unless layerwise."""
+        """Start the reload: refuse if the contract is not serving-safe; snapshot unless layerwise.
+
+        One transaction per contract at a time: while one is open (in any thread) ``begin()`` raises
+        :class:`~graphsafe.GraphSafeError` at once instead of waiting. A transaction begins once.
+        """
         contract = self.contract
-        if contract._active is not None:
-            raise GraphSafeError("a reload transaction is already open on this contract")
-        if not contract.serving_safe:
-            refused = NotServingSafeError(f"refusing to reload: {contract.unsafe_reason}", contract.last_outcome)
-            if self.agreement is not None:
-                # The peers reload and wait for this rank: take part as FAILED so that agreement rounds stay paired.
-                self.agreement(ReloadOutcome(Status.FAILED, contract.mode, error=refused))
-            raise refused
-        contract._active = self
-        self._begun = True
-        if not self.layerwise:
-            start = time.perf_counter()
-            try:
+        if self._finished:
+            raise GraphSafeError(
+                f"{self._where()}: begin() on a reload transaction that already finished; open a new one with "
+                "contract.reload()"
+            )
+        if self._begun:
+            raise GraphSafeError(f"{self._where()}: begin() twice: this reload transaction is already open")
+        # Never blocks: a second reload waiting for the first would then reload on top of whatever it decided.
+        if not contract._lock.acquire(blocking=False):
+            raise GraphSafeError(
+                f"{self._where()}: a reload transaction is already open on this contract (in another thread, or "
+                "one that began and never finished); finish() it before beginning another"
+            )
+        try:
+            if not contract.serving_safe:
+                refused = NotServingSafeError(f"refusing to reload: {contract.unsafe_reason}", contract.last_outcome)
+                if self.agreement is not None:
+                    # The peers reload and wait for this rank: take part as FAILED so agreement rounds stay paired.
+                    self.agreement(ReloadOutcome(Status.FAILED, contract.mode, error=refused))
+                raise refused
+            contract._active = self
+            self._begun = True
+            if not self.layerwise:
+                start = time.perf_counter()
                 for sealed in contract._layers:
                     self._snapshot(sealed)
-            except BaseException:
-                # Nothing was loaded yet: leave the contract as it was, not stuck with an open transaction.
-                self._snapshots.clear()
+                self._seconds += time.perf_counter() - start
+        except BaseException:
+            # Nothing was loaded yet: leave the contract as it was, not stuck with an open transaction.
+            self._snapshots.clear()
+            if contract._active is self:
                 contract._active = None
-                self._begun = False
-                raise
-            self._seconds += time.perf_counter() - start
+            self._begun = False
+            contract._lock.release()
+            raise
+        if contract.record_first_reload and not contract._recorded:
+            self._dataflow = Dataflow()
+            self._dataflow.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+            self._recording_thread = threading.get_ident()
         return self
+
+    def _stop_recording(self) -> Dataflow | None:
+        dataflow, self._dataflow = self._dataflow, None
+        if dataflow is None:
+            return None
+        if threading.get_ident() != self._recording_thread:
+            # Dispatch modes are per thread: this one sits on the stack of the thread that began the reload and
+            # cannot be popped from here. Made inert, it learns nothing (it never saw this thread's ops).
+            dataflow.paused = True
+            return None
+        dataflow.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        return dataflow
+
+    def _learn_inputs(self, dataflow: Dataflow, snapshots: list[LayerSnapshot]) -> None:
+        """Before restore: keep on each slot PWAL recomputed what the recording saw it read."""
+        snapshots = [s for s in snapshots if s.freshness and not s.done]
+        if not snapshots:
+            return
+        held, updated = self.contract._input_index(dataflow)
+
+        def reads(tensor: torch.Tensor) -> list[InputRef]:
+            return dataflow.reads(tensor, held)
+
+        for snapshot in snapshots:
+            written = {storage for module in snapshot.layer.modules() for storage in updated.get(id(module), ())}
+            self._unloaded.extend(snapshot.learn_inputs(reads, dataflow.updated, written))
 
     def __enter__(self) -> ReloadTransaction:
         return self.begin()
@@ -465,31 +756,49 @@ class ReloadTransaction:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if not self._begun:
-            return
+        if not self._begun or self._finished:
+            return  # never began (begin() raised), or the body called finish() itself
         if exc is not None and not isinstance(exc, Exception):
             # KeyboardInterrupt and friends: mark unsafe and let them through untouched.
+            self._finished = True
+            self._stop_recording()
             self.contract._active = None
             self.contract.mark_unsafe(f"the reload was interrupted by {exc_type.__name__ if exc_type else exc!r}")
+            self.contract._lock.release()
             return
         self.finish(error=exc)
 
     def before_layer(self, layer: nn.Module) -> None:
         """Snapshot ``layer`` (and sealed layers under it) before it is re-materialised."""
+        self._require_open("before_layer()")
         start = time.perf_counter()
-        for sealed in self.contract._layer_entries(layer):
-            self._snapshot(sealed)
+        if self._dataflow is not None:
+            self._dataflow.paused = True  # the snapshot's own reads are not PWAL's
+        try:
+            for sealed in self.contract._layer_entries(layer):
+                self._snapshot(sealed)
+        finally:
+            if self._dataflow is not None:
+                self._dataflow.paused = False
         self._seconds += time.perf_counter() - start
 
     def after_layer(self, layer: nn.Module) -> None:
-        """Restore and verify ``layer`` right after its PWAL, so its new derived tensors can be freed now."""
+        """Restore and verify ``layer`` right after its PWAL, so its new derived tensors can be freed now.
+
+        A sealed layer whose captured storage another layer also reads (a tied embedding and head, a workspace
+        shared by layers) waits for :meth:`finish`: only once every layer that reads the storage is loaded can the
+        restore tell whether they still agree on its values.
+        """
+        self._require_open("after_layer()")
         start = time.perf_counter()
-        batch = CopyBatch()
+        dataflow = self._dataflow
+        if dataflow is not None:
+            dataflow.paused = True  # restore's copies are the contract's, not PWAL's
         try:
+            group: list[LayerSnapshot] = []
             for sealed in self.contract._layer_entries(layer):
                 snapshot = self._snapshots.get(id(sealed))
                 if snapshot is None:
-                    batch.flush()  # a snapshot reads input values
                     snapshot = self._snapshot(sealed)
                     if snapshot is not None and self.layerwise:
                         # Taken after the load: it sees PWAL's tensors as the captured ones, so neither stale
@@ -502,36 +811,50 @@ class ReloadTransaction:
                                 declared=True,
                             )
                         )
-                if snapshot is not None and not snapshot.done:
-                    self._restore(snapshot, batch)
+                if snapshot is not None and not snapshot.done and not sealed.shared_across_layers:
+                    group.append(snapshot)
+            if dataflow is not None:  # layers restored at finish() learn there, once
+                self._learn_inputs(dataflow, group)
+            self._restore_group(group)
         finally:
-            batch.flush()
-            self._bytes += batch.written
+            if dataflow is not None:
+                dataflow.paused = False
         self._seconds += time.perf_counter() - start
 
     def finish(self, error: BaseException | None = None) -> ReloadOutcome:
         """End the reload: restore what is left, verify, agree across ranks, then commit, recapture or raise.
 
         With ``error`` (the reload raised), the outcome is ``FAILED``, the contract is not serving-safe, and the
-        caller re-raises ``error`` (the context manager does).
+        caller re-raises ``error`` (the context manager does). Refuses (:class:`~graphsafe.GraphSafeError`) without
+        :meth:`begin` and a second time: a transaction ends once.
         """
+        self._require_open("finish()")
+        self._finished = True
+        try:
+            return self._finish(error)
+        finally:
+            # Held through the decision and the mode's action: a reload begun meanwhile would see the old state.
+            self.contract._lock.release()
+
+    def _finish(self, error: BaseException | None) -> ReloadOutcome:
         contract = self.contract
         start = time.perf_counter()
         try:
+            dataflow = self._stop_recording()
+            if dataflow is not None and error is None:
+                self._learn_inputs(dataflow, list(self._snapshots.values()))
+                contract._recorded = True
             if error is None:
-                # One batch for the whole model: small copies of every layer share one _foreach_copy_ per group.
-                batch = CopyBatch()
-                try:
-                    for sealed in contract._layers:
-                        snapshot = self._snapshots.get(id(sealed))
-                        if snapshot is None:
-                            batch.flush()  # a snapshot reads input values
-                            snapshot = self._snapshot(sealed)
-                        if snapshot is not None and not snapshot.done:
-                            self._restore(snapshot, batch)
-                finally:
-                    batch.flush()  # also when a layer raised: rebound slots must not keep old values
-                    self._bytes += batch.written
+                # One plan for the whole model: every copy is planned against every other before any is launched,
+                # and small copies of every layer share one _foreach_copy_ per group.
+                group: list[LayerSnapshot] = []
+                for sealed in contract._layers:
+                    snapshot = self._snapshots.get(id(sealed))
+                    if snapshot is None:
+                        snapshot = self._snapshot(sealed)
+                    if snapshot is not None and not snapshot.done:
+                        group.append(snapshot)
+                self._restore_group(group)
                 if contract.manifest is not None:
                     # The walker and the manifest can see the same slot: report each (layer, path) once.
                     flagged = {(f.layer, f.path) for f in self._findings if f.kind.is_problem and f.path}
@@ -580,6 +903,8 @@ class ReloadTransaction:
         self.outcome = outcome
         listener_error = contract._notify(outcome)
         contract._apply(outcome, error)
+        if self._unloaded:  # a note, after the contract acted (a warnings filter may turn it into an error)
+            warnings.warn(_unloaded_warning(self._unloaded), stacklevel=3)
         if listener_error is not None:
             raise listener_error
         return outcome
@@ -636,35 +961,81 @@ class ReloadTransaction:
         for snapshot in self._snapshots.values():
             self._quarantine(snapshot)
 
-    def _restore(self, snapshot: LayerSnapshot, batch: CopyBatch) -> None:
-        """Restore one layer. Its copies join ``batch`` and are launched with later layers' (or by the caller)."""
-        rebinds: list[tuple[int, torch.Tensor]] = []
-        if not self._still_in_model(snapshot.sealed, snapshot.layer):
-            # Replaced after the snapshot: the loader filled the new layer, so restoring the orphaned one would
-            # commit captured storage that keeps the old values.
-            snapshot.findings.extend(
-                snapshot.sealed.finding(FindingKind.VANISHED, slot, detail="the layer was replaced during the reload")
-                for slot in snapshot.slots
-            )
-        elif not snapshot.in_place():
-            # A layer whose captured storage another layer also tracks keeps the one-layer-at-a-time order of
-            # copies; so does one with walker extras (their storages are not known ahead).
-            isolate = snapshot.sealed.shared_across_layers or snapshot.shared
-            if isolate:
-                batch.flush()
-            rebinds = snapshot.restore(auto_restore=self.contract.mode == "migrate", batch=batch)
-            if snapshot.pairs:
-                if isolate:
-                    batch.flush()
-                snapshot.check_aliases(rebinds)
+    def _restore_group(self, group: list[LayerSnapshot]) -> None:
+        """Restore ``group`` (the whole model, or one ``after_layer``) as one plan: plan every copy, clone the sources
+        a copy would overwrite, launch, check every slot reading a written storage, then rebind and verify."""
+        auto_restore = self.contract.mode == "migrate"
+        plan = RestorePlan(self.contract._shared)
+        work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]] = []
+        for snapshot in group:
+            if not self._still_in_model(snapshot.sealed, snapshot.layer):
+                # Replaced after the snapshot: the loader filled the new layer, so restoring the orphaned one would
+                # commit captured storage that keeps the old values.
+                snapshot.findings.extend(
+                    snapshot.sealed.finding(
+                        FindingKind.VANISHED, slot, detail="the layer was replaced during the reload"
+                    )
+                    for slot in snapshot.slots
+                )
+            elif not snapshot.in_place():
+                work.append((snapshot, snapshot.restore(auto_restore=auto_restore, plan=plan)))
+        batch = CopyBatch()
+        try:
+            if plan.moves:
+                plan.protect()
+                self._protect_pending(plan, group)
+                local = [s for s, _ in work if len(s.slots) > len(s.sealed.slots)]
+                plan.watch(self._captured_of, local, [*self._kept, *(t for s, _ in work for t in s.kept)])
+                plan.launch(batch)
+                plan.check()
+        finally:
+            batch.flush()
+            self._bytes += batch.written
+        if work:
+            # New tensors left at their paths read what they read now; a later after_layer must not write it.
+            self._kept.extend(t for s, _ in work for t in s.kept)
+        for snapshot, rebinds in work:
+            snapshot.check_freshness()
             snapshot.rebind(rebinds)
             snapshot.verify()
-        snapshot.done = True
-        self._restored += snapshot.restored
-        self._findings.extend(snapshot.findings)
-        if any(f.kind.is_problem for f in snapshot.findings):
-            self._quarantine(snapshot)
-        # Drop the strong references now: the new derived tensors of this layer can be freed before the next.
-        snapshot.captured = [None] * len(snapshot.captured)
-        snapshot.pairs = []
-        del rebinds
+        for snapshot in group:
+            snapshot.done = True
+            self._restored += snapshot.restored
+            self._findings.extend(snapshot.findings)
+            if any(f.kind.is_problem for f in snapshot.findings):
+                self._quarantine(snapshot)
+            # Drop the strong references now: the new derived tensors of this layer can be freed before the next.
+            snapshot.captured = [None] * len(snapshot.captured)
+            snapshot.overrides, snapshot.kept, snapshot.keep = {}, [], {}
+        del work
+
+    def _protect_pending(self, plan: RestorePlan, group: list[LayerSnapshot]) -> None:
+        """Layers snapshotted but not restored yet (``before_layer`` ran, ``after_layer`` has not): a new tensor of
+        theirs that reads memory this plan writes is cloned first, so their restore copies the values PWAL left.
+        Costs a path lookup per slot of such layers, which a plain ``before_layer``/``after_layer`` pairing has
+        none of."""
+        in_group = {id(snapshot) for snapshot in group}
+        tensor_type = torch.Tensor
+        for snapshot in self._snapshots.values():
+            if snapshot.done or id(snapshot) in in_group:
+                continue
+            layer = snapshot.layer
+            for index, slot in enumerate(snapshot.slots):
+                captured = snapshot.captured[index]
+                if captured is None:
+                    continue
+                current = slot.get(layer)
+                if not isinstance(current, tensor_type) or current is captured:
+                    continue
+                saved = snapshot.overrides.get(index)
+                if (saved is None or saved[0] is not current) and plan.overlaps_destination(current):
+                    snapshot.overrides[index] = (current, current.detach().clone())
+
+    def _captured_of(self, sealed: SealedLayer, position: int) -> torch.Tensor | None:
+        """The captured tensor of a sealed slot: its snapshot's strong reference, else from the seal."""
+        snapshot = self._snapshots.get(id(sealed))
+        if snapshot is not None and position < len(snapshot.captured):
+            held = snapshot.captured[position]
+            if held is not None:
+                return held
+        return sealed.slots[position].captured()

@@ -10,6 +10,11 @@ The threshold (:data:`FOREACH_MAX_BYTES`) was measured on an NVIDIA H200 (torch 
 6.5 us (launch-bound); at 16 MiB ``copy_`` wins (11.3 vs 13.0 us), since the foreach kernel tops out near
 1.3 TB/s against ``copy_``'s 1.5-1.8 TB/s. See ``benchmarks/RESULTS.md`` ("copy threshold"). Nothing here
 synchronises the device.
+
+A copy always lands on the bytes as stored (:func:`distinct_views`): a lazy conjugate or negative bit that both
+sides carry is taken off both (``_foreach_copy_`` is not trusted to honour it), and a broadcast (stride-0)
+destination is written through its distinct elements only (writing an expanded view would write one location many
+times, which torch refuses).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FOREACH_MAX_BYTES", "CopyBatch", "copy_group"]
+__all__ = ["FOREACH_MAX_BYTES", "CopyBatch", "byte_span", "copy_group", "distinct_views", "spans_overlap"]
 
 #: Tensors at most this large go through the grouped ``_foreach_copy_`` path (H200 crossover: 4-16 MiB).
 FOREACH_MAX_BYTES = 4 << 20
@@ -29,6 +34,55 @@ _HAS_FOREACH_COPY = hasattr(torch, "_foreach_copy_")
 def copy_group(dst: torch.Tensor) -> tuple[Any, ...]:
     """The batch group of a destination tensor: copies into one group may share a ``_foreach_copy_`` call."""
     return (dst.device, dst.dtype, dst.layout)
+
+
+def distinct_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dst, src)`` as views that copy byte for byte: shared lazy bits resolved away, broadcast dimensions cut
+    to their one distinct element.
+
+    The caller vouches that both have the same geometry (``outcome.geometry_key``): the same bits, and stride 0
+    wherever ``dst`` has stride 0 on a dimension longer than 1, so ``src`` holds one value along it and nothing is
+    dropped. A pair that breaks that is refused (``ValueError``), never copied into the wrong bytes.
+    """
+    if dst.is_conj() and src.is_conj():
+        dst, src = dst.conj(), src.conj()  # clears the bit: the stored bytes, read as stored
+    if dst.is_neg() and src.is_neg():
+        dst, src = torch._neg_view(dst), torch._neg_view(src)
+    stride = dst.stride()
+    if 0 in stride:
+        src_stride = src.stride()
+        index: list[slice] = []
+        for n, d, s in zip(dst.shape, stride, src_stride, strict=True):
+            if d == 0 and n > 1:
+                if s != 0:
+                    raise ValueError("a broadcast destination can only take a source broadcast the same way")
+                index.append(slice(0, 1))
+            else:
+                index.append(slice(None))
+        dst, src = dst[tuple(index)], src[tuple(index)]
+    return dst, src
+
+
+def _plain(dst: torch.Tensor) -> bool:
+    return not (dst.is_conj() or dst.is_neg() or 0 in dst.stride())
+
+
+def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of its storage a tensor can read or write: its strided extent (a superset of the
+    bytes it really touches, so two spans that do not overlap are certain not to share a byte)."""
+    if tensor.numel() == 0:
+        return 0, 0
+    itemsize = tensor.element_size()
+    extent = 1
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        extent += (int(size) - 1) * int(stride)
+    start = int(tensor.storage_offset()) * itemsize
+    return start, start + extent * itemsize
+
+
+def spans_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether two byte spans of one storage share a byte."""
+    return a[0] < b[1] and b[0] < a[1]
 
 
 class CopyBatch:
@@ -50,8 +104,13 @@ class CopyBatch:
     def add(self, dst: torch.Tensor, src: torch.Tensor, group: tuple[Any, ...], nbytes: int) -> None:
         """Plan ``dst.copy_(src)``; the caller vouches that ``src`` has ``dst``'s shape, dtype and device.
 
-        ``group`` is :func:`copy_group` of ``dst`` and ``nbytes`` its size, both known ahead (at seal).
+        ``group`` is :func:`copy_group` of ``dst`` and ``nbytes`` its size, both known ahead (at seal). A
+        destination with a lazy bit or a broadcast dimension is copied through :func:`distinct_views` (and counts
+        only its distinct bytes).
         """
+        if not _plain(dst):
+            dst, src = distinct_views(dst, src)
+            nbytes = dst.numel() * dst.element_size()
         self.written += nbytes
         if nbytes > FOREACH_MAX_BYTES or not _HAS_FOREACH_COPY:
             with torch.no_grad():

@@ -9,22 +9,40 @@ then compares cheap fields first and falls back to the full geometry comparison 
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from graphsafe.contract._copy import CopyBatch, copy_group
-from graphsafe.outcome import Finding, FindingKind, Fingerprint, Origin, fingerprint, geometry_key
+from graphsafe.contract._copy import CopyBatch, byte_span, copy_group, spans_overlap
+from graphsafe.outcome import (
+    Finding,
+    FindingKind,
+    Fingerprint,
+    Origin,
+    SlotRef,
+    fingerprint,
+    geometry_key,
+    inner_tensors,
+    memory_tensors,
+    tensor_kind,
+)
 from graphsafe.paths import MISSING, Getter, Setter, SlotPath, compile_getter, compile_setter
-from graphsafe.registry import Declaration
+from graphsafe.registry import Declaration, declarations_of
 
-__all__ = ["LayerSnapshot", "SealedLayer", "SealedSlot"]
+__all__ = ["InputRef", "LayerSnapshot", "RestorePlan", "SealedLayer", "SealedSlot", "SharedIndex"]
 
 _MISSING: Any = MISSING
+
+
+def _view(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """The cheap layout tuple of a tensor as it is now (compared with :attr:`SealedSlot.layout`): everything that
+    changes how its bytes are read, the class included."""
+    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.is_conj(), tensor.is_neg(), type(tensor))
 
 
 @dataclass(slots=True)
@@ -39,11 +57,16 @@ class SealedSlot:
     restorable: bool = True
     reason: str | None = None
     alias_of: str | None = None
+    #: What PWAL was seen computing this slot from (a recorded reload), or ``None`` when never recorded.
+    inputs: tuple[InputRef, ...] | None = None
     key: tuple[Any, ...] = field(init=False)
     # The compiled plan (derived from the fields above at construction):
     get: Getter = field(init=False, repr=False)
     set: Setter = field(init=False, repr=False)
-    layout: tuple[Any, ...] = field(init=False, repr=False)  # (shape, stride, dtype, device) as sealed
+    #: ``_view`` as sealed: (shape, stride, dtype, device, conj bit, neg bit, class).
+    layout: tuple[Any, ...] = field(init=False, repr=False)
+    #: A wrapper subclass: its memory is its inner tensors', restored and verified one by one (never fast paths).
+    wrapped: bool = field(init=False, repr=False)
     group: tuple[Any, ...] = field(init=False, repr=False)  # the copy group of the captured tensor
     nbytes: int = field(init=False, repr=False)
     tracks_freshness: bool = field(init=False, repr=False)
@@ -53,8 +76,11 @@ class SealedSlot:
         self.key = fp.key
         self.get = compile_getter(self.path)
         self.set = compile_setter(self.path)
-        self.layout = (fp.shape, fp.stride, fp.dtype, fp.device)
         tensor = self.tensor_ref()
+        # The raw class of the sealed object (a Parameter stays a Parameter), so that the in-place check matches it.
+        cls = type(tensor) if tensor is not None else fp.kind
+        self.layout = (fp.shape, fp.stride, fp.dtype, fp.device, fp.conj, fp.neg, cls)
+        self.wrapped = bool(fp.inner)
         self.group = (fp.device, fp.dtype, tensor.layout if tensor is not None else torch.strided)
         self.nbytes = fp.nbytes
         declaration = self.declaration
@@ -65,12 +91,36 @@ class SealedSlot:
         tensor = self.tensor_ref()
         if tensor is not None:
             return tensor
-        storage = self.fp.storage_ref()
-        if storage is None:
+        return _rebuild(self.fp)
+
+
+def _rebuild(fp: Fingerprint) -> torch.Tensor | None:
+    """A new view on the storage ``fp`` names, read as sealed (bits, class; a wrapper from its inner tensors), or
+    ``None`` if freed or not rebuildable."""
+    if fp.inner:
+        inner: dict[str, torch.Tensor] = {}
+        for name, part in fp.inner:
+            value = _rebuild(part)
+            if value is None:
+                return None
+            inner[name] = value
+        try:  # the flatten metadata is kept in comparable form: a wrapper that cannot take it back is not rebuilt
+            rebuilt = fp.kind.__tensor_unflatten__(inner, fp.meta, fp.shape, fp.stride)  # type: ignore[attr-defined]
+        except Exception:
             return None
-        view = torch.empty(0, dtype=self.fp.dtype, device=self.fp.device)
-        view.set_(storage, self.fp.storage_offset, self.fp.shape, self.fp.stride)
-        return view
+        return rebuilt if isinstance(rebuilt, torch.Tensor) else None
+    storage = fp.storage_ref()
+    if storage is None:
+        return None
+    view = torch.empty(0, dtype=fp.dtype, device=fp.device)
+    view.set_(storage, fp.storage_offset, fp.shape, fp.stride)
+    if fp.conj:
+        view = view.conj()
+    if fp.neg:
+        view = torch._neg_view(view)
+    if fp.kind is not torch.Tensor:
+        view = view.as_subclass(fp.kind)
+    return view
 
 
 @dataclass(slots=True)
@@ -94,8 +144,9 @@ class SealedLayer:
 
     def __post_init__(self) -> None:
         self.atoms = tuple(self.qualname.split(".")) if self.qualname else ()
-        storages = {id(slot.fp.storage_ref()) for slot in self.slots}  # all alive at seal: ids are distinct
-        self.shares_storage = len(storages) < len(self.slots)
+        memory = [part for slot in self.slots for part in slot.fp.memory()]
+        storages = {id(part.storage_ref()) for part in memory}  # all alive at seal: ids are distinct
+        self.shares_storage = len(storages) < len(memory)
         self.known_paths = frozenset(slot.path.text for slot in self.slots)
 
     def layer_finding(self, kind: FindingKind, detail: str, *, declared: bool) -> Finding:
@@ -124,6 +175,14 @@ class SealedLayer:
 
 def _describe_geometry_change(slot: SealedSlot, tensor: torch.Tensor) -> str:
     changes = []
+    kind = tensor_kind(tensor)
+    if kind is not slot.fp.kind:
+        changes.append(f"class {slot.fp.kind.__name__} -> {kind.__name__}")
+    elif slot.fp.inner:
+        changes.append(f"the inner tensors or metadata of the {kind.__name__} wrapper")
+    elif (tensor.is_conj(), tensor.is_neg()) != (slot.fp.conj, slot.fp.neg):
+        now = _bits(tensor.is_conj(), tensor.is_neg())
+        changes.append(f"conj/neg bits {_bits(slot.fp.conj, slot.fp.neg)} -> {now}")
     if tuple(tensor.shape) != slot.fp.shape:
         changes.append(f"shape {list(slot.fp.shape)} -> {list(tensor.shape)}")
     if tensor.dtype != slot.fp.dtype:
@@ -137,70 +196,191 @@ def _describe_geometry_change(slot: SealedSlot, tensor: torch.Tensor) -> str:
     return ", ".join(changes)
 
 
-# What a declared slot and its inputs looked like before PWAL, to tell a skipped rebuild (``stale``):
-# (tensor at the path, its version, the declared sources, the inputs' state). A tuple: one is made per slot and
-# reload.
-_Freshness = tuple[torch.Tensor, int, "tuple[str, ...] | None", "_InputState"]
+def _is_wrapper(tensor: torch.Tensor) -> bool:
+    try:
+        return inner_tensors(tensor) is not None
+    except TypeError:
+        return True  # a wrapper with a broken flatten protocol: still no storage of its own
 
 
-def _own_parameters(layer: nn.Module) -> list[torch.Tensor]:
-    """``[p for _, p in layer.named_parameters(recurse=False)]``, read directly unless a class overrides it."""
-    cls = type(layer)
-    if cls.named_parameters is not _NAMED_PARAMETERS or cls._named_members is not _NAMED_MEMBERS:
-        return [p for _, p in layer.named_parameters(recurse=False)]
-    own: list[torch.Tensor] = []
-    for p in layer._parameters.values():
-        if p is not None and not any(p is q for q in own):  # named_parameters drops repeats
-            own.append(p)
-    return own
+def _leaf_names(fp: Fingerprint, prefix: str = "") -> list[tuple[str, Fingerprint]]:
+    """``(dotted inner name, fingerprint)`` of every tensor whose storage ``fp`` reads (see ``Fingerprint.memory``)."""
+    if not fp.inner:
+        return [(prefix, fp)]
+    return [leaf for name, part in fp.inner for leaf in _leaf_names(part, f"{prefix}.{name}" if prefix else name)]
 
 
-_NAMED_PARAMETERS: Any = nn.Module.named_parameters
-_NAMED_MEMBERS: Any = nn.Module._named_members
+def _bits(conj: bool, neg: bool) -> str:
+    return "+".join(name for name, on in (("conj", conj), ("neg", neg)) if on) or "none"
 
 
-def _input_tensors(layer: nn.Module, sources: tuple[str, ...] | None) -> list[torch.Tensor]:
-    if sources is None:
-        own = _own_parameters(layer)
-        return own if own else list(layer.parameters())
-    found = []
-    for source in sources:
-        value = SlotPath(source).resolve_or(layer, None)
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-    return found
-
-
-_SIGNATURE_ELEMENTS = 256
-
-
-def _signature(tensor: torch.Tensor) -> torch.Tensor:
-    # A strided sample of the values: loaders commonly write through ``param.data.copy_``, which does not move the
-    # parameter's version counter, so the values themselves are the only witness. Sampling keeps this a tiny
-    # kernel; a change confined to unsampled elements can escape it (documented in docs/fault-matrix.md).
-    flat = tensor.detach().reshape(-1)
-    step = max(1, flat.numel() // _SIGNATURE_ELEMENTS)
-    return flat[: step * _SIGNATURE_ELEMENTS : step].clone()  # == flat[::step][:_SIGNATURE_ELEMENTS], one view
+# -- freshness ---------------------------------------------------------------------------------------------
+#
+# A declared, non-static slot is ``stale`` when one of its inputs changed during the reload and PWAL neither
+# rebuilt it (a new storage at its path) nor really wrote it in place (its value sample changed). Its inputs are,
+# in order of preference: what the recording of a first reload saw PWAL read (``SealedSlot.inputs``, plus any
+# ``derived_from``); the declared ``derived_from``; else every parameter, buffer and plain tensor attribute of the
+# layer and the modules under it (its own declared slots excepted).
 
 
 @dataclass(frozen=True, slots=True)
-class _InputState:
-    identity: tuple[tuple[int, int], ...]
-    samples: tuple[torch.Tensor, ...]
+class InputRef:
+    """A tensor a derived slot was seen being computed from, as the model holds it: a module and a path on it."""
 
-    def same_as(self, other: _InputState) -> bool:
-        return self.identity == other.identity and all(
-            torch.equal(a, b) for a, b in zip(self.samples, other.samples, strict=True)
-        )
+    module_ref: weakref.ReferenceType[nn.Module]
+    path: SlotPath
+    ref: SlotRef  # the module's qualified name and the path: how the input is named to users
+
+    def resolve(self) -> Any:
+        module = self.module_ref()
+        return _MISSING if module is None else _getter(self.path)(module)
+
+    def label(self, layer: str) -> str:
+        """The input's name relative to ``layer`` where it lies under it (``inner.weight``), else ``owner:path``."""
+        if self.ref.layer == layer:
+            return self.path.text
+        if not layer or self.ref.layer.startswith(layer + "."):
+            return f"{self.ref.layer[len(layer) + 1 if layer else 0 :]}.{self.path.text}"
+        return str(self.ref)
 
 
-def _input_state(layer: nn.Module, sources: tuple[str, ...] | None) -> _InputState:
-    # A weight load either replaces the inputs (storage changes), writes them through the parameter (version
-    # moves) or writes them through ``.data`` (only the values change).
-    tensors = [t for t in _input_tensors(layer, sources) if t.device.type != "meta"]
-    return _InputState(
-        tuple((id(t.untyped_storage()), t._version) for t in tensors), tuple(_signature(t) for t in tensors)
-    )
+@functools.lru_cache(maxsize=65536)
+def _path(text: str) -> SlotPath:
+    return SlotPath(text)
+
+
+@functools.lru_cache(maxsize=65536)
+def _getter(path: SlotPath) -> Getter:
+    return compile_getter(path)
+
+
+_SIGNATURE_ELEMENTS = 256
+# A derived slot's own sample is larger: a real in-place write that leaves every sampled element as it was would
+# be taken for a no-op (stale), e.g. a requantization of a small weight delta that flips few packed values.
+_SLOT_SIGNATURE_ELEMENTS = 4096
+
+
+def _signature(tensor: torch.Tensor, elements: int = _SIGNATURE_ELEMENTS) -> torch.Tensor:
+    # A strided sample of the values: loaders commonly write through ``param.data.copy_``, which does not move the
+    # parameter's version counter, so the values themselves are the only witness. Sampling keeps this a tiny
+    # kernel; a change confined to unsampled elements can escape it (documented in docs/fault-matrix.md).
+    parts = memory_tensors(tensor)
+    if parts[0] is not tensor:  # a wrapper subclass: the values are its inner tensors'
+        return torch.cat([_signature(part, elements) for part in parts])
+    value = tensor.detach()
+    if value.is_contiguous():
+        flat = value.reshape(-1)
+        step = max(1, flat.numel() // elements)
+        sample = flat[: step * elements : step]  # == flat[::step][:elements], one view
+    else:  # a grid of about ``elements`` points: ``reshape(-1)`` of the whole view would copy all of it
+        per_dim = max(1, int(elements ** (1 / max(1, value.dim()))))
+        index = tuple(slice(None, None, max(1, n // per_dim)) for n in value.shape)
+        sample = value[index].reshape(-1)
+    # Compared as bytes: NaN equals NaN, and -0.0 differs from 0.0 (a write that changes any bit is a write).
+    return sample.clone().view(torch.uint8)
+
+
+def _strided(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.layout is torch.strided and value.device.type != "meta"
+
+
+def _same_sample(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+# An input before PWAL: (storage, version, value sample), or None where the path held no tensor.
+_InputBefore = tuple["weakref.ReferenceType[Any]", int, torch.Tensor] | None
+# How an input changed: not at all; written with maybe the same values (its version counter moved, or another
+# storage now holds the same sampled values); or for sure (other sampled values, gone).
+_UNCHANGED, _MAYBE, _CHANGED = 0, 1, 2
+
+
+def _input_before(value: Any) -> _InputBefore:
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+        return None
+    return weakref.ref(value.untyped_storage()), value._version, _signature(value)
+
+
+def _input_change(before: _InputBefore, value: Any) -> int:
+    if before is None:
+        return _UNCHANGED if not isinstance(value, torch.Tensor) else _CHANGED
+    if not isinstance(value, torch.Tensor):
+        return _CHANGED
+    storage, version, sample = before
+    if not _same_sample(sample, _signature(value)):
+        return _CHANGED
+    return _UNCHANGED if storage() is value.untyped_storage() and value._version == version else _MAYBE
+
+
+# One input of a layer's snapshot: (name for messages, how to resolve it now, what it was before PWAL).
+_Input = tuple[str, Callable[[], Any], _InputBefore]
+# A declared slot before PWAL: (tensor at the path, its version, its value sample, the keys of its inputs).
+_Freshness = tuple[torch.Tensor, int, torch.Tensor, tuple[Any, ...]]
+
+
+def _attribute(module: nn.Module, name: str) -> Callable[[], Any]:
+    module_ref = weakref.ref(module)
+
+    def resolve() -> Any:
+        owner = module_ref()
+        return _MISSING if owner is None else getattr(owner, name, _MISSING)
+
+    return resolve
+
+
+def _layer_inputs(layer: nn.Module) -> list[tuple[Any, str, Callable[[], Any]]]:
+    """The fallback inputs of ``layer``: ``(key, name, resolve)`` for every parameter, buffer and plain tensor
+    attribute of the layer and the modules under it, except each module's own declared slots."""
+    found: list[tuple[Any, str, Callable[[], Any]]] = []
+    for prefix, module in layer.named_modules():
+        declared = declarations_of(module)
+        names: list[str] = [n for n, p in module._parameters.items() if p is not None]
+        names += [n for n, b in module._buffers.items() if b is not None]
+        names += [n for n, v in vars(module).items() if isinstance(v, torch.Tensor) and n not in declared]
+        for name in names:
+            found.append(((id(module), name), f"{prefix}.{name}" if prefix else name, _attribute(module, name)))
+    return found
+
+
+@dataclass(slots=True)
+class _Inputs:
+    """The inputs a layer's snapshot watches, each resolved and sampled once however many slots read it."""
+
+    layer: nn.Module
+    qualname: str
+    inputs: dict[Any, _Input] = field(default_factory=dict)
+    fallback: tuple[Any, ...] | None = None  # the keys of _layer_inputs, computed on first need
+
+    def _add(self, key: Any, name: str, resolve: Callable[[], Any]) -> Any:
+        if key not in self.inputs:
+            self.inputs[key] = (name, resolve, _input_before(resolve()))
+        return key
+
+    def of(self, slot: SealedSlot) -> tuple[Any, ...]:
+        """The keys of ``slot``'s inputs (see the section comment for which).
+
+        A recorded input or a ``derived_from`` name that no longer resolves to a tensor (a module replaced, a
+        tensor deleted) makes the slot fall back to the whole layer: an input that cannot be watched must not
+        make the slot look fresh.
+        """
+        layer = self.layer
+        sources = slot.declaration.derived_from if slot.declaration is not None else None
+        recorded = slot.inputs
+        if recorded is not None and not all(isinstance(ref.resolve(), torch.Tensor) for ref in recorded):
+            recorded = None
+        paths = [_path(source) for source in sources or ()]
+        if (recorded is None and sources is None) or not all(
+            isinstance(_getter(path)(layer), torch.Tensor) for path in paths
+        ):
+            if self.fallback is None:
+                self.fallback = tuple(self._add(*entry) for entry in _layer_inputs(layer))
+            return self.fallback
+        keys: list[Any] = []
+        for ref in recorded or ():
+            keys.append(self._add((id(ref.module_ref()), ref.path.text), ref.label(self.qualname), ref.resolve))
+        for path in paths:
+            keys.append(self._add((id(layer), path.text), path.text, functools.partial(_getter(path), layer)))
+        return tuple(dict.fromkeys(keys))
 
 
 @dataclass(slots=True)
@@ -213,13 +393,21 @@ class LayerSnapshot:
     captured: list[torch.Tensor | None]
     findings: list[Finding] = field(default_factory=list)
     freshness: dict[int, _Freshness] = field(default_factory=dict)
+    inputs: _Inputs | None = None
     restored: int = 0
     bytes_copied: int = 0
     done: bool = False
-    #: Copies ``(captured, new)`` planned by :meth:`restore` (read by :meth:`check_aliases`).
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     #: Whether slots may share captured storage (sealed so, or walker extras whose storage is unknown ahead).
     shared: bool = False
+    #: Slot index -> (the new tensor at its path, a clone of its values): taken when another layer's restore was
+    #: about to write into the memory that tensor reads, before this layer was restored (layerwise reloads).
+    overrides: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: Freshness checks :meth:`restore` found due, run by :meth:`check_freshness` once the plan's copies landed.
+    fresh_due: list[tuple[int, SealedSlot, torch.Tensor, bool]] = field(default_factory=list)
+    #: New tensors :meth:`restore` leaves at their paths (findings): the plan must not change what they read.
+    kept: list[torch.Tensor] = field(default_factory=list)
+    #: Slot index -> what an ``alias-broken`` slot keeps instead of its new tensor, whose memory a copy overwrote.
+    keep: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def take(cls, sealed: SealedLayer, layer: nn.Module, extra: Iterable[SealedSlot] = ()) -> LayerSnapshot:
@@ -228,7 +416,7 @@ class LayerSnapshot:
         captured: list[torch.Tensor | None] = []
         findings: list[Finding] = []
         freshness: dict[int, _Freshness] = {}
-        input_cache: dict[tuple[str, ...] | None, _InputState] = {}
+        inputs: _Inputs | None = None
         tensor_type = torch.Tensor
         for index, slot in enumerate(slots):
             tensor = slot.tensor_ref()
@@ -247,13 +435,56 @@ class LayerSnapshot:
             if slot.tracks_freshness:
                 current = slot.get(layer)
                 if isinstance(current, tensor_type):
-                    sources = slot.declaration.derived_from  # type: ignore[union-attr]
-                    inputs = input_cache.get(sources)
                     if inputs is None:
-                        inputs = input_cache[sources] = _input_state(layer, sources)
-                    freshness[index] = (current, current._version, sources, inputs)
+                        inputs = _Inputs(layer, sealed.qualname)
+                    freshness[index] = (
+                        current,
+                        current._version,
+                        _signature(current, _SLOT_SIGNATURE_ELEMENTS),
+                        inputs.of(slot),
+                    )
         shared = sealed.shares_storage or len(slots) > len(sealed.slots)
-        return cls(sealed, layer, slots, captured, findings, freshness, shared=shared)
+        return cls(sealed, layer, slots, captured, findings, freshness, inputs, shared=shared)
+
+    def learn_inputs(
+        self, reads: Callable[[torch.Tensor], list[InputRef]], updated: Callable[[Any], bool], written: set[int]
+    ) -> list[str]:
+        """After a recorded PWAL, before restore: keep on each derived slot PWAL recomputed what it was computed
+        from (``reads``, the dataflow as the model holds it).
+
+        Returns a note per slot computed only from tensors this reload never wrote (``updated``) while the reload
+        wrote weights of the layer (``written``, storage ids) that no slot read: the signature of a PWAL reading a
+        private copy of earlier weights. A partial reload that leaves some inputs alone stays quiet, and so does a
+        layer where PWAL skipped a slot (what it would read is unknown).
+
+        A slot PWAL did not recompute keeps no record (it keeps the fallback inputs): a skipped rebuild says
+        nothing about what a rebuild reads, and an in-place write that read nothing the model holds
+        (``clamp_(-inf, inf)``) must not teach the contract that the slot has no inputs.
+        """
+        learned: list[tuple[SealedSlot, tuple[InputRef, ...]]] = []
+        for index, (before, _, _, _) in self.freshness.items():
+            slot = self.slots[index]
+            current = slot.get(self.layer)
+            if not isinstance(current, torch.Tensor):
+                continue
+            if not updated(current):
+                continue  # the recording never saw it made or written (another thread, say): it says nothing
+            found = tuple(reads(current))
+            if not found and current.untyped_storage() is before.untyped_storage():
+                continue
+            slot.inputs = found
+            learned.append((slot, found))
+        if len(learned) < len(self.freshness):
+            return []  # a slot PWAL skipped may be the one that reads what the reload wrote
+        read = {id(t.untyped_storage()) for _, found in learned for t in map(InputRef.resolve, found) if _strided(t)}
+        if not written - read:
+            return []
+        notes: list[str] = []
+        for slot, found in learned:
+            if found and not any(updated(ref.resolve()) for ref in found):
+                names = ", ".join(repr(ref.label(self.sealed.qualname)) for ref in found)
+                notes.append(f"{SlotRef(self.sealed.qualname, '')} slot {slot.path.text!r} from {names}")
+        return notes
 
     def in_place(self) -> bool:
         """Whether every slot is its captured tensor on its captured memory: then restore and verify are no-ops.
@@ -268,28 +499,28 @@ class LayerSnapshot:
         for slot, captured in zip(self.slots, self.captured, strict=True):
             if (
                 captured is None
+                or slot.wrapped
                 or slot.get(layer) is not captured
                 or captured.data_ptr() != slot.fp.data_ptr
-                or (captured.shape, captured.stride(), captured.dtype, captured.device) != slot.layout
+                or _view(captured) != slot.layout
                 or slot.fp.storage_ref() is None
             ):
                 return False
         return True
 
-    def restore(self, *, auto_restore: bool, batch: CopyBatch) -> list[tuple[int, torch.Tensor]]:
-        """Plan copies (added to ``batch`` and to :attr:`pairs`) and return the rebinds ``(slot index, captured)``.
+    def restore(self, *, auto_restore: bool, plan: RestorePlan) -> list[tuple[int, torch.Tensor]]:
+        """Plan this layer's copies into ``plan`` (nothing is copied yet) and return the rebinds ``(slot index,
+        captured)``.
 
-        Problems become findings; nothing here raises for a bad slot. As when layers were restored one at a time,
-        the values read here (input signatures) see every earlier layer's copies and none of this layer's: the
-        batch is flushed before such a read, and this layer's copies join it only once planning is done.
+        Problems become findings; nothing here raises for a bad slot. Freshness checks read input values, so they
+        wait for the plan's copies (:meth:`check_freshness`).
         """
         sealed = self.sealed
         layer = self.layer
         rebinds: list[tuple[int, torch.Tensor]] = []
-        pairs = self.pairs
-        sizes: list[tuple[tuple[Any, ...], int]] = []  # (copy group, bytes) of each pair
         seen_pairs: set[tuple[int, int]] | None = set() if self.shared else None
-        after_inputs: dict[tuple[str, ...] | None, bool] = {}
+        overrides = self.overrides
+        freshness = self.freshness
         tensor_type = torch.Tensor
         captured_list = self.captured
         for index, slot in enumerate(self.slots):
@@ -298,8 +529,8 @@ class LayerSnapshot:
                 continue
             current = slot.get(layer)
             if current is captured:
-                if index in self.freshness:
-                    self._check_fresh(index, slot, current, batch, after_inputs)
+                if index in freshness:
+                    self._note_fresh(index, slot, current)
                 continue  # in place
             if current is _MISSING or not isinstance(current, tensor_type):
                 what = (
@@ -309,10 +540,26 @@ class LayerSnapshot:
                 )
                 self.findings.append(sealed.finding(FindingKind.VANISHED, slot, detail=what))
                 continue
-            if current.untyped_storage() is captured.untyped_storage():
+            inner_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+            if slot.wrapped or _is_wrapper(current):
+                # A wrapper subclass: its inner tensors are what is copied. Settled here; a match goes on below
+                # (walker gate, rebind) with the inner pairs in place of the one pair.
+                problem = self._wrapper_pairs(slot, captured, current)
+                if isinstance(problem, Finding):
+                    self.findings.append(problem)
+                    continue
+                if not problem:
+                    if index in freshness:
+                        self._note_fresh(index, slot, current)
+                    continue  # every inner tensor in place
+                inner_pairs = problem
+                exact = False
+            elif current.untyped_storage() is captured.untyped_storage():
                 if current.data_ptr() == slot.fp.data_ptr and geometry_key(current) == geometry_key(captured):
-                    self._check_fresh(index, slot, current, batch, after_inputs)
+                    if index in freshness:
+                        self._note_fresh(index, slot, current)
                     continue  # in place, through another Python object
+                self.kept.append(current)
                 self.findings.append(
                     sealed.finding(
                         FindingKind.RESPECIFIED,
@@ -322,17 +569,24 @@ class LayerSnapshot:
                     )
                 )
                 continue
-            # Cheap fields first: both tensors exactly as sealed (the common case) settles it; anything else gets
-            # the full comparison (size-1 dimensions may carry any stride).
-            layout = slot.layout
-            exact = (
-                (current.shape, current.stride(), current.dtype, current.device) == layout
-                and current.storage_offset() == slot.fp.storage_offset
-                and (captured.shape, captured.stride(), captured.dtype, captured.device) == layout
-            )
-            if not exact and (
-                geometry_key(current) != geometry_key(captured) or current.storage_offset() != slot.fp.storage_offset
+            else:
+                # Cheap fields first: both tensors exactly as sealed (the common case) settles it; anything else
+                # gets the full comparison (size-1 dimensions may carry any stride).
+                layout = slot.layout
+                exact = (
+                    _view(current) == layout
+                    and current.storage_offset() == slot.fp.storage_offset
+                    and _view(captured) == layout
+                )
+            if (
+                inner_pairs is None
+                and not exact
+                and (
+                    geometry_key(current) != geometry_key(captured)
+                    or current.storage_offset() != slot.fp.storage_offset
+                )
             ):
+                self.kept.append(current)
                 self.findings.append(
                     sealed.finding(
                         FindingKind.RESPECIFIED,
@@ -348,6 +602,7 @@ class LayerSnapshot:
                     why = "undeclared tensor moved to new storage"
                     if auto_restore:
                         why += f"; not restorable ({slot.reason})"
+                    self.kept.append(current)
                     self.findings.append(
                         sealed.finding(FindingKind.MOVED, slot, after=fingerprint(current), detail=why)
                     )
@@ -361,86 +616,133 @@ class LayerSnapshot:
                     )
                 )
             rebinds.append((index, captured))
+            if inner_pairs is not None:
+                # A wrapper's inner tensors, each its own copy (no source override, no pair dedup: the wrapper
+                # object is the slot's, its parts are not shared with a plain slot's pair).
+                for dst, src in inner_pairs:
+                    nbytes = dst.numel() * dst.element_size()
+                    plan.add(self, index, dst, current, src, copy_group(dst), nbytes, copy=True)
+                continue
+            source = current
+            if overrides:
+                saved = overrides.get(index)
+                if saved is not None and saved[0] is current:
+                    source = saved[1]  # its values before an earlier restore wrote into the memory it reads
+            copy = True
             if seen_pairs is not None:
                 pair_key = (id(captured), id(current))
-                if pair_key in seen_pairs:
-                    continue
+                copy = pair_key not in seen_pairs
                 seen_pairs.add(pair_key)
-            pairs.append((captured, current))
             if exact:
-                sizes.append((slot.group, slot.nbytes))
+                plan.add(self, index, captured, current, source, slot.group, slot.nbytes, copy=copy)
             else:  # the captured tensor is not laid out as sealed: size and group from what it is now
-                sizes.append((copy_group(captured), captured.numel() * captured.element_size()))
-        add = batch.add
-        for (dst, src), (group, nbytes) in zip(pairs, sizes, strict=True):
-            add(dst, src, group, nbytes)
+                nbytes = captured.numel() * captured.element_size()
+                plan.add(self, index, captured, current, source, copy_group(captured), nbytes, copy=copy)
         return rebinds
 
-    def _check_fresh(
-        self,
-        index: int,
-        slot: SealedSlot,
-        current: torch.Tensor,
-        batch: CopyBatch,
-        after_inputs: dict[tuple[str, ...] | None, bool],
-    ) -> None:
-        """Flag a declared slot PWAL neither rebuilt nor wrote in place although its inputs changed."""
+    def _wrapper_pairs(
+        self, slot: SealedSlot, captured: torch.Tensor, current: torch.Tensor
+    ) -> Finding | list[tuple[torch.Tensor, torch.Tensor]]:
+        """A wrapper subclass slot (sealed as one, or one now): a finding, or the inner copies ``(captured, new)``
+        that restore it (empty: every inner tensor is in place)."""
+        sealed = self.sealed
+        try:
+            after = fingerprint(current)
+            same = slot.wrapped and _is_wrapper(current) and geometry_key(current) == geometry_key(captured)
+            new_parts, held = memory_tensors(current), memory_tensors(captured)
+        except (TypeError, RuntimeError) as exc:  # a wrapper whose flatten protocol does not give tensors
+            return sealed.finding(
+                FindingKind.RESPECIFIED, slot, detail=f"cannot read the tensor's memory ({exc}): recapture"
+            )
+        if not same:
+            return sealed.finding(
+                FindingKind.RESPECIFIED,
+                slot,
+                after=after,
+                detail=_describe_geometry_change(slot, current) + "; a copy cannot keep the captured layout: recapture",
+            )
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for (name, sealed_part), dst, src in zip(_leaf_names(slot.fp), held, new_parts, strict=True):
+            if dst.data_ptr() != sealed_part.data_ptr or dst.untyped_storage() is not sealed_part.storage_ref():
+                # The captured wrapper object itself was given another inner tensor: its captured memory is no
+                # longer reachable from it, so nothing can be copied there.
+                return sealed.finding(
+                    FindingKind.MOVED,
+                    slot,
+                    after=after,
+                    detail=f"the captured {slot.fp.kind.__name__}'s inner tensor {name!r} was replaced in place",
+                )
+            if src.untyped_storage() is dst.untyped_storage():
+                if src.data_ptr() == dst.data_ptr():
+                    continue  # this inner tensor in place (the geometry matched above)
+                return sealed.finding(
+                    FindingKind.RESPECIFIED,
+                    slot,
+                    after=after,
+                    detail=f"inner tensor {name!r} now reads another part of its captured storage: recapture",
+                )
+            pairs.append((dst, src))
+        return pairs
+
+    def check_freshness(self) -> None:
+        """Judge the slots :meth:`restore` found on their captured memory with their old values (see
+        :meth:`_note_fresh`) against their inputs; call with the plan's copies done."""
+        due, self.fresh_due = self.fresh_due, []
+        after_inputs: dict[Any, int] = {}
+        for index, slot, current, rewritten in due:
+            self._check_fresh(index, slot, current, rewritten, after_inputs)
+
+    def _note_fresh(self, index: int, slot: SealedSlot, current: torch.Tensor) -> None:
+        """Note a declared slot PWAL neither rebuilt nor really wrote in place, read now, as PWAL left it (before
+        any copy of the plan lands): :meth:`check_freshness` judges it once every input is final.
+
+        Called for a slot found on its captured memory after PWAL. A write counts only if it changed the slot's
+        value sample (``clamp_(-inf, inf)`` moves the version counter and keeps the old values).
+        """
         before = self.freshness.get(index)
-        if before is None:
+        if before is None or self.inputs is None:
             return
-        tensor, version, sources, inputs_before = before
-        if current is not tensor or current._version != version:
-            return
-        unchanged = after_inputs.get(sources)  # the inputs do not change during restore: once per layer
-        if unchanged is None:
-            batch.flush()  # the signature reads values: earlier layers' copies land first (this layer's wait)
-            unchanged = after_inputs[sources] = _input_state(self.layer, sources).same_as(inputs_before)
-        if unchanged:
-            return  # a partial reload that did not touch this slot's inputs
-        inputs = ", ".join(sources) if sources else "the layer's parameters"
+        tensor, version, sample, _ = before
+        if current.untyped_storage() is not tensor.untyped_storage():
+            return  # PWAL put another tensor at the path (restore copies it): rebuilt
+        if not _same_sample(sample, _signature(current, _SLOT_SIGNATURE_ELEMENTS)):
+            return  # written in place with other values
+        self.fresh_due.append((index, slot, current, current._version != version))
+
+    def _check_fresh(
+        self, index: int, slot: SealedSlot, current: torch.Tensor, rewritten: bool, after_inputs: dict[Any, int]
+    ) -> None:
+        """Flag a noted slot whose inputs changed.
+
+        A slot rewritten in place with its old sampled values is still taken as refreshed when the inputs too were
+        only maybe written (the same sampled values through the parameter or in a new tensor): a same-weights
+        reload.
+        """
+        assert self.inputs is not None  # _note_fresh notes only slots with inputs
+        keys = self.freshness[index][3]
+        changed: list[str] = []
+        worst = _UNCHANGED
+        for key in keys:
+            change = after_inputs.get(key)
+            if change is None:  # the inputs do not change during restore: once per input and layer
+                _, resolve, input_before = self.inputs.inputs[key]
+                change = after_inputs[key] = _input_change(input_before, resolve())
+            if change != _UNCHANGED:
+                changed.append(self.inputs.inputs[key][0])
+                worst = max(worst, change)
+        if worst == _UNCHANGED or (worst == _MAYBE and rewritten):
+            return  # a partial reload that did not touch this slot's inputs, or the same values written again
+        what = "kept the old values through an in-place write" if rewritten else "neither rebuilt it nor wrote it"
         self.findings.append(
             self.sealed.finding(
                 FindingKind.STALE,
                 slot,
                 after=fingerprint(current),
-                detail=f"its inputs ({inputs}) changed but PWAL neither rebuilt it nor wrote it in place; the graph "
-                "would read old values at the right address. Rebuild it in PWAL, or declare it static=True if "
-                "its contents do not depend on the weights",
+                detail=f"its input(s) {', '.join(changed)} changed but PWAL {what}; the graph would read old values "
+                "at the right address. Rebuild it in PWAL, or declare it static=True if its contents do not depend "
+                "on the weights",
             )
         )
-
-    def check_aliases(self, rebinds: list[tuple[int, torch.Tensor]]) -> None:
-        """After copying: slots sharing a captured storage must all read their new values (else alias-broken).
-
-        Call with the copies of :attr:`pairs` done (the batch flushed).
-        """
-        if not self.shared:
-            return  # every captured storage is tracked by one slot: no two slots can disagree
-        pairs = self.pairs
-        by_storage: dict[int, list[int]] = {}
-        for index, captured in rebinds:
-            by_storage.setdefault(id(captured.untyped_storage()), []).append(index)
-        new_of = {id(dst): src for dst, src in pairs}
-        for indices in by_storage.values():
-            if len(indices) < 2:
-                continue
-            for index in indices:
-                held = self.captured[index]
-                assert held is not None
-                source: Any = self.slots[index].get(self.layer)
-                if not isinstance(source, torch.Tensor):
-                    source = new_of.get(id(held))
-                if isinstance(source, torch.Tensor) and not torch.equal(held, source):
-                    others = ", ".join(repr(self.slots[i].path.text) for i in indices if i != index)
-                    self.findings.append(
-                        self.sealed.finding(
-                            FindingKind.ALIAS_BROKEN,
-                            self.slots[index],
-                            after=fingerprint(source),
-                            detail=f"shared captured storage with {others}, but the reload produced values that "
-                            "no longer agree",
-                        )
-                    )
 
     def rebind(self, rebinds: list[tuple[int, torch.Tensor]]) -> None:
         """Put the captured tensors back at their paths."""
@@ -451,6 +753,16 @@ class LayerSnapshot:
         for index, captured in rebinds:
             slot = self.slots[index]
             if broken and slot.path.text in broken:
+                kept = self.keep.get(index)
+                if kept is not None:  # its new tensor reads memory a copy overwrote: it keeps its values instead
+                    try:
+                        slot.set(layer, kept)
+                    except Exception as exc:
+                        self.findings.append(
+                            self.sealed.finding(
+                                FindingKind.MOVED, slot, detail=f"could not bind its new values back: {exc}"
+                            )
+                        )
                 continue
             try:
                 slot.set(layer, captured)
@@ -483,15 +795,246 @@ class LayerSnapshot:
                 continue
             if (
                 current is captured[index]
+                and not slot.wrapped
                 and current.data_ptr() == slot.fp.data_ptr
-                and (current.shape, current.stride(), current.dtype, current.device) == slot.layout
+                and _view(current) == slot.layout
             ):
                 continue  # the captured object on its captured memory (``.data =``, ``set_`` or a storage
                 # ``resize_`` can move the same object elsewhere)
-            after = fingerprint(current)
+            try:
+                after = fingerprint(current)
+            except (TypeError, RuntimeError) as exc:  # no storage and no flattenable inner tensors
+                self.findings.append(
+                    self.sealed.finding(FindingKind.MOVED, slot, detail=f"cannot read the tensor's memory ({exc})")
+                )
+                continue
             if after.key != slot.key or not after.same_storage(slot.fp):
                 self.findings.append(
                     self.sealed.finding(
                         FindingKind.MOVED, slot, after=after, detail="not at its captured storage after restore"
                     )
                 )
+
+
+#: Captured storage id -> ``(sealed layer, slot position)`` of every slot reading it, for storages two or more slots
+#: read (in one layer or several). Built at seal (``GraphContract._index_layers``).
+SharedIndex = Mapping[int, Sequence[tuple[SealedLayer, int]]]
+
+
+@dataclass(slots=True, eq=False)
+class _Move:
+    """One planned copy into a captured storage, and the rebind that follows it."""
+
+    snapshot: LayerSnapshot
+    index: int
+    dst: torch.Tensor  # the captured tensor
+    new: torch.Tensor  # the tensor PWAL left at the path
+    src: torch.Tensor  # what is copied: ``new``, or a clone of its values taken before anything was written
+    group: tuple[Any, ...]
+    nbytes: int
+    copy: bool  # False for a repeat of a (captured, new) pair already planned
+
+    @property
+    def ref(self) -> str:
+        return str(SlotRef(self.snapshot.sealed.qualname, self.snapshot.slots[self.index].path.text))
+
+
+@dataclass(slots=True, eq=False)
+class _Reader:
+    """A tensor the model keeps that reads bytes a plan writes (a slot left in place, a new tensor left at its
+    path): the bytes it read before the copies, which it must read again after them."""
+
+    view: torch.Tensor
+    before: torch.Tensor  # a clone of its values, taken before any copy of the plan was launched
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if torch.equal(a, b):
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype or not (a.is_floating_point() or a.is_complex()):
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())  # NaN scratch still agrees with itself
+
+
+class RestorePlan:
+    """Every copy of one restore step, planned before any is launched: the whole model in ``finish()``, the layers
+    of one ``after_layer()``. One transaction over the storages of the whole model:
+
+    * **order.** A source can be another slot's captured storage (a ping-pong swap ``cur, prev = prev, cur``,
+      tensors exchanged between layers, a rotation) or a view into one. Copies launched one after another would
+      overwrite sources still needed, so :meth:`protect` clones every source whose bytes overlap any destination of
+      the plan before any copy is launched: then no order can be wrong. Where nothing overlaps (the common case)
+      this costs one dict lookup per copy.
+    * **aliasing.** Slots in any layers that read overlapping bytes of a destination's captured storage (a tied
+      embedding and head, a workspace shared by layers, a view into a packed tensor) must all read their own new
+      values after the copies (:meth:`watch` before launching, :meth:`check` after). A slot left in place keeps
+      its bytes (they are its new values and the capture already reads them); a moved slot whose values the
+      storage then does not hold is ``alias-broken`` and keeps its new values.
+    """
+
+    __slots__ = ("_dst_spans", "_readers", "_shared", "moves")
+
+    def __init__(self, shared: SharedIndex) -> None:
+        self.moves: list[_Move] = []
+        self._dst_spans: dict[int, list[tuple[int, int]]] = {}  # storage id -> byte spans written
+        self._readers: list[_Reader] = []
+        self._shared = shared
+
+    def add(
+        self,
+        snapshot: LayerSnapshot,
+        index: int,
+        dst: torch.Tensor,
+        new: torch.Tensor,
+        src: torch.Tensor,
+        group: tuple[Any, ...],
+        nbytes: int,
+        *,
+        copy: bool,
+    ) -> None:
+        """Plan ``dst.copy_(src)`` for slot ``index`` of ``snapshot`` (``new`` is the tensor at its path)."""
+        self.moves.append(_Move(snapshot, index, dst, new, src, group, nbytes, copy))
+        self._dst_spans.setdefault(id(dst.untyped_storage()), []).append(byte_span(dst))
+
+    def overlaps_destination(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` reads bytes a copy of this plan writes."""
+        spans = self._dst_spans.get(id(tensor.untyped_storage()))
+        if spans is None:
+            return False
+        span = byte_span(tensor)
+        return any(spans_overlap(span, written) for written in spans)
+
+    def protect(self) -> None:
+        """Clone every source that reads bytes some copy of the plan writes (before any copy is launched)."""
+        clones: dict[int, torch.Tensor] = {}
+        for move in self.moves:
+            src = move.src
+            if self.overlaps_destination(src):
+                clone = clones.get(id(src))
+                if clone is None:
+                    clone = clones[id(src)] = src.detach().clone()
+                move.src = clone
+
+    def watch(
+        self,
+        captured_of: Callable[[SealedLayer, int], torch.Tensor | None],
+        local: Sequence[LayerSnapshot] = (),
+        kept: Iterable[torch.Tensor] = (),
+    ) -> None:
+        """Before launching: remember every reader of a written storage other than the move writing it.
+
+        Readers are slots the plan does not move whose captured tensor overlaps a write, found through the seal's
+        index (any layer) and ``local`` snapshots (walker extras, unknown at seal), and the ``kept`` tensors: new
+        tensors left at their paths (a respecified slot) that read memory a copy writes.
+        """
+        moved = {(id(m.snapshot.sealed), m.index) for m in self.moves}
+        seen: set[tuple[int, int]] = set()
+        readers = self._readers
+
+        def hold(view: torch.Tensor | None) -> None:
+            if view is not None and self.overlaps_destination(view):
+                readers.append(_Reader(view, view.detach().clone()))
+
+        def hold_slot(slot: SealedSlot, layer: nn.Module | None, view: torch.Tensor | None) -> None:
+            # Only a slot whose path still reads its captured tensor keeps bytes there (a vanished or respecified
+            # one is a finding already). An alias path (the walker found the storage of a tracked slot) follows
+            # its slot: "rebind every alias path", so it reads whatever that slot's new values are.
+            if view is None or layer is None or slot.origin is Origin.ALIAS:
+                return
+            current = slot.get(layer)
+            if slot.wrapped:  # a wrapper in place keeps the bytes of each of its inner tensors
+                if current is view:
+                    for part in memory_tensors(view):
+                        hold(part)
+                return
+            if current is view or (
+                isinstance(current, torch.Tensor)
+                and current.untyped_storage() is view.untyped_storage()
+                and current.data_ptr() == view.data_ptr()
+                and geometry_key(current) == geometry_key(view)
+            ):
+                hold(view)
+
+        for key in self._dst_spans:
+            for sealed, position in self._shared.get(key, ()):
+                entry = (id(sealed), position)
+                if entry in moved or entry in seen:
+                    continue
+                seen.add(entry)
+                slot = sealed.slots[position]
+                view = captured_of(sealed, position)
+                if view is not None and (slot.wrapped or slot.fp.storage_ref() is view.untyped_storage()):
+                    hold_slot(slot, sealed.layer_ref(), view)
+        for snapshot in local:
+            for position, view in enumerate(snapshot.captured):
+                entry = (id(snapshot.sealed), position)
+                if entry not in moved and entry not in seen:
+                    seen.add(entry)
+                    hold_slot(snapshot.slots[position], snapshot.layer, view)
+        for tensor in kept:
+            hold(tensor)
+
+    def launch(self, batch: CopyBatch) -> None:
+        """Launch every planned copy through ``batch`` (grouped ``_foreach_copy_``) and flush it."""
+        add = batch.add
+        for move in self.moves:
+            if move.copy:
+                add(move.dst, move.src, move.group, move.nbytes)
+        batch.flush()
+
+    def check(self) -> None:
+        """After the copies: every slot reading a written storage must read its own new values.
+
+        A reader (a slot left in place, a new tensor left at its path) keeps its bytes: they are its values, and
+        whoever reads it reads them there; if a copy changed them, they are written back. A moved slot whose
+        captured tensor then does not hold its source is ``alias-broken`` (a finding on its snapshot) and keeps its
+        new values: its new tensor, or a clone when a copy overwrote the memory that tensor reads. Its new tensor
+        then becomes a reader in turn, so this runs to a fixed point (each round breaks at least one move).
+        """
+        by_storage: dict[int, list[_Move]] = {}
+        for move in self.moves:
+            by_storage.setdefault(id(move.dst.untyped_storage()), []).append(move)
+        readers = self._readers
+        broken: set[int] = set()
+        while True:
+            if any(not _same_values(r.view, r.before) for r in readers):
+                with torch.no_grad():
+                    for reader in readers:
+                        reader.view.copy_(reader.before)
+            read = {id(r.view.untyped_storage()) for r in readers}
+            fresh: list[_Move] = []
+            for key, moves in by_storage.items():
+                if len(moves) < 2 and key not in read:
+                    continue  # one slot writes it, nobody else reads it: the copy is all there is
+                for move in moves:
+                    if id(move) not in broken and not _same_values(move.dst, move.src):
+                        fresh.append(move)
+            if not fresh:
+                return
+            for move in fresh:
+                broken.add(id(move))
+                self._break(move, by_storage[id(move.dst.untyped_storage())])
+                if move.src is not move.new:  # its tensor reads memory the plan writes: it keeps the clone
+                    readers.append(_Reader(move.src, move.src.detach().clone()))
+
+    def _break(self, move: _Move, sharing: list[_Move]) -> None:
+        snapshot = move.snapshot
+        slot = snapshot.slots[move.index]
+        others = [m.ref for m in sharing if m is not move]
+        where = f"shared captured storage with {', '.join(map(repr, others))}" if others else "its captured storage"
+        snapshot.findings.append(
+            snapshot.sealed.finding(
+                FindingKind.ALIAS_BROKEN,
+                slot,
+                after=fingerprint(move.new),
+                detail=f"{where} is also read by another slot or tensor, but the reload produced values that no "
+                "longer agree",
+            )
+        )
+        if move.src is not move.new and not _is_wrapper(move.new):
+            kept = move.src
+            if isinstance(move.new, nn.Parameter):
+                kept = nn.Parameter(kept, requires_grad=move.new.requires_grad)
+            snapshot.keep[move.index] = kept
+        else:
+            snapshot.kept.append(move.new)  # left at its path: a later restore step must not write what it reads

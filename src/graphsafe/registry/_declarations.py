@@ -15,7 +15,7 @@ from torch import nn
 from graphsafe.errors import DeclarationError, PathError, PathSyntaxError
 from graphsafe.handles import RemovableHandle
 from graphsafe.paths import SlotPath
-from graphsafe.registry._store import Declaration, LayerDeclarations, layer_store
+from graphsafe.registry._store import Declaration, layer_store
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -88,8 +88,10 @@ def graph_visible(
     Decorates a method ``(self, layer, ...)``, a function ``(layer, ...)`` or a layer's own method ``(self, ...)``;
     ``layer_arg`` names the parameter holding the layer when none of these fit. After the wrapped call returns,
     each path is resolved on the layer and declared for it. A path that does not resolve to a tensor then raises
-    :class:`~graphsafe.DeclarationError`. ``derived_from`` names the slots the tensors are computed from (default:
-    the layer's parameters); ``static=True`` marks contents PWAL legitimately leaves alone (zeroed scratch).
+    :class:`~graphsafe.DeclarationError`. ``derived_from`` names the tensors (paths on the layer) they are computed
+    from; it must resolve, else :class:`~graphsafe.DeclarationError`. Without it the contract records what PWAL
+    really reads on the first reload (until then: the layer's parameters, buffers and tensor attributes).
+    ``static=True`` marks contents PWAL legitimately leaves alone (zeroed scratch).
     """
     if not paths:
         raise DeclarationError("graph_visible() needs at least one slot path")
@@ -159,6 +161,13 @@ def _declare(
         and existing.static == static
     ):
         return existing  # the common case: PWAL re-declaring the same slot on every reload
+    for item in derived_from or ():
+        if not isinstance(_slot_path(item).resolve_or(layer, None), torch.Tensor):
+            raise DeclarationError(
+                f"{where}: declared slot {path.text!r} on {type(layer).__name__} names derived_from {item!r}, which "
+                "does not resolve to a tensor of the layer; name the tensor the slot is computed from (a path "
+                "relative to the layer), or drop derived_from and let graphsafe record what PWAL reads"
+            )
     declaration = Declaration(path=path, source=source, derived_from=derived_from, static=static)
     store.put(declaration)
     return declaration
@@ -174,24 +183,35 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _handle(layer: nn.Module, path: SlotPath) -> RemovableHandle:
-    """A handle that undeclares ``path`` on ``layer`` (held weakly: the handle does not keep the layer alive)."""
-    layer_ref = weakref.ref(layer)
+class _DeclarationHandle(RemovableHandle):
+    """Undeclares one path on one layer, holding the layer weakly (the handle does not keep it alive).
 
-    def store() -> LayerDeclarations | None:
-        owner = layer_ref()
-        return layer_store(owner, create=False) if owner is not None else None
+    Made on every ``register_derived`` call, so it is a plain object with two fields (no closures, no message
+    formatted until asked).
+    """
 
-    def remove() -> None:
-        owner = layer_ref()
+    __slots__ = ("_layer_ref", "_path")
+
+    def __init__(self, layer: nn.Module, path: SlotPath) -> None:  # no super().__init__: nothing of it is used
+        self._layer_ref = weakref.ref(layer)
+        self._path = path
+
+    @property
+    def active(self) -> bool:
+        owner = self._layer_ref()
+        entry = layer_store(owner, create=False) if owner is not None else None
+        return entry is not None and self._path.text in entry.slots
+
+    def remove(self) -> None:
+        owner = self._layer_ref()
         if owner is not None:
-            undeclare(owner, path.text)
+            undeclare(owner, self._path.text)
 
-    def active() -> bool:
-        entry = store()
-        return entry is not None and path.text in entry.slots
-
-    return RemovableHandle(remove, active, f"register_derived({type(layer).__name__}, {path.text!r})")
+    @property
+    def description(self) -> str:
+        owner = self._layer_ref()
+        name = type(owner).__name__ if owner is not None else "a collected layer"
+        return f"register_derived({name}, {self._path.text!r})"
 
 
 def _caller() -> str:
@@ -233,7 +253,7 @@ def register_derived(
         raise DeclarationError(f"register_derived on {type(layer).__name__}: {exc}") from exc
     source = _caller()
     _declare(layer, slot, tensor, _normalize_derived_from(derived_from), static, source, source)
-    return _handle(layer, slot)
+    return _DeclarationHandle(layer, slot)
 
 
 def declare(

@@ -301,6 +301,8 @@ def _wrap_capture(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper
                 return original(self, *args, **kwargs)
             with _maybe_record(state, contract):
                 result = original(self, *args, **kwargs)
+            if contract is not None:
+                contract.note_capture()  # the graphs read the model as it is now: a reseal may follow
             if model is not None:
                 bind(state, model, runner=self)
             if contract is not None and not state.recapturing and contract.sealed:

@@ -85,5 +85,7 @@ class GraphsafeWorkerExtension:
         if state is None or contract is None:
             return {"recaptured": False, "why": "graphsafe is not guarding this worker's model"}
         done = recapture_runner(self.model_runner, worker=self, state=state)
-        contract.reseal()
+        # recapture_runner captured every graph again (its capture hook reported it) or found none to capture
+        # (eager mode, no KV cache yet): either way no graph reads the storage of before the failed reload.
+        contract.reseal(recaptured=True)
         return {"recaptured": True, "what": done, "serving_safe": contract.serving_safe}

@@ -1,0 +1,177 @@
+"""The dataflow recorder: which storages each storage was computed from, over one load and PWAL.
+
+A :class:`Dataflow` is a ``TorchDispatchMode``. While it is active, every op that passes through torch's
+dispatcher adds edges ``written storage <- read storage``: an op's new outputs are computed from the tensors it
+read, and an argument it writes in place (``copy_``, ``mul_``, ``out=``) keeps what it was computed from before and
+gains what the op read. Views alias storage, so they add nothing. Storages are nodes, keyed by identity and held
+weakly (intermediates die during PWAL; their edges stay, so a chain through them is still followed).
+
+:meth:`Dataflow.reads` then answers, for a tensor PWAL left in the model, which tensors the model holds that it
+was (transitively) computed from: the walk goes back through intermediates and stops at storages the caller says
+the model holds. The contract uses it to learn each derived slot's real inputs once, on a first reload.
+
+Like the capture manifest, it sees only ops that pass through the dispatcher (aten ops and ``torch.library``
+custom ops), and only on the thread that entered it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Dataflow"]
+
+T = TypeVar("T")
+
+_VIEW, _WRITE = 1, 2
+_SCHEMAS: dict[Any, tuple[dict[int, int], dict[str, int]]] = {}
+
+
+def _schema_access(func: Any) -> tuple[dict[int, int], dict[str, int]]:
+    """Which arguments ``func`` writes or only views, by position and by name (cached per overload)."""
+    cached = _SCHEMAS.get(func)
+    if cached is None:
+        positions: dict[int, int] = {}
+        names: dict[str, int] = {}
+        schema = getattr(func, "_schema", None)
+        for index, argument in enumerate(schema.arguments if schema is not None else ()):
+            alias = argument.alias_info
+            if alias is not None:
+                kind = _WRITE if alias.is_write else _VIEW
+                positions[index] = kind
+                names[argument.name] = kind
+        cached = _SCHEMAS[func] = (positions, names)
+    return cached
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+
+
+class _Node:
+    """One storage seen during the recording."""
+
+    __slots__ = ("created", "ref", "sources", "written")
+
+    def __init__(self, storage: Any, *, created: bool) -> None:
+        self.ref = weakref.ref(storage)
+        self.sources: set[_Node] = set()
+        self.created = created  # allocated during the recording
+        self.written = False  # written in place during the recording
+
+
+class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    """Records ``written <- read`` edges between storages while active. ``paused`` lets ops through unrecorded
+    (the contract's own snapshot and copies run inside the recording)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.paused = False
+        self._nodes: dict[int, _Node] = {}  # id(storage) -> node; the weak reference confirms the id
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
+        positions, names = _schema_access(func)
+        read: list[torch.Tensor] = []
+        written: list[torch.Tensor] = []
+        argument_storages: set[int] = set()
+        for index, value in enumerate(args):
+            access = positions.get(index, 0)
+            for tensor in _tensors(value):
+                self._sort(tensor, access, read, written, argument_storages)
+        for key, value in kwargs.items():
+            access = names.get(key, 0)
+            for tensor in _tensors(value):
+                self._sort(tensor, access, read, written, argument_storages)
+        out = func(*args, **kwargs)
+        sources = {node for node in (self._node(t, created=False) for t in read) if node is not None}
+        for tensor in written:
+            node = self._node(tensor, created=False)
+            if node is not None:
+                node.written = True
+                node.sources |= sources - {node}
+        for tensor in _tensors(out):
+            if _strided(tensor) and id(tensor.untyped_storage()) not in argument_storages:
+                node = self._node(tensor, created=True)
+                if node is not None:
+                    node.sources |= sources
+        return out
+
+    @staticmethod
+    def _sort(
+        tensor: torch.Tensor, access: int, read: list[torch.Tensor], written: list[torch.Tensor], seen: set[int]
+    ) -> None:
+        if not _strided(tensor):
+            return
+        seen.add(id(tensor.untyped_storage()))
+        if access == _WRITE:
+            written.append(tensor)
+        elif access != _VIEW:
+            read.append(tensor)
+
+    def _node(self, tensor: torch.Tensor, *, created: bool) -> _Node | None:
+        if not _strided(tensor):
+            return None
+        storage = tensor.untyped_storage()
+        node = self._nodes.get(id(storage))
+        if node is None or node.ref() is not storage:  # unseen, or the id now names another storage
+            node = self._nodes[id(storage)] = _Node(storage, created=created)
+        return node
+
+    def updated(self, tensor: Any) -> bool:
+        """Whether ``tensor`` (any value) is a tensor whose storage was allocated or written in place while
+        recording."""
+        if not _strided(tensor):
+            return False
+        storage = tensor.untyped_storage()
+        node = self._nodes.get(id(storage))
+        return node is not None and node.ref() is storage and (node.created or node.written)
+
+    def reads(self, tensor: torch.Tensor, held: Callable[[Any], T | None]) -> list[T]:
+        """What ``tensor`` was computed from during the recording, as the model holds it.
+
+        Walks back from ``tensor``'s storage through every recorded edge; a storage for which ``held(storage)``
+        is not ``None`` is an input (its value is returned, once) and the walk stops there. ``tensor``'s own
+        storage is never its own input. Empty when no recorded op wrote or allocated ``tensor``'s storage.
+        """
+        if not _strided(tensor):
+            return []
+        storage = tensor.untyped_storage()
+        start = self._nodes.get(id(storage))
+        if start is None or start.ref() is not storage:
+            return []
+        found: list[T] = []
+        seen_values: set[int] = set()
+        visited = {start}
+        stack = list(start.sources)
+        while stack:
+            node = stack.pop()
+            if node in visited:
+                continue
+            visited.add(node)
+            alive = node.ref()
+            value = held(alive) if alive is not None else None
+            if value is not None:
+                if id(value) not in seen_values:
+                    seen_values.add(id(value))
+                    found.append(value)
+                continue
+            stack.extend(node.sources)
+        return found
+
+
+def _strided(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided and tensor.device.type != "meta"

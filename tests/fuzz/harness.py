@@ -1,0 +1,157 @@
+"""Run one scenario under a ``GraphContract`` (graphsafe's public API only) and let the oracle judge it.
+
+1. Build the model on the old weights, seal the contract (``record_capture`` around a forward when the scenario
+   says so), and record what the forward reads: the "capture".
+2. Build a model cold on the new weights and record what its forward reads: the truth.
+3. Reload under the contract: the loader and the mutated PWAL; still inside the transaction, record what the
+   forward reads now (PWAL's own result, before graphsafe restores anything).
+4. After the transaction: the status (or the exception), what a replay reads at the captured addresses, and what the
+   reloaded model's forward reads. :func:`fuzz.oracle.judge` gives the verdict; an exception that is not a
+   ``graphsafe.errors`` error is a crash.
+"""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from fuzz import models, oracle
+from fuzz.models import FuzzerBug, Scenario
+from graphsafe import GraphContract, GraphSafeError, record_capture
+
+OLD_SEED = 1
+NEW_SEED = 2
+
+
+@dataclass
+class Result:
+    scenario: Scenario
+    verdict: str
+    reason: str
+    status: str = ""
+    detail: str = ""  # the exception of a crash, with where it was raised
+
+
+def _seeds(scenario: Scenario) -> tuple[int, ...]:
+    return tuple(OLD_SEED if layer.loader == "keep" else NEW_SEED for layer in scenario.layers)
+
+
+def _crash(scenario: Scenario, exc: BaseException, when: str) -> Result:
+    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    at = f" at {where.filename.rsplit('/src/', 1)[-1]}:{where.lineno}" if where else ""
+    return Result(scenario, oracle.CRASH, f"{when}: {type(exc).__name__}", detail=f"{exc!r}{at}")
+
+
+def _reads(model: models.FuzzModel, x: torch.Tensor, values: bool = True) -> dict[oracle.Key, oracle.Read]:
+    """What the forward reads (``values=False``: only where, for the capture: no strong reference is kept)."""
+    return oracle.record(lambda note: models.forward(model, x, note), (x,), values=values)
+
+
+def run(scenario: Scenario, after_reload: Callable[[models.FuzzModel], None] | None = None) -> Result:
+    """Run ``scenario`` and return the oracle's verdict. Raises :class:`FuzzerBug` for the generator's own bugs.
+
+    ``after_reload(model)`` runs once the reload is over, before the oracle looks (the oracle's own tests inject a
+    lie there).
+    """
+    x = torch.ones(1)
+    old = models.weights(scenario, (OLD_SEED,) * len(scenario.layers))
+    new = models.weights(scenario, _seeds(scenario))
+    model = models.build(scenario, old)
+    contract = GraphContract(model, scenario.mode, detect=scenario.detect)  # type: ignore[arg-type]
+    try:
+        contract.seal()
+        if scenario.manifest:
+            with record_capture(contract, ignore=[x]):
+                models.forward(model, x)
+    except FuzzerBug:
+        raise
+    except GraphSafeError as exc:
+        return Result(scenario, oracle.FALSE_ALARM, f"seal refused: {type(exc).__name__}", "REFUSED", str(exc))
+    except Exception as exc:
+        return _crash(scenario, exc, "seal")
+    captured = _reads(model, x, values=False)
+    cold = _reads(models.build(scenario, new), x)
+    if scenario.mode != "strict":
+        contract.on_recapture(lambda outcome: None)  # a CPU "recapture": the contract reseals after it
+
+    after: dict[oracle.Key, oracle.Read] | None = None
+    status = ""
+    crash: Result | None = None
+    try:
+        with contract.reload():
+            models.reload(model, new)
+            after = _reads(model, x)
+    except FuzzerBug:
+        raise
+    except GraphSafeError:
+        pass
+    except Exception as exc:
+        crash = _crash(scenario, exc, "reload")
+    outcome = contract.last_outcome
+    status = outcome.status.name if outcome is not None else "REFUSED"
+    if crash is not None:
+        crash.status = status
+        return crash
+    if after_reload is not None:
+        after_reload(model)
+    if status == "COMMITTED":
+        gc.collect(1)  # a storage only garbage holds (an exception's frames) must read as freed; young is enough
+    post = _reads(model, x)
+    facts = oracle.Facts(
+        status=status,
+        replay_wrong=oracle.replay_wrong(captured, cold),
+        model_wrong=oracle.values_wrong(post, cold),
+        pwal_wrong=oracle.values_wrong(after, cold) if after is not None else None,
+        pwal_in_place=after is not None and oracle.in_place(after, captured, cold),
+    )
+    verdict, reason = oracle.judge(facts)
+    return Result(scenario, verdict, reason, status)
+
+
+@dataclass
+class Tally:
+    """Verdict counts, by verdict and by mutation kind, with the first few scenarios of each distinct reason."""
+
+    runs: int = 0
+    verdicts: Counter[str] = field(default_factory=Counter)
+    by_mutation: dict[str, Counter[str]] = field(default_factory=dict)
+    examples: dict[tuple[str, str], list[Result]] = field(default_factory=dict)
+    keep: int = 2
+
+    def add(self, result: Result) -> None:
+        self.runs += 1
+        self.verdicts[result.verdict] += 1
+        for mutation in result.scenario.mutations():
+            self.by_mutation.setdefault(mutation, Counter())[result.verdict] += 1
+        if result.verdict != oracle.OK:
+            # One bucket per distinct reason (the first words of it: the kind of lie, not the slot's name).
+            reason = result.reason.split(":")[0] + (f" {result.status}" if result.verdict == oracle.CRASH else "")
+            bucket = self.examples.setdefault((result.verdict, reason), [])
+            if len(bucket) < self.keep:
+                bucket.append(result)
+
+    @property
+    def failures(self) -> int:
+        return self.verdicts[oracle.SILENT] + self.verdicts[oracle.CRASH]
+
+    def report(self) -> str:
+        lines = [
+            f"graphsafe differential fuzzer: {self.runs} reloads: "
+            + ", ".join(f"{v} {self.verdicts[v]}" for v in oracle.VERDICTS)
+        ]
+        lines.append("by mutation kind (a reload counts once for every kind it applies):")
+        width = max((len(m) for m in self.by_mutation), default=8)
+        for mutation in sorted(self.by_mutation):
+            counts = self.by_mutation[mutation]
+            lines.append(f"  {mutation:<{width}}  " + "  ".join(f"{v} {counts[v]:>4}" for v in oracle.VERDICTS))
+        for (verdict, reason), results in sorted(self.examples.items()):
+            lines.append(f"{verdict}: {reason} (first {len(results)}):")
+            for result in results:
+                lines.append(f"  - {result.reason} {result.detail}".rstrip())
+                lines.append("    " + result.scenario.describe().replace("\n", "\n    "))
+        return "\n".join(lines)
