@@ -612,3 +612,16 @@ def test_every_attribute_name_and_plain_key_round_trips_and_resolves(names: list
     other = torch.ones(1)
     path.assign(root, other)
     assert path.resolve(root) is other
+
+
+def test_the_report_of_a_contract_says_each_untrackable_place_once() -> None:
+    """The seal's walk, the reload's finding and the report's own walk see one place: one note, with the advice."""
+    host = fresh_host()
+    model = Model(host)
+    PLACES["set_member"].install(host, values(0))
+    contract = GraphContract(model, "recapture").seal()
+    with contract.reload():
+        PLACES["set_member"].move(host, values(1))
+    notes = [note for note in migration_report(contract).notes if "untrackable" in note]
+    assert len(notes) == 1, notes
+    assert "layer (FreshHost)" in notes[0] and "a member of a set" in notes[0] and "declare that path" in notes[0]

@@ -110,6 +110,8 @@ EXPECTED: dict[str, dict[str, Expect]] = {
     "test_lazily_allocated": UNDECLARED,
     "test_module_level_cache": UNDECLARED,
     "test_walker_budget_exhausted": UNDECLARED,
+    "test_untrackable": UNDECLARED,
+    "test_tuple_keyed_cache": per_mode(failed(UndeclaredDriftError), RECAPTURE, COMMITTED),
     "test_declared_path_never_resolves": same(refused(DeclarationError)),
     "test_reload_when_not_serving_safe": same(refused(NotServingSafeError)),
 }
@@ -627,6 +629,58 @@ def test_walker_budget_exhausted(mode: str) -> None:
     }
     assert all("max_depth=1" in f.detail for f in run.outcome.problems)
     assert addresses(model) == sealed  # the declared slots were restored all the same
+    assert_values(model, 1)
+
+
+def _set_members(layer: Site) -> None:
+    """What a legacy PWAL does: keep a derived tensor in a set the forward reads (no path can name a member)."""
+    layer.members = {layer.weight.detach().sum(0)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_untrackable(mode: str) -> None:
+    # layers.1 keeps a derived tensor in a set: nothing can tell whether the captured one is still what it reads.
+    model, contract = build(0), None
+    _set_members(model.layers[1])
+    contract = GraphContract(model, mode).seal()  # type: ignore[arg-type]
+    (captured,) = model.layers[1].members
+    run = attempt(contract, faulty_reload(model, 1, _set_members))
+    run.check("test_untrackable", mode)
+    assert run.outcome is not None
+    assert {(f.layer, f.kind, f.path) for f in run.outcome.problems} == {("layers.1", FindingKind.UNTRACKABLE, "")}
+    assert all("a member of a set" in f.detail and "declare" in f.detail for f in run.outcome.problems)
+    (now,) = model.layers[1].members
+    assert now is not captured and torch.equal(now, model.layers[1].weight.detach().sum(0))  # PWAL's values
+    assert_values(model, 1)
+
+
+_KEY = (8, torch.float32)
+
+
+def _tuple_keyed(layer: Site) -> None:
+    """A legacy PWAL: a per-(batch size, dtype) cache of a derived tensor, rebuilt on every load."""
+    layer.cache = {_KEY: layer.weight.detach().sum(1).contiguous()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tuple_keyed_cache(mode: str) -> None:
+    # Issue 17 item 5: the walker names `cache[(8, torch.float32)]`, so the reload never commits quietly.
+    model = build(0)
+    _tuple_keyed(model.layers[1])
+    contract = GraphContract(model, mode).seal()  # type: ignore[arg-type]
+    captured = model.layers[1].cache[_KEY]
+    run = attempt(contract, faulty_reload(model, 1, _tuple_keyed))
+    run.check("test_tuple_keyed_cache", mode)
+    assert run.outcome is not None
+    expected = FindingKind.AUTO_RESTORED if mode == "migrate" else FindingKind.MOVED
+    assert {(f.layer, f.path, f.kind) for f in run.outcome.findings} == {
+        ("layers.1", "cache[(8, torch.float32)]", expected)
+    }
+    fresh = model.layers[1].weight.detach().sum(1)
+    if mode == "migrate":  # restored into the captured memory, and the path bound back to it
+        assert model.layers[1].cache[_KEY] is captured and torch.equal(captured, fresh)
+    else:
+        assert torch.equal(model.layers[1].cache[_KEY], fresh) and not torch.equal(captured, fresh)
     assert_values(model, 1)
 
 

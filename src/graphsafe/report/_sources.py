@@ -107,7 +107,10 @@ def _classified(
                 strip_addresses(f"{name}: walk budget exhausted ({tensors.exhausted}); tensors past it are not listed")
             )
         notes.extend(
-            strip_addresses(f"{FindingKind.UNTRACKABLE.value} at {name}: {note}; {UNTRACKABLE_ADVICE}")
+            # as _finding_note writes the contract's untrackable finding, so a place seen by both is one note
+            strip_addresses(
+                f"{FindingKind.UNTRACKABLE.value} at {name} ({type(layer).__name__}): {note}; {UNTRACKABLE_ADVICE}"
+            )
             for note in tensors.notes
         )
         yield qualname, layer, tensors
