@@ -254,11 +254,13 @@ def _layerwise_reload(
 def _shard(rank: int, mode: str) -> tuple[_Shard, GraphContract]:
     model = _Shard(rank)
     generator = torch.Generator().manual_seed(rank)
-    with torch.no_grad():
+    contract = GraphContract(model, mode)  # type: ignore[arg-type]
+    # Recorded: the contract learns that PWAL makes the undeclared scratch from nothing (static, not stale).
+    with contract.record_inputs(), torch.no_grad():
         for layer in model.layers:
             layer.weight.copy_(torch.randn(4, 4, generator=generator))
             layer.process_weights_after_loading()
-    return model, GraphContract(model, mode).seal()  # type: ignore[arg-type]
+    return model, contract.seal()
 
 
 @pytest.mark.timeout(60)

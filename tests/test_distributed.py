@@ -80,8 +80,10 @@ def _load(model: Shard, seed: int, fault: str | None = None) -> None:
 
 def _shard(rank: int, mode: str = "recapture", detect: str = "declared-only") -> tuple[Shard, GraphContract]:
     model = Shard(rank)
-    _load(model, seed=rank)
-    return model, GraphContract(model, mode, detect=detect).seal()  # type: ignore[arg-type]
+    contract = GraphContract(model, mode, detect=detect)  # type: ignore[arg-type]
+    with contract.record_inputs():  # the contract learns that PWAL makes the undeclared scratch from nothing
+        _load(model, seed=rank)
+    return model, contract.seal()
 
 
 # ----------------------------------------------------------------------------------------------------

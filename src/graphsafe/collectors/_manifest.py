@@ -465,6 +465,7 @@ class Manifest:
     def __init__(self, *, walk: bool = True) -> None:
         self.walk = walk
         self._captures: dict[str, list[CapturedStorage]] = {}
+        self._tracked: frozenset[tuple[str, str]] = frozenset()  # (layer, path) of the contract's slots at seal
 
     # -- contents ----------------------------------------------------------------------------------------------
     @property
@@ -520,6 +521,7 @@ class Manifest:
         model = contract.model
         index = _PathIndex()
         if contract.sealed:
+            self._tracked = frozenset((info.layer, info.path) for info in contract.slots())
             _contract_index(contract, index)
         # Declarations made after the seal, and (where the contract does not walk) the walker's finds.
         _model_index(model, index, walk=self.walk and (contract.detect == "declared-only" or not contract.sealed))
@@ -532,6 +534,29 @@ class Manifest:
                 entry.holders = tuple(holders)
 
     # -- reload check ------------------------------------------------------------------------------------------
+    def held(self, contract: SealedModel) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """``(layer, path, tensor)`` for every path that held a recorded (live) storage, as the model holds it now.
+
+        The contract reads these before a restore writes into captured storage: a path it does not track (a
+        tensor ``detect="declared-only"`` never seals) may now hold one of the captured storages with values the
+        reload produced for that path, which a copy must not overwrite. O(recorded storages x their holders).
+        """
+        model = contract.model
+        layers: dict[str, nn.Module | None] = {}
+        seen: set[tuple[str, str]] = set()
+        for entry in self.storages():
+            if entry.storage_ref() is None:
+                continue
+            for holder in entry.holders:
+                key = (holder.layer, holder.path)
+                if key in seen:
+                    continue
+                seen.add(key)
+                layer = _layer(model, layers, holder.layer)
+                value = holder.slot_path.resolve_or(layer, None) if layer is not None else None
+                if isinstance(value, torch.Tensor) and value.layout is torch.strided:
+                    yield holder.layer, holder.path, value
+
     def check(self, contract: SealedModel) -> list[Finding]:
         """``dead`` and ``orphaned`` findings for the recorded storages, after a reload's restore.
 
@@ -540,6 +565,7 @@ class Manifest:
         model = contract.model
         layers: dict[str, nn.Module | None] = {}
         findings: list[Finding] = []
+        tracked = self._tracked
         for entry in self.storages():
             storage = entry.storage_ref()
             if storage is None:
@@ -553,7 +579,14 @@ class Manifest:
                 continue
             if not entry.holders:
                 continue  # unowned and alive: nothing says who should update it (see unowned())
-            if any(_holds(model, layers, holder, storage) for holder in entry.holders):
+            left = [holder for holder in entry.holders if not _holds(model, layers, holder, storage)]
+            if len(left) < len(entry.holders):
+                # Still held. A path the contract does not track that left it (PWAL rebuilt an undeclared base
+                # of a declared view) had its new values put elsewhere: the graph reads its old ones here. A
+                # tracked path that left it is the contract's own finding.
+                untracked = [h for h in left if (h.layer, h.path) not in tracked]
+                if untracked:
+                    findings.append(_left_finding(entry, model, layers, untracked[0]))
                 continue
             first = entry.holders[0]
             layer = _layer(model, layers, first.layer)
@@ -579,6 +612,26 @@ def _holds(model: nn.Module, cache: dict[str, nn.Module | None], holder: Holder,
     if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
         return False
     return any(part.untyped_storage() is storage for part in _memory(value))
+
+
+def _left_finding(
+    entry: CapturedStorage, model: nn.Module, layers: dict[str, nn.Module | None], holder: Holder
+) -> Finding:
+    layer = _layer(model, layers, holder.layer)
+    now = holder.slot_path.resolve_or(layer, None) if layer is not None else None
+    after = fingerprint(now) if isinstance(now, torch.Tensor) and now.layout is torch.strided else None
+    keep = ", ".join(h.where for h in entry.holders if h is not holder)
+    return Finding(
+        FindingKind.ORPHANED,
+        layer=holder.layer,
+        layer_class=holder.layer_class,
+        path=holder.path,
+        declared=holder.declared,
+        before=entry.first_view,
+        after=after,
+        detail=f"capture manifest: {entry.touched()}; the model no longer holds it at {holder.path!r} (still at "
+        f"{keep}), so replay reads that path's old values there; declare {holder.path!r} or recapture",
+    )
 
 
 def _finding(

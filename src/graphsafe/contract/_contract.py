@@ -10,7 +10,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, Literal, Protocol
@@ -55,6 +55,8 @@ class ManifestCheck(Protocol):
     def reindex(self, contract: GraphContract) -> None: ...
 
     def check(self, contract: GraphContract) -> list[Finding]: ...
+
+    def held(self, contract: GraphContract) -> Iterable[tuple[str, str, torch.Tensor]]: ...
 
 
 def _listen(
@@ -127,6 +129,7 @@ class GraphContract:
         self._units: frozenset[int] = frozenset()  # ids of the model's modules at seal: each its own reload unit
         self._by_layer: dict[int, list[int]] = {}  # id(layer) -> indices into _layers (for before/after_layer)
         self._shared: SharedIndex = {}  # captured storage id -> every (sealed layer, slot position) reading it
+        self._slot_keys: set[tuple[str, str]] = set()  # (layer, path) of every sealed slot
         self._sealed = False
         self._unsafe_reason: str | None = "not sealed yet: call seal() after the first load, before capture"
         self._callbacks: list[Callable[[ReloadOutcome], Any]] = []
@@ -265,6 +268,7 @@ class GraphContract:
                 if entry is not None and entry[0]() is sealed.layer_ref():
                     slot.inputs = entry[1]
         self._layers = layers
+        self._slot_keys = {(sealed.qualname, slot.path.text) for sealed in layers for slot in sealed.slots}
         self._index_layers()
         pending, self._pending = self._pending, None
         if pending is not None:
@@ -924,7 +928,7 @@ class ReloadTransaction:
             return None
         contract._adopt_late_declarations(sealed, layer)
         extras, exhausted, untrackable = contract._walker_extras(sealed, layer)
-        snapshot = LayerSnapshot.take(sealed, layer, extras)
+        snapshot = LayerSnapshot.take(sealed, layer, extras, recorded=contract._recorded)
         # Untrackable at the seal or now: no check can tell whether the graph still reads their memory.
         for where in dict.fromkeys(sealed.untrackable + untrackable):
             snapshot.findings.append(
@@ -985,9 +989,11 @@ class ReloadTransaction:
                 plan.protect()
                 self._protect_pending(plan, group)
                 local = [s for s, _ in work if len(s.slots) > len(s.sealed.slots)]
-                plan.watch(self._captured_of, local, [*self._kept, *(t for s, _ in work for t in s.kept)])
+                kept = [*self._kept, *(t for s, _ in work for t in s.kept), *self._untracked_holders(local)]
+                plan.watch(self._captured_of, self._version_of, local, kept)
                 plan.launch(batch)
                 plan.check()
+                self._findings.extend(plan.findings)
         finally:
             batch.flush()
             self._bytes += batch.written
@@ -1030,6 +1036,28 @@ class ReloadTransaction:
                 saved = snapshot.overrides.get(index)
                 if (saved is None or saved[0] is not current) and plan.overlaps_destination(current):
                     snapshot.overrides[index] = (current, current.detach().clone())
+
+    def _untracked_holders(self, local: list[LayerSnapshot]) -> list[torch.Tensor]:
+        """What the model holds now at the paths the capture-time manifest saw holding captured storage and the
+        contract does not track (``detect="declared-only"`` seals declared slots only): a restore must not
+        overwrite what those paths read (PWAL may have handed them a captured storage, a swap)."""
+        manifest = self.contract.manifest
+        if manifest is None:
+            return []
+        tracked = self.contract._slot_keys
+        extra = {(s.sealed.qualname, slot.path.text) for s in local for slot in s.slots[len(s.sealed.slots) :]}
+        return [
+            tensor
+            for layer, path, tensor in manifest.held(self.contract)
+            if (layer, path) not in tracked and (layer, path) not in extra
+        ]
+
+    def _version_of(self, sealed: SealedLayer, position: int) -> int | None:
+        """The captured tensor's version counter when the reload began, where its snapshot kept one."""
+        snapshot = self._snapshots.get(id(sealed))
+        if snapshot is not None and position < len(snapshot.versions):
+            return snapshot.versions[position]
+        return None
 
     def _captured_of(self, sealed: SealedLayer, position: int) -> torch.Tensor | None:
         """The captured tensor of a sealed slot: its snapshot's strong reference, else from the seal."""

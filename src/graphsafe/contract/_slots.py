@@ -84,7 +84,11 @@ class SealedSlot:
         self.group = (fp.device, fp.dtype, tensor.layout if tensor is not None else torch.strided)
         self.nbytes = fp.nbytes
         declaration = self.declaration
-        self.tracks_freshness = self.origin is Origin.DECLARED and declaration is not None and not declaration.static
+        # Declared derived slots, and tensors only the walker found (see LayerSnapshot.take for when those are
+        # watched): a reload that changes the weights and leaves them as they were must not commit.
+        self.tracks_freshness = (
+            self.origin is Origin.DECLARED and declaration is not None and not declaration.static
+        ) or self.origin is Origin.WALKER
 
     def captured(self) -> torch.Tensor | None:
         """The captured tensor: the original object, or a new view on the captured storage, or ``None`` if freed."""
@@ -408,18 +412,32 @@ class LayerSnapshot:
     kept: list[torch.Tensor] = field(default_factory=list)
     #: Slot index -> what an ``alias-broken`` slot keeps instead of its new tensor, whose memory a copy overwrote.
     keep: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: Each captured tensor's version counter when the snapshot was taken (-1: none, or a view rebuilt from the
+    #: storage, whose counter no write through the model's tensors moves).
+    versions: list[int] = field(default_factory=list)
 
     @classmethod
-    def take(cls, sealed: SealedLayer, layer: nn.Module, extra: Iterable[SealedSlot] = ()) -> LayerSnapshot:
+    def take(
+        cls, sealed: SealedLayer, layer: nn.Module, extra: Iterable[SealedSlot] = (), *, recorded: bool = False
+    ) -> LayerSnapshot:
+        """Snapshot ``layer`` before its load.
+
+        ``recorded``: a recording of PWAL (the first reload's, or the initial load's under ``record_inputs()``)
+        exists. A tensor only the walker found is then watched for freshness only if that recording saw PWAL compute
+        it; one PWAL never touched is static (a scratch, a table, a KV cache). Before any recording nothing says
+        which it is, so it is watched: a weight change that leaves it as it was is ``stale`` (fail closed).
+        """
         slots = list(sealed.slots)
         slots.extend(extra)
         captured: list[torch.Tensor | None] = []
+        versions: list[int] = []
         findings: list[Finding] = []
         freshness: dict[int, _Freshness] = {}
         inputs: _Inputs | None = None
         tensor_type = torch.Tensor
         for index, slot in enumerate(slots):
             tensor = slot.tensor_ref()
+            versions.append(-1 if tensor is None else tensor._version)
             if tensor is None:
                 tensor = slot.captured()  # a new view on the captured storage, if it is still alive
             captured.append(tensor)
@@ -432,7 +450,7 @@ class LayerSnapshot:
                     )
                 )
                 continue
-            if slot.tracks_freshness:
+            if slot.tracks_freshness and (slot.origin is not Origin.WALKER or not recorded or slot.inputs):
                 current = slot.get(layer)
                 if isinstance(current, tensor_type):
                     if inputs is None:
@@ -444,7 +462,7 @@ class LayerSnapshot:
                         inputs.of(slot),
                     )
         shared = sealed.shares_storage or len(slots) > len(sealed.slots)
-        return cls(sealed, layer, slots, captured, findings, freshness, inputs, shared=shared)
+        return cls(sealed, layer, slots, captured, findings, freshness, inputs, shared=shared, versions=versions)
 
     def learn_inputs(
         self, reads: Callable[[torch.Tensor], list[InputRef]], updated: Callable[[Any], bool], written: set[int]
@@ -846,6 +864,18 @@ class _Reader:
 
     view: torch.Tensor
     before: torch.Tensor  # a clone of its values, taken before any copy of the plan was launched
+    #: The slot left in place that reads ``view`` (its captured tensor), or ``None`` for a new tensor.
+    owner: tuple[SealedLayer, SealedSlot] | None = None
+    #: Whether the reload wrote its memory (the captured tensor's version counter moved, or a loaded parameter or
+    #: buffer): bytes nobody wrote are the old values, which a slot that shared them with a moved one may still
+    #: need to follow.
+    written: bool = True
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` (any tensor; a wrapper subclass reads its inner tensors) reads bytes of the plain tensor ``b``."""
+    storage, span = b.untyped_storage(), byte_span(b)
+    return any(part.untyped_storage() is storage and spans_overlap(byte_span(part), span) for part in memory_tensors(a))
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -868,17 +898,21 @@ class RestorePlan:
     * **aliasing.** Slots in any layers that read overlapping bytes of a destination's captured storage (a tied
       embedding and head, a workspace shared by layers, a view into a packed tensor) must all read their own new
       values after the copies (:meth:`watch` before launching, :meth:`check` after). A slot left in place keeps
-      its bytes (they are its new values and the capture already reads them); a moved slot whose values the
-      storage then does not hold is ``alias-broken`` and keeps its new values.
+      its bytes; a moved slot whose values the storage then does not hold is ``alias-broken`` and keeps its new
+      values. Where the slot left in place cannot vouch for its bytes (nothing wrote them during the reload, or
+      another slot's new tensor now owns them: PWAL re-derived its partner but not it), it is ``stale`` too: a
+      recapture would read values nobody produced for it.
     """
 
-    __slots__ = ("_dst_spans", "_readers", "_shared", "moves")
+    __slots__ = ("_dst_spans", "_readers", "_shared", "findings", "moves")
 
     def __init__(self, shared: SharedIndex) -> None:
         self.moves: list[_Move] = []
         self._dst_spans: dict[int, list[tuple[int, int]]] = {}  # storage id -> byte spans written
         self._readers: list[_Reader] = []
         self._shared = shared
+        #: Findings on slots outside any move (a slot left in place that cannot vouch for its bytes).
+        self.findings: list[Finding] = []
 
     def add(
         self,
@@ -918,6 +952,7 @@ class RestorePlan:
     def watch(
         self,
         captured_of: Callable[[SealedLayer, int], torch.Tensor | None],
+        version_of: Callable[[SealedLayer, int], int | None],
         local: Sequence[LayerSnapshot] = (),
         kept: Iterable[torch.Tensor] = (),
     ) -> None:
@@ -925,17 +960,30 @@ class RestorePlan:
 
         Readers are slots the plan does not move whose captured tensor overlaps a write, found through the seal's
         index (any layer) and ``local`` snapshots (walker extras, unknown at seal), and the ``kept`` tensors: new
-        tensors left at their paths (a respecified slot) that read memory a copy writes.
+        tensors left at their paths (a respecified slot, a path the contract does not track) that read memory a
+        copy writes. ``version_of`` gives a captured tensor's version counter when the reload began.
         """
         moved = {(id(m.snapshot.sealed), m.index) for m in self.moves}
         seen: set[tuple[int, int]] = set()
         readers = self._readers
 
-        def hold(view: torch.Tensor | None) -> None:
-            if view is not None and self.overlaps_destination(view):
+        def hold(view: torch.Tensor | None, owner: tuple[SealedLayer, SealedSlot, int | None] | None = None) -> None:
+            if view is None or not self.overlaps_destination(view):
+                return
+            if owner is None:
                 readers.append(_Reader(view, view.detach().clone()))
+                return
+            sealed, slot, version = owner
+            # Loaded state (parameters, buffers) and static slots own their bytes whoever wrote them.
+            written = not slot.tracks_freshness or (version is not None and version >= 0 and view._version != version)
+            readers.append(_Reader(view, view.detach().clone(), (sealed, slot), written))
 
-        def hold_slot(slot: SealedSlot, layer: nn.Module | None, view: torch.Tensor | None) -> None:
+        def hold_slot(
+            slot: SealedSlot,
+            layer: nn.Module | None,
+            view: torch.Tensor | None,
+            owner: tuple[SealedLayer, SealedSlot, int | None],
+        ) -> None:
             # Only a slot whose path still reads its captured tensor keeps bytes there (a vanished or respecified
             # one is a finding already). An alias path (the walker found the storage of a tracked slot) follows
             # its slot: "rebind every alias path", so it reads whatever that slot's new values are.
@@ -953,7 +1001,7 @@ class RestorePlan:
                 and current.data_ptr() == view.data_ptr()
                 and geometry_key(current) == geometry_key(view)
             ):
-                hold(view)
+                hold(view, owner)
 
         for key in self._dst_spans:
             for sealed, position in self._shared.get(key, ()):
@@ -964,13 +1012,15 @@ class RestorePlan:
                 slot = sealed.slots[position]
                 view = captured_of(sealed, position)
                 if view is not None and (slot.wrapped or slot.fp.storage_ref() is view.untyped_storage()):
-                    hold_slot(slot, sealed.layer_ref(), view)
+                    hold_slot(slot, sealed.layer_ref(), view, (sealed, slot, version_of(sealed, position)))
         for snapshot in local:
             for position, view in enumerate(snapshot.captured):
                 entry = (id(snapshot.sealed), position)
                 if entry not in moved and entry not in seen:
                     seen.add(entry)
-                    hold_slot(snapshot.slots[position], snapshot.layer, view)
+                    slot = snapshot.slots[position]
+                    version = snapshot.versions[position] if position < len(snapshot.versions) else None
+                    hold_slot(slot, snapshot.layer, view, (snapshot.sealed, slot, version))
         for tensor in kept:
             hold(tensor)
 
@@ -996,8 +1046,14 @@ class RestorePlan:
             by_storage.setdefault(id(move.dst.untyped_storage()), []).append(move)
         readers = self._readers
         broken: set[int] = set()
+        flagged: set[int] = set()
         while True:
-            if any(not _same_values(r.view, r.before) for r in readers):
+            changed = [r for r in readers if not _same_values(r.view, r.before)]
+            if changed:
+                for reader in changed:
+                    if reader.owner is not None and id(reader) not in flagged:
+                        flagged.add(id(reader))
+                        self._doubt(reader)
                 with torch.no_grad():
                     for reader in readers:
                         reader.view.copy_(reader.before)
@@ -1016,6 +1072,29 @@ class RestorePlan:
                 self._break(move, by_storage[id(move.dst.untyped_storage())])
                 if move.src is not move.new:  # its tensor reads memory the plan writes: it keeps the clone
                     readers.append(_Reader(move.src, move.src.detach().clone()))
+
+    def _doubt(self, reader: _Reader) -> None:
+        """A slot left in place whose bytes a copy would change: ``stale`` where it cannot vouch for them."""
+        assert reader.owner is not None
+        sealed, slot = reader.owner
+        view = reader.view
+        owners = [m.ref for m in self.moves if _overlap(m.new, view)]
+        if owners:
+            why = f"its bytes now belong to the new tensor of {', '.join(map(repr, owners))}"
+        elif not reader.written:
+            why = "nothing wrote its bytes during the reload"
+        else:
+            return  # written by the reload: its own values, and the moved slot breaks away (alias-broken)
+        partners = sorted({m.ref for m in self.moves if _overlap(m.dst, view)})
+        self.findings.append(
+            sealed.finding(
+                FindingKind.STALE,
+                slot,
+                detail=f"it shares captured memory with {', '.join(map(repr, partners))}, which the reload gave new "
+                f"values, but PWAL left it on that memory and {why}: its values may be stale and a recapture would "
+                "read them. Re-derive it in PWAL together with its partner",
+            )
+        )
 
     def _break(self, move: _Move, sharing: list[_Move]) -> None:
         snapshot = move.snapshot

@@ -15,6 +15,7 @@ from typing import Any, Final
 import torch
 
 from graphsafe.collectors.walker._edges import (
+    ATTR,
     INPLACE,
     NO_WRITE,
     STATE,
@@ -103,6 +104,8 @@ def enumerate_paths(graph: WalkGraph, skip: Collection[str] = ()) -> list[Tensor
         else:
             text = first_step_text(tk, key)
         if kinds[child] == TENSOR:
+            if trail and tk == ATTR and _inner_of_a_slot(objs, kinds, prints, e_child[trail[-1]], key):
+                continue  # a fingerprinted wrapper's inner tensor: the wrapper's slot restores and verifies it
             # A tensor with attributes (a wrapper's inner tensors, g_idx set on a parameter) is also a step on.
             inner = estart[child] >= 0 and any(marks[e_child[x]] for x in range(estart[child], eend[child]))
             # STATE: the layer's own parameter or buffer, the seal's slot; skipped: the caller knows the path.
@@ -129,6 +132,25 @@ def enumerate_paths(graph: WalkGraph, skip: Collection[str] = ()) -> list[Tensor
         pos.append(estart[child])
         ends.append(eend[child])
     return refs
+
+
+def _inner_of_a_slot(
+    objs: list[Any], kinds: list[int], prints: dict[int, Fingerprint | None], parent: int, name: object
+) -> bool:
+    """Whether attribute ``name`` of node ``parent`` is an inner tensor (``__tensor_flatten__``) of a wrapper
+    subclass that is a slot (one the walker could fingerprint): then it is the wrapper's memory, no slot of its
+    own."""
+    # Not fingerprinted here at all: the layer's own parameter or buffer, or a path the caller seals itself.
+    if kinds[parent] != TENSOR or (parent in prints and prints[parent] is None):
+        return False
+    flatten = getattr(type(objs[parent]), "__tensor_flatten__", None)
+    if flatten is None:
+        return False
+    try:
+        names = flatten(objs[parent])[0]
+    except Exception:  # a flatten protocol that does not run: its attributes stay slots of their own
+        return False
+    return name in names
 
 
 def _restorability(graph: WalkGraph, edges: list[int], texts: list[str]) -> tuple[bool, str | None]:
