@@ -104,13 +104,154 @@ def test_an_undeclared_base_of_a_declared_view_is_not_committed_stale(mode: str)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Freshness of undeclared tensors (documented limit in docs/fault-matrix.md, "stale value")
+# Freshness of undeclared tensors (docs/fault-matrix.md, "stale value": undeclared tensors are watched)
 
 
 @pytest.mark.parametrize("detect", ["every-reload", "sealed-paths", "declared-only"])
 def test_an_undeclared_tensor_pwal_skips_is_not_committed_stale(detect: str) -> None:
     """PWAL's "already processed" guard skips rebuilding the undeclared d0 although the weight changed. The slot is
-    at its captured storage with the old values: the reload commits and a replay reads stale values. The fault
-    matrix documents this as a limit (freshness is checked for declared slots only); the fuzzer counts it as a
-    silent success because the promise is absolute (found as ``skip``)."""
+    at its captured storage with the old values: the reload committed and a replay read stale values, because
+    freshness was checked for declared slots only; under ``declared-only`` the manifest's paths were not checked
+    at all (found as ``skip``)."""
     _assert_honest(_one_layer(SlotSpec("d0", source="t", mutation="skip"), detect=detect))
+
+
+# ----------------------------------------------------------------------------------------------------
+# A slot left in place on memory a moved partner shares
+
+
+@pytest.mark.parametrize("detect", ["every-reload", "declared-only"])
+@pytest.mark.parametrize("kind", ["alias", "tail"])
+def test_a_skipped_view_of_a_rebuilt_tensor_is_not_recaptured_stale(kind: str, detect: str) -> None:
+    """Undeclared d1 views undeclared d0's storage (``alias``: the same view, ``tail``: from offset 1). PWAL
+    rebuilds d0 and skips d1. The reload said NEEDS_RECAPTURE, and the recapture read d1's old values where a cold
+    model reads a view of the new d0 (found as ``skip`` of an alias/tail slot). Every-reload: the restore wrote d1's
+    old bytes back over d0's copy (d1 "kept its values"). Declared-only: d1 was not checked at all."""
+    slots = (SlotSpec("d0", source="t"), SlotSpec("d1", kind=kind, of=0, mutation="skip"))
+    _assert_honest(_one_layer(*slots, mode="recapture", detect=detect))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_skipped_view_of_the_weight_follows_the_weight(mode: str) -> None:
+    """Under ``declared-only`` d0 (``weight.t()``, undeclared) reads the weight's storage; the loader replaces the
+    weight and PWAL leaves d0. The restore copies the new weight into the captured weight, and d0, a view of it,
+    must read the new values there: it was taken for a tensor with values of its own and written back (found as
+    ``skip`` of a ``weight_view`` slot)."""
+    scenario = Scenario(
+        layers=(
+            LayerSpec(rows=2, cols=3, slots=(SlotSpec("d0", kind="weight_view", mutation="skip"),), loader="rebind"),
+        ),
+        mode=mode,
+        detect="declared-only",
+        manifest=True,
+    )
+    _assert_honest(scenario)
+
+
+@pytest.mark.parametrize("detect", ["sealed-paths", "declared-only"])
+@pytest.mark.parametrize("mode", ["recapture", "migrate"])
+def test_a_skipped_view_whose_base_was_rotated_away_is_stale(mode: str, detect: str) -> None:
+    """d0 and d1 swap their tensor objects and each writes its own values in place; d2 (``tail(d1)``, in a child
+    module) is skipped. d2's memory is now d0's new tensor, written with d0's values: d2's version counter moved and
+    its values changed, so it looked refreshed. d0 and d1 changed class (one is a subclass), so nothing is copied;
+    the reload said NEEDS_RECAPTURE and the recapture read d0's values through d2. Under ``declared-only`` d2 was
+    not watched at all: the child module has no sealed slot of its own (found as ``swap`` with a ``tail:skip``)."""
+    slots = (
+        SlotSpec("d0", source="scale", factor=2, holder="closure", mutation="neg"),
+        SlotSpec("d1", source="scale", subclass=True, holder="dict", mutation="neg"),
+        SlotSpec("d2", kind="tail", of=1, holder="child", mutation="skip"),
+    )
+    scenario = Scenario(
+        layers=(LayerSpec(rows=3, cols=1, slots=slots, loader="keep", cycle=(1, 0)),),
+        mode=mode,
+        detect=detect,
+        manifest=detect == "declared-only",
+    )
+    _assert_honest(scenario)
+
+
+@pytest.mark.parametrize("detect", ["every-reload", "sealed-paths", "declared-only"])
+@pytest.mark.parametrize("mode", ["recapture", "migrate"])
+def test_an_alias_path_of_a_respecified_slot_is_stale(mode: str, detect: str) -> None:
+    """d1 (undeclared) is the same view as the declared d0; PWAL rebuilds d0 with another dtype (no copy can
+    restore it) and skips d1. An alias path follows its slot, but nothing reaches it here: the reload said
+    NEEDS_RECAPTURE and the recapture read d1's old values (found as ``respec_dtype`` with ``alias:skip``)."""
+    slots = (
+        SlotSpec("d0", declare="graph_visible", mutation="respec_dtype"),
+        SlotSpec("d1", kind="alias", of=0, mutation="skip"),
+    )
+    scenario = Scenario(
+        layers=(LayerSpec(rows=1, cols=1, slots=slots),), mode=mode, detect=detect, manifest=detect == "declared-only"
+    )
+    _assert_honest(scenario)
+
+
+@pytest.mark.parametrize("mode", ["recapture", "migrate"])
+def test_a_skipped_slot_written_through_a_rotated_partner_is_stale(mode: str) -> None:
+    """d3 is declared as the same view as d0 (a subclass); d0, d1 and d2 rotate their tensor objects, each writing
+    its own values in place, and d3 is skipped. d1 now holds d3's captured object and wrote d1's values into it:
+    d3's version counter moved and its values changed, so it passed for refreshed; d1 changed class, so it is
+    respecified and nothing is copied (found as ``rotate`` with ``alias:skip``)."""
+    slots = (
+        SlotSpec("d0", subclass=True, declare="graph_visible"),
+        SlotSpec("d1", factor=2, declare="graph_visible"),
+        SlotSpec("d2", declare="graph_visible"),
+        SlotSpec("d3", kind="alias", of=0, declare="graph_visible", mutation="skip"),
+    )
+    _assert_honest(Scenario(layers=(LayerSpec(rows=1, cols=1, slots=slots, cycle=(0, 2, 1)),), mode=mode))
+
+
+@pytest.mark.parametrize("detect", ["every-reload", "declared-only"])
+@pytest.mark.parametrize("rotation", [(0, 1), (0, 1, 2)])
+def test_an_alias_path_of_a_rotated_away_slot_is_stale(rotation: tuple[int, ...], detect: str) -> None:
+    """The undeclared d_alias is the same view as d0; the declared slots rotate their tensor objects (one of them a
+    subclass, so nothing can be copied back) and each writes its own values in place. d_alias still reads d0's
+    captured memory, which now holds another slot's values: the alias path follows d0, whose new values went
+    elsewhere (found as ``swap``/``rotate`` with ``alias:skip``)."""
+    declared = (
+        SlotSpec("d0", declare="graph_visible"),
+        SlotSpec("d1", factor=2, subclass=True, declare="graph_visible"),
+        SlotSpec("d2", factor=3, declare="graph_visible"),
+    )[: len(rotation)]
+    slots = (*declared, SlotSpec(f"d{len(rotation)}", kind="alias", of=0, mutation="skip"))
+    scenario = Scenario(
+        layers=(LayerSpec(rows=1, cols=1, slots=slots, cycle=rotation),),
+        mode="recapture",
+        detect=detect,
+        manifest=detect == "declared-only",
+    )
+    _assert_honest(scenario)
+
+
+# ----------------------------------------------------------------------------------------------------
+# declared-only with a manifest: paths the contract does not track
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_untracked_path_in_a_swap_keeps_the_values_pwal_gave_it(mode: str) -> None:
+    """Under ``declared-only`` d0 is declared and d1 is not; PWAL swaps their tensors (each then gets its own new
+    values in place). d1 now holds d0's captured storage with d1's values, and the restore of d0 copied d0's new
+    values over them: graphsafe wrote into d1 values the reload did not produce for it (found as ``swap``: "a
+    value PWAL got right was overwritten")."""
+    slots = (
+        SlotSpec("d0", source="t", declare="graph_visible"),
+        SlotSpec("d1", source="t", factor=2),
+    )
+    _assert_honest(_one_layer(*slots, mode=mode, detect="declared-only", cycle=(0, 1)))
+
+
+def test_a_conjugate_view_at_an_untracked_path_is_not_committed() -> None:
+    """Under ``declared-only`` the undeclared d0 is rewritten in place as the conjugate of its new values and bound
+    as a conjugate view of its captured storage: the path reads the right values, the graph reads the raw bytes
+    (found as ``conj`` of a manifest-only path)."""
+    slot = SlotSpec("d0", source="complex", factor=3, subclass=True, holder="closure", mutation="conj")
+    _assert_honest(_one_layer(slot, mode="migrate", detect="declared-only"))
+
+
+def test_a_new_view_of_its_own_memory_is_not_a_foreign_write() -> None:
+    """The undeclared d0 (in a child module) is rewritten in place with the same weights and bound as a new view
+    object of its captured memory: nothing is wrong, and nothing may be flagged (a false alarm seen by the fuzzer:
+    the path's own new view was taken for another path's tensor)."""
+    slot = SlotSpec("d0", factor=2, holder="child", mutation="view_old")
+    result = run(_one_layer(slot, detect="declared-only", loader="keep"))
+    assert result.verdict == oracle.OK, f"{result.verdict}: {result.reason}"

@@ -183,16 +183,27 @@ def _input() -> torch.Tensor:
     return torch.randn(3, IN, generator=torch.Generator().manual_seed(99))
 
 
-def _golden_model(**attention: bool) -> GoldenModel:
+def _golden_model(*, load: bool = True, **attention: bool) -> GoldenModel:
     model = GoldenModel([QLinear(False), QLinear(True), Attention(**attention)])
-    _load(model, 0)
+    if load:
+        _load(model, 0)
     return model
 
 
+def _sealed(model: nn.Module, mode: str) -> GraphContract:
+    """The recommended start: the initial load recorded (what each PWAL computes), then the seal. Without the
+    recording, an undeclared tensor PWAL never computes (``rope``) is stale on the first reload: nothing says yet
+    that it does not depend on the weights."""
+    contract = GraphContract(model, mode)  # type: ignore[arg-type]
+    with contract.record_inputs():
+        _load(model, 0)
+    return contract.seal()
+
+
 def _run(model: nn.Module, mode: str = "migrate", capture: bool = True) -> GraphContract:
-    """Seal right after the load, warm up, capture (CPU stand-in), reload with other weights."""
+    """Load (recorded) and seal, warm up, capture (CPU stand-in), reload with other weights."""
     x = _input()
-    contract = GraphContract(model, mode).seal()  # type: ignore[arg-type]
+    contract = _sealed(model, mode)
     model(x)
     if capture:
         with record_capture(contract, name="golden", ignore=[x]):
@@ -207,7 +218,7 @@ def _run(model: nn.Module, mode: str = "migrate", capture: bool = True) -> Graph
 
 @pytest.fixture
 def golden() -> tuple[GoldenModel, GraphContract, MigrationReport]:
-    model = _golden_model()
+    model = _golden_model(load=False)
     contract = _run(model)
     return model, contract, migration_report(contract)
 
@@ -293,7 +304,7 @@ def test_empty_report_matches_golden() -> None:
 
 def test_goldens_are_stable_across_runs() -> None:
     """Two independent models give byte-identical non-JSON renderings (no addresses, no run-dependent text)."""
-    models = [_golden_model(), _golden_model()]  # kept alive: a contract holds its model weakly
+    models = [_golden_model(load=False), _golden_model(load=False)]  # kept alive: a contract holds its model weakly
     first, second = (migration_report(_run(model)) for model in models)
     assert [e.data_ptr for e in first.entries] != [e.data_ptr for e in second.entries]  # the control
     for fmt in ("text", "markdown", "tree", "dot"):
@@ -440,7 +451,7 @@ def _sealed_aliases(contract: GraphContract) -> tuple[AliasEntry, ...]:
 def test_a_view_of_a_parameter_is_an_alias_to_the_model_the_contract_and_the_seal_alike() -> None:
     """``self.w_t = self.weight.data.t()``: restored with ``weight``, so nothing to declare, from either source."""
     model = GoldenModel([ViewLinear()])
-    contract = GraphContract(model, "strict").seal()
+    contract = _sealed(model, "strict")
     sealed = _sealed_aliases(contract)
     assert sealed == (AliasEntry("layers.0", "ViewLinear", "w_t", "weight"),)
     from_model, from_contract = migration_report(model), migration_report(contract)
@@ -518,17 +529,20 @@ def test_lazy_tensors_get_register_derived_not_a_decorator(
 
 
 def test_a_tensor_found_only_after_the_seal_is_lazy_even_if_it_did_not_drift() -> None:
-    model = _golden_model(growing=False, reset_scratch=False)
+    model = _golden_model(load=False, growing=False, reset_scratch=False)
     contract = _run(model, capture=False)
     scratch = _by_where(migration_report(contract))[("layers.2", "_scratch")]
     assert scratch.lazy and scratch.drift == STABLE and scratch.evidence == "after-seal"
 
 
 def test_sealed_after_warm_up_a_vanished_tensor_is_still_lazy() -> None:
-    model = _golden_model()
+    model = _golden_model(load=False)
     x = _input()
+    contract = GraphContract(model, "recapture")
+    with contract.record_inputs():
+        _load(model, 0)
     model(x)  # warm up first: the scratch is in the seal
-    contract = GraphContract(model, "recapture").seal()
+    contract.seal()
     with contract.reload():
         _load(model, 1)
     scratch = _by_where(migration_report(contract))[("layers.2", "_scratch")]
@@ -613,12 +627,10 @@ def _apply_fixes(report: MigrationReport) -> tuple[type[WorkspaceMethod], type[A
 
 def test_applying_the_fixes_makes_the_report_empty_and_strict_mode_commit() -> None:
     legacy = GoldenModel([QLinear(False), QLinear(True), Attention(growing=False, reset_scratch=False)])
-    _load(legacy, 0)
     before = migration_report(_run(legacy, mode="strict", capture=False))
     assert len(before.fixes) == 4 and before.status is Status.FAILED
     fixed_method, fixed_attention = _apply_fixes(before)
     model = GoldenModel([QLinear(False, fixed_method), QLinear(True, fixed_method), fixed_attention()])
-    _load(model, 0)
     contract = _run(model, mode="strict", capture=False)
     assert contract.last_outcome is not None and contract.last_outcome.committed, contract.last_outcome
     # The lazily declared scratch is sealed once it exists; the next strict reload keeps it too.
@@ -630,9 +642,9 @@ def test_applying_the_fixes_makes_the_report_empty_and_strict_mode_commit() -> N
 
 
 def test_without_the_fixes_strict_mode_raises_with_a_report() -> None:
-    model = _golden_model(growing=False, reset_scratch=False)
+    model = _golden_model(load=False, growing=False, reset_scratch=False)
     x = _input()
-    contract = GraphContract(model, "strict").seal()
+    contract = _sealed(model, "strict")
     model(x)
     with pytest.raises(UndeclaredDriftError) as info, contract.reload():
         _load(model, 1)
@@ -695,7 +707,7 @@ def test_unowned_captured_storage_comes_from_the_manifest(
     assert (unowned.shape, unowned.dtype, unowned.nbytes) == ((4,), "float32", 16)
     assert "capture 'golden'" in unowned.description
     # Without a capture there is no manifest, so nothing is unowned.
-    assert migration_report(_run(_golden_model(), capture=False)).unowned == ()
+    assert migration_report(_run(_golden_model(load=False), capture=False)).unowned == ()
 
 
 def test_only_a_capture_manifest_is_read_for_unowned_storage() -> None:
@@ -711,7 +723,7 @@ def test_only_a_capture_manifest_is_read_for_unowned_storage() -> None:
         def unowned(self) -> list[torch.Tensor]:
             return [torch.zeros(3)]
 
-    model = _golden_model()
+    model = _golden_model(load=False)
     contract = _run(model, capture=False)
     contract.manifest = OtherCheck()
     assert migration_report(contract).unowned == ()

@@ -188,7 +188,8 @@ def test_an_undeclared_slot_that_pwal_skips_fails_the_value_oracle() -> None:
     # An undeclared tensor that stayed put while the weights changed: before any recording of PWAL nothing says it
     # does not depend on them, so the contract itself fails closed (stale), and the report says what to declare.
     message = failure(*skipping_rebuilds(EXAMPLES["machete_partial"], "legacy"), mode="migrate")
-    assert "stale: undeclared slot 'act_fn.keywords['perm']' of layers.0" in message
+    assert "stale: undeclared slot 'act_fn.args[0]' of layers.0" in message
+    assert "contract.record_inputs()" in message  # the fix for a tensor PWAL never computes
     assert """@graph_visible("act_fn.args[0]", "act_fn.keywords['perm']")""" in message
 
 

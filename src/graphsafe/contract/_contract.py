@@ -22,7 +22,15 @@ from graphsafe.collectors import UNTRACKABLE_ADVICE, Classified, Dataflow, class
 from graphsafe.contract._access import submodule_is
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._copy import CopyBatch
-from graphsafe.contract._slots import InputRef, LayerSnapshot, RestorePlan, SealedLayer, SealedSlot, SharedIndex
+from graphsafe.contract._slots import (
+    InputRef,
+    LayerSnapshot,
+    RestorePlan,
+    SealedLayer,
+    SealedSlot,
+    SharedIndex,
+    overlaps,
+)
 from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.errors import (
     ContractViolation,
@@ -69,6 +77,15 @@ def _listen(
             registry.remove(fn)
 
     return RemovableHandle(remove, lambda: fn in registry, f"{kind}({fn!r})")
+
+
+def _reads(current: Any, captured: torch.Tensor) -> bool:
+    """Whether the value now at a slot's path reads its captured memory (the object, or a view at its pointer)."""
+    return current is captured or (
+        isinstance(current, torch.Tensor)
+        and current.untyped_storage() is captured.untyped_storage()
+        and current.data_ptr() == captured.data_ptr()
+    )
 
 
 def _sealed_slot(entry: Classified) -> SealedSlot:
@@ -150,6 +167,9 @@ class GraphContract:
         #: Whether the first reload transaction records what PWAL reads (see :meth:`recorded_inputs`).
         self.record_first_reload = True
         self._recorded = False  # a recording was taken (at a reload, or of the initial load by record_inputs())
+        # declared-only with a manifest: the paths the manifest saw holding captured storage that no sealed slot
+        # tracks, each as a walker-found slot kept across reloads (so a recording's lesson about it is kept)
+        self._manifest_slots: dict[tuple[str, str], SealedSlot] = {}
         self._pending: Dataflow | None = None  # record_inputs() before seal(), consumed by seal()
 
     # -- state -------------------------------------------------------------------------------------------------
@@ -269,6 +289,7 @@ class GraphContract:
                     slot.inputs = entry[1]
         self._layers = layers
         self._slot_keys = {(sealed.qualname, slot.path.text) for sealed in layers for slot in sealed.slots}
+        self._manifest_slots = {}
         self._index_layers()
         pending, self._pending = self._pending, None
         if pending is not None:
@@ -650,6 +671,11 @@ class ReloadTransaction:
         self.agreement = agreement
         self.outcome: ReloadOutcome | None = None
         self._snapshots: dict[int, LayerSnapshot] = {}
+        self._held: dict[str, list[tuple[str, torch.Tensor]]] | None = None  # see _manifest_extras
+        # captured tensors whose slot keeps a new tensor (not restored): what alias paths can no longer follow
+        self._abandoned: list[tuple[int, int, torch.Tensor]] = []  # (id(snapshot), slot index, captured)
+        # (layer, path) -> (id, version counter, data_ptr) of what each untracked manifest path held at the start
+        self._held_before: dict[tuple[str, str], tuple[int, int, int]] = {}
         self._gone: set[int] = set()  # sealed layers already reported as replaced or removed
         self._findings: list[Finding] = []
         #: New tensors earlier restore steps left at their paths (findings): later steps treat them as readers.
@@ -928,6 +954,7 @@ class ReloadTransaction:
             return None
         contract._adopt_late_declarations(sealed, layer)
         extras, exhausted, untrackable = contract._walker_extras(sealed, layer)
+        extras += self._manifest_extras(sealed)
         snapshot = LayerSnapshot.take(sealed, layer, extras, recorded=contract._recorded)
         # Untrackable at the seal or now: no check can tell whether the graph still reads their memory.
         for where in dict.fromkeys(sealed.untrackable + untrackable):
@@ -984,13 +1011,16 @@ class ReloadTransaction:
             elif not snapshot.in_place():
                 work.append((snapshot, snapshot.restore(auto_restore=auto_restore, plan=plan)))
         batch = CopyBatch()
+        local = [s for s, _ in work if len(s.slots) > len(s.sealed.slots)]
+        kept = [*self._kept, *(t for s, _ in work for t in s.kept), *self._untracked_holders(local)]
+        foreign = [*kept, *(move.new for move in plan.moves)]
+        for snapshot, _ in work:
+            snapshot.doubt_foreign_writes(foreign)
         try:
             if plan.moves:
                 plan.protect()
                 self._protect_pending(plan, group)
-                local = [s for s, _ in work if len(s.slots) > len(s.sealed.slots)]
-                kept = [*self._kept, *(t for s, _ in work for t in s.kept), *self._untracked_holders(local)]
-                plan.watch(self._captured_of, self._version_of, local, kept)
+                plan.watch(self._captured_of, self._version_of, local, kept, self._changed_inputs)
                 plan.launch(batch)
                 plan.check()
                 self._findings.extend(plan.findings)
@@ -1004,6 +1034,7 @@ class ReloadTransaction:
             snapshot.check_freshness()
             snapshot.rebind(rebinds)
             snapshot.verify()
+        self._doubt_abandoned(work)
         for snapshot in group:
             snapshot.done = True
             self._restored += snapshot.restored
@@ -1014,6 +1045,45 @@ class ReloadTransaction:
             snapshot.captured = [None] * len(snapshot.captured)
             snapshot.overrides, snapshot.kept, snapshot.keep = {}, [], {}
         del work
+
+    def _doubt_abandoned(self, work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]]) -> None:
+        """An alias path (a walker path, or an untracked manifest path, reading a tracked slot's memory) follows
+        its slot: a copy into that memory gives it the slot's new values. Where the slot kept a new tensor
+        instead (respecified, moved and not restored), nothing brings them there: the alias path left on that
+        memory reads its old values, or whatever another path wrote into it, and so would a recapture:
+        ``stale``."""
+        abandoned = self._abandoned
+        for snapshot, _ in work:
+            layer = snapshot.layer
+            for index, slot in enumerate(snapshot.slots):
+                captured = snapshot.captured[index]
+                if captured is None or slot.origin is Origin.ALIAS or slot.watch_only:
+                    continue
+                if not _reads(slot.get(layer), captured):
+                    abandoned.append((id(snapshot), index, captured))
+        if not abandoned:
+            return
+        for snapshot, _ in work:
+            layer = snapshot.layer
+            for index, slot in enumerate(snapshot.slots):
+                captured = snapshot.captured[index]
+                if slot.origin is not Origin.ALIAS or captured is None or slot.wrapped:
+                    continue
+                if not _reads(slot.get(layer), captured):
+                    continue
+                partners = [
+                    t for key, at, t in abandoned if (key, at) != (id(snapshot), index) and overlaps(t, captured)
+                ]
+                if partners:
+                    snapshot.findings.append(
+                        snapshot.sealed.finding(
+                            FindingKind.STALE,
+                            slot,
+                            detail="it reads the captured memory of a slot that now holds a new tensor no copy "
+                            "could restore there: it does not read that slot's new values, and neither would a "
+                            "recapture. Rebuild it in PWAL from that slot's new tensor",
+                        )
+                    )
 
     def _protect_pending(self, plan: RestorePlan, group: list[LayerSnapshot]) -> None:
         """Layers snapshotted but not restored yet (``before_layer`` ran, ``after_layer`` has not): a new tensor of
@@ -1037,6 +1107,53 @@ class ReloadTransaction:
                 if (saved is None or saved[0] is not current) and plan.overlaps_destination(current):
                     snapshot.overrides[index] = (current, current.detach().clone())
 
+    def _manifest_extras(self, sealed: SealedLayer) -> list[SealedSlot]:
+        """Under ``detect="declared-only"`` with a capture manifest: the layer's paths the manifest saw holding a
+        captured storage that no sealed slot tracks, as watch-only walker-found slots.
+
+        The graph reads them, so their freshness is judged like the walker's finds (stale when the weights changed
+        and PWAL left them as they were, until a recording shows PWAL never computes them) instead of being
+        trusted as static. They are never restored: where PWAL moved one, the manifest's check reports it. A path
+        whose storage a tracked slot also reads (a view of a declared slot) stays a reader of that slot's memory.
+        """
+        contract = self.contract
+        if contract.manifest is None:
+            return []
+        if self._held is None:  # resolved once, at the first snapshot: before any layer of this reload loads
+            self._held = {}
+            sealed_names = {s.qualname for s in contract._layers}
+            for qualname, path, tensor in contract.manifest.held(contract):
+                if (qualname, path) not in contract._slot_keys:
+                    # A module no seal tracks (a child with no weights of its own) is watched from the nearest
+                    # sealed module above it, by the longer path.
+                    owner, prefix = qualname, ""
+                    while owner not in sealed_names and owner:
+                        owner, _, last = owner.rpartition(".")
+                        prefix = f"{last}.{prefix}"
+                    if owner in sealed_names:
+                        self._held.setdefault(owner, []).append((prefix + path, tensor))
+                    self._held_before[(qualname, path)] = (id(tensor), tensor._version, tensor.data_ptr())
+        found = self._held.pop(sealed.qualname, None)  # the snapshot holds them from here
+        if contract.detect != "declared-only":
+            return []
+        if not found:
+            return []
+        tracked = {id(part.storage_ref()) for slot in sealed.slots for part in slot.fp.memory()}
+        extras: list[SealedSlot] = []
+        for path, tensor in found:
+            # One that reads a tracked slot's memory follows that slot like an alias path (see
+            # _untracked_holders and _doubt_abandoned); any other is watched like a walker find.
+            origin = Origin.ALIAS if id(tensor.untyped_storage()) in tracked else Origin.WALKER
+            key = (sealed.qualname, path)
+            slot = contract._manifest_slots.get(key)
+            if slot is None or slot.tensor_ref() is not tensor or slot.origin is not origin:
+                slot = SealedSlot(SlotPath(path), fingerprint(tensor), weakref.ref(tensor), origin)
+                slot.unrecorded = contract._recorded
+                slot.watch_only = True
+                contract._manifest_slots[key] = slot
+            extras.append(slot)
+        return extras
+
     def _untracked_holders(self, local: list[LayerSnapshot]) -> list[torch.Tensor]:
         """What the model holds now at the paths the capture-time manifest saw holding captured storage and the
         contract does not track (``detect="declared-only"`` seals declared slots only): a restore must not
@@ -1046,11 +1163,21 @@ class ReloadTransaction:
             return []
         tracked = self.contract._slot_keys
         extra = {(s.sealed.qualname, slot.path.text) for s in local for slot in s.slots[len(s.sealed.slots) :]}
+        before = self._held_before
         return [
             tensor
             for layer, path, tensor in manifest.held(self.contract)
-            if (layer, path) not in tracked and (layer, path) not in extra
+            if (layer, path) not in tracked
+            and (layer, path) not in extra
+            # The same tensor, unwritten: a view left on the memory it read follows it, like an alias path
+            # (its old bytes are no values of its own; the cold model reads its partner's new ones there).
+            and before.get((layer, path)) != (id(tensor), tensor._version, tensor.data_ptr())
         ]
+
+    def _changed_inputs(self, sealed: SealedLayer, position: int) -> list[str]:
+        """The freshness inputs of a slot that this reload changed (its layer's snapshot watched them)."""
+        snapshot = self._snapshots.get(id(sealed))
+        return snapshot.changed_inputs(position) if snapshot is not None else []
 
     def _version_of(self, sealed: SealedLayer, position: int) -> int | None:
         """The captured tensor's version counter when the reload began, where its snapshot kept one."""

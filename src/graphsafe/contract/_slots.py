@@ -59,6 +59,12 @@ class SealedSlot:
     alias_of: str | None = None
     #: What PWAL was seen computing this slot from (a recorded reload), or ``None`` when never recorded.
     inputs: tuple[InputRef, ...] | None = None
+    #: A walker-found slot that no recording saw (it came to be tracked after the one recording): whether PWAL
+    #: computes it is unknown, so it stays watched for freshness (see :meth:`LayerSnapshot.take`).
+    unrecorded: bool = False
+    #: Only its freshness is judged (a path the capture manifest saw holding captured storage under
+    #: ``detect="declared-only"``): never restored nor verified here; where it moved, the manifest's check speaks.
+    watch_only: bool = False
     key: tuple[Any, ...] = field(init=False)
     # The compiled plan (derived from the fields above at construction):
     get: Getter = field(init=False, repr=False)
@@ -450,7 +456,9 @@ class LayerSnapshot:
                     )
                 )
                 continue
-            if slot.tracks_freshness and (slot.origin is not Origin.WALKER or not recorded or slot.inputs):
+            if slot.tracks_freshness and (
+                slot.origin is not Origin.WALKER or not recorded or slot.inputs or slot.unrecorded
+            ):
                 current = slot.get(layer)
                 if isinstance(current, tensor_type):
                     if inputs is None:
@@ -550,6 +558,32 @@ class LayerSnapshot:
                 if index in freshness:
                     self._note_fresh(index, slot, current)
                 continue  # in place
+            if slot.watch_only:
+                if isinstance(current, tensor_type):
+                    if (
+                        current.untyped_storage() is captured.untyped_storage()
+                        and current.data_ptr() == captured.data_ptr()
+                    ):
+                        if _view(current) != _view(captured) or geometry_key(current) != geometry_key(captured):
+                            # The captured memory read another way (conj, neg, dtype, stride): the graph reads
+                            # the raw bytes as captured.
+                            self.findings.append(
+                                sealed.finding(
+                                    FindingKind.RESPECIFIED,
+                                    slot,
+                                    after=fingerprint(current),
+                                    detail="same storage seen through another view: "
+                                    + _describe_geometry_change(slot, current),
+                                )
+                            )
+                        elif index in freshness:
+                            self._note_fresh(index, slot, current)
+                    else:
+                        self.kept.append(current)  # its new values: no copy may overwrite what it reads
+                        # Let go of the captured tensor: where nothing else holds it, the manifest must see it freed.
+                        captured_list[index] = None
+                        freshness.pop(index, None)
+                continue
             if current is _MISSING or not isinstance(current, tensor_type):
                 what = (
                     f"the path no longer resolves ({slot.path.why_missing(layer)})"
@@ -727,6 +761,59 @@ class LayerSnapshot:
             return  # written in place with other values
         self.fresh_due.append((index, slot, current, current._version != version))
 
+    def doubt_foreign_writes(self, foreign: Sequence[torch.Tensor]) -> None:
+        """Flag a slot left on its captured memory whose bytes the reload wrote through another path's new tensor.
+
+        ``foreign`` are new tensors left at other paths (respecified, moved and kept, untracked): when PWAL rebinds
+        another slot onto this slot's memory (a rotation of captured tensors) and writes it there, this slot's
+        version counter moves and its value sample changes, so it looks refreshed, but the values are the other
+        slot's (found by the fuzzer as a ``skip`` of a view whose base was rotated away).
+        """
+        if not foreign:
+            return
+        layer = self.layer
+        for index, slot in enumerate(self.slots):
+            captured = self.captured[index]
+            if captured is None or not slot.tracks_freshness or index not in self.freshness or slot.wrapped:
+                continue
+            version = self.versions[index] if index < len(self.versions) else -1
+            if version < 0 or captured._version == version:
+                continue  # nothing wrote its memory
+            current = slot.get(layer)
+            if current is not captured and not (
+                isinstance(current, torch.Tensor)
+                and current.untyped_storage() is captured.untyped_storage()
+                and current.data_ptr() == captured.data_ptr()
+            ):
+                continue  # not left in place: restore judged it
+            # Foreign tensors are other paths' new tensors, even the captured object itself (another path took it);
+            # a new view object at this very path is its own.
+            owners = [t for t in foreign if (t is not current or current is captured) and _overlap(t, captured)]
+            if not owners:
+                continue
+            self.findings.append(
+                self.sealed.finding(
+                    FindingKind.STALE,
+                    slot,
+                    detail="PWAL left it on its captured memory, but the reload wrote that memory through another "
+                    "path's new tensor: it holds that path's values, and a recapture would read them. Rebuild it "
+                    "in PWAL",
+                )
+            )
+
+    def changed_inputs(self, index: int) -> list[str]:
+        """The names of slot ``index``'s freshness inputs that changed since the snapshot (none if unwatched)."""
+        before = self.freshness.get(index)
+        inputs = self.inputs
+        if before is None or inputs is None:
+            return []
+        changed: list[str] = []
+        for key in before[3]:
+            name, resolve, input_before = inputs.inputs[key]
+            if _input_change(input_before, resolve()) != _UNCHANGED:
+                changed.append(name)
+        return changed
+
     def _check_fresh(
         self, index: int, slot: SealedSlot, current: torch.Tensor, rewritten: bool, after_inputs: dict[Any, int]
     ) -> None:
@@ -751,14 +838,21 @@ class LayerSnapshot:
         if worst == _UNCHANGED or (worst == _MAYBE and rewritten):
             return  # a partial reload that did not touch this slot's inputs, or the same values written again
         what = "kept the old values through an in-place write" if rewritten else "neither rebuilt it nor wrote it"
+        if slot.origin is Origin.WALKER:
+            # Undeclared: nothing recorded says PWAL does not compute it, so a weight change that leaves it is stale.
+            fix = (
+                "Rebuild it in PWAL; if its contents do not depend on the weights, declare it static=True or record "
+                "the initial load (with contract.record_inputs(): load(), before seal())"
+            )
+        else:
+            fix = "Rebuild it in PWAL, or declare it static=True if its contents do not depend on the weights"
         self.findings.append(
             self.sealed.finding(
                 FindingKind.STALE,
                 slot,
                 after=fingerprint(current),
                 detail=f"its input(s) {', '.join(changed)} changed but PWAL {what}; the graph would read old values "
-                "at the right address. Rebuild it in PWAL, or declare it static=True if its contents do not depend "
-                "on the weights",
+                f"at the right address. {fix}",
             )
         )
 
@@ -798,7 +892,7 @@ class LayerSnapshot:
         captured = self.captured
         tensor_type = torch.Tensor
         for index, slot in enumerate(self.slots):
-            if flagged and slot.path.text in flagged:
+            if (flagged and slot.path.text in flagged) or slot.watch_only:
                 continue
             if slot.fp.storage_ref() is None:
                 self.findings.append(
@@ -870,6 +964,15 @@ class _Reader:
     #: buffer): bytes nobody wrote are the old values, which a slot that shared them with a moved one may still
     #: need to follow.
     written: bool = True
+    #: The names of the owner slot's freshness inputs that the reload changed (asked only when a copy changed it).
+    changed_inputs: Callable[[], list[str]] | None = None
+    #: Whether the captured tensor's version counter moved during the reload (some write reached its memory).
+    versioned: bool = False
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` (any tensor; a wrapper subclass reads its inner tensors) reads bytes of ``b``'s memory."""
+    return any(_overlap(a, part) for part in memory_tensors(b))
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -955,34 +1058,40 @@ class RestorePlan:
         version_of: Callable[[SealedLayer, int], int | None],
         local: Sequence[LayerSnapshot] = (),
         kept: Iterable[torch.Tensor] = (),
+        changed_inputs: Callable[[SealedLayer, int], list[str]] | None = None,
     ) -> None:
         """Before launching: remember every reader of a written storage other than the move writing it.
 
         Readers are slots the plan does not move whose captured tensor overlaps a write, found through the seal's
         index (any layer) and ``local`` snapshots (walker extras, unknown at seal), and the ``kept`` tensors: new
         tensors left at their paths (a respecified slot, a path the contract does not track) that read memory a
-        copy writes. ``version_of`` gives a captured tensor's version counter when the reload began.
+        copy writes. ``version_of`` gives a captured tensor's version counter when the reload began;
+        ``changed_inputs`` the names of a slot's freshness inputs the reload changed.
         """
         moved = {(id(m.snapshot.sealed), m.index) for m in self.moves}
         seen: set[tuple[int, int]] = set()
         readers = self._readers
 
-        def hold(view: torch.Tensor | None, owner: tuple[SealedLayer, SealedSlot, int | None] | None = None) -> None:
+        def hold(
+            view: torch.Tensor | None, owner: tuple[SealedLayer, SealedSlot, int | None, int] | None = None
+        ) -> None:
             if view is None or not self.overlaps_destination(view):
                 return
             if owner is None:
                 readers.append(_Reader(view, view.detach().clone()))
                 return
-            sealed, slot, version = owner
+            sealed, slot, version, position = owner
             # Loaded state (parameters, buffers) and static slots own their bytes whoever wrote them.
-            written = not slot.tracks_freshness or (version is not None and version >= 0 and view._version != version)
-            readers.append(_Reader(view, view.detach().clone(), (sealed, slot), written))
+            versioned = version is not None and version >= 0 and view._version != version
+            written = not slot.tracks_freshness or versioned
+            changed = functools.partial(changed_inputs, sealed, position) if changed_inputs is not None else None
+            readers.append(_Reader(view, view.detach().clone(), (sealed, slot), written, changed, versioned))
 
         def hold_slot(
             slot: SealedSlot,
             layer: nn.Module | None,
             view: torch.Tensor | None,
-            owner: tuple[SealedLayer, SealedSlot, int | None],
+            owner: tuple[SealedLayer, SealedSlot, int | None, int],
         ) -> None:
             # Only a slot whose path still reads its captured tensor keeps bytes there (a vanished or respecified
             # one is a finding already). An alias path (the walker found the storage of a tracked slot) follows
@@ -1012,7 +1121,7 @@ class RestorePlan:
                 slot = sealed.slots[position]
                 view = captured_of(sealed, position)
                 if view is not None and (slot.wrapped or slot.fp.storage_ref() is view.untyped_storage()):
-                    hold_slot(slot, sealed.layer_ref(), view, (sealed, slot, version_of(sealed, position)))
+                    hold_slot(slot, sealed.layer_ref(), view, (sealed, slot, version_of(sealed, position), position))
         for snapshot in local:
             for position, view in enumerate(snapshot.captured):
                 entry = (id(snapshot.sealed), position)
@@ -1020,7 +1129,7 @@ class RestorePlan:
                     seen.add(entry)
                     slot = snapshot.slots[position]
                     version = snapshot.versions[position] if position < len(snapshot.versions) else None
-                    hold_slot(slot, snapshot.layer, view, (snapshot.sealed, slot, version))
+                    hold_slot(slot, snapshot.layer, view, (snapshot.sealed, slot, version, position))
         for tensor in kept:
             hold(tensor)
 
@@ -1074,25 +1183,37 @@ class RestorePlan:
                     readers.append(_Reader(move.src, move.src.detach().clone()))
 
     def _doubt(self, reader: _Reader) -> None:
-        """A slot left in place whose bytes a copy would change: ``stale`` where it cannot vouch for them."""
+        """A slot left in place whose bytes a copy would change: ``stale`` where nothing wrote it although its
+        inputs changed.
+
+        The restore's own copy into the shared memory would otherwise pass for PWAL's write (the freshness
+        check compares values), and the reader's write-back then leaves its old values under a recapture.
+        """
         assert reader.owner is not None
         sealed, slot = reader.owner
         view = reader.view
-        owners = [m.ref for m in self.moves if _overlap(m.new, view)]
-        if owners:
-            why = f"its bytes now belong to the new tensor of {', '.join(map(repr, owners))}"
-        elif not reader.written:
-            why = "nothing wrote its bytes during the reload"
+        if reader.written:
+            if not (slot.tracks_freshness and reader.versioned):
+                return  # loaded state or a static slot: its bytes are its own whoever wrote them
+            # Written, but through another slot's new tensor (PWAL rebound that slot onto this memory and wrote
+            # it): the values are that slot's, not this one's.
+            owners = [m.ref for m in self.moves if _overlap(m.new, view)]
+            if not owners:
+                return  # written by the reload as itself: its own values (the moved slot breaks away)
+            why = f"the reload wrote its bytes through the new tensor of {', '.join(map(repr, owners))}"
         else:
-            return  # written by the reload: its own values, and the moved slot breaks away (alias-broken)
+            changed = reader.changed_inputs() if reader.changed_inputs is not None else []
+            if not changed:
+                return  # nothing it is computed from changed: its old values are its values
+            why = f"nothing wrote it although its input(s) {', '.join(changed)} changed"
         partners = sorted({m.ref for m in self.moves if _overlap(m.dst, view)})
         self.findings.append(
             sealed.finding(
                 FindingKind.STALE,
                 slot,
-                detail=f"it shares captured memory with {', '.join(map(repr, partners))}, which the reload gave new "
-                f"values, but PWAL left it on that memory and {why}: its values may be stale and a recapture would "
-                "read them. Re-derive it in PWAL together with its partner",
+                detail=f"it shares captured memory with {', '.join(map(repr, partners))}, which the reload gave "
+                f"new values, but PWAL left it on that memory and {why}: its values are stale and a recapture "
+                "would read them. Re-derive it in PWAL together with its partner",
             )
         )
 
