@@ -13,6 +13,7 @@ import argparse
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from graphsafe._version import __version__
 from graphsafe.cli._demo import run_demo
@@ -47,11 +48,37 @@ def _run_demo(args: argparse.Namespace) -> int:
     unknown = [name for name in args.examples if name not in EXAMPLES]
     if unknown:
         return usage(f"unknown example(s) {', '.join(unknown)}: choose from {', '.join(EXAMPLES)}")
-    return run_demo(sys.stdout, args.examples or None)
+    return run_demo(sys.stdout, args.examples or None, verbose=args.verbose)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on stderr (``graphsafe: error: ...``) and exit 2.
+
+    argparse's own ``error()`` prints the whole usage first; subcommand parsers are made of this class too.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("graphsafe").strip()
+        where = f"{command}: " if command else ""
+        hint = f"see 'graphsafe {command} --help'" if command else "see 'graphsafe --help'"
+        self.exit(EXIT_USAGE, f"graphsafe: error: {where}{' '.join(message.split())} ({hint})\n")
+
+
+def _choice(choices: Sequence[str], what: str) -> Callable[[str], str]:
+    """An argparse ``type`` that accepts ``choices`` in any case (``-f JSON`` is ``-f json``)."""
+
+    def parse(text: str) -> str:
+        folded = text.strip().lower()
+        if folded not in choices:
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}: choose one of {', '.join(choices)}")
+        return folded
+
+    parse.__name__ = what
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="graphsafe",
         description="Hot weight reload that keeps captured CUDA graphs correct.",
         epilog="Exit status: 0 clean, 1 findings, 2 usage errors.",
@@ -67,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
         "the expected one, 1 otherwise.",
     )
     demo.add_argument("examples", nargs="*", metavar="EXAMPLE", help="only these examples (default: all)")
+    demo.add_argument(
+        "-v", "--verbose", action="store_true", help="print the full matrix: every example under every mode"
+    )
     demo.set_defaults(run=_run_demo)
 
     report = commands.add_parser(
@@ -77,8 +107,22 @@ def _parser() -> argparse.ArgumentParser:
         "1 findings, 2 usage errors.",
     )
     report.add_argument("target", nargs="?", metavar="TARGET", help=TARGET_HELP)
-    report.add_argument("--format", "-f", choices=FORMATS, default="text", help="output format (default: text)")
-    report.add_argument("--mode", "-m", choices=MODES, default="migrate", help="contract mode (default: migrate)")
+    report.add_argument(
+        "--format",
+        "-f",
+        type=_choice(FORMATS, "format"),
+        default="text",
+        metavar="{" + ",".join(FORMATS) + "}",
+        help="output format, any case (default: text)",
+    )
+    report.add_argument(
+        "--mode",
+        "-m",
+        type=_choice(MODES, "mode"),
+        default="migrate",
+        metavar="{" + ",".join(MODES) + "}",
+        help="contract mode, any case (default: migrate)",
+    )
     report.add_argument("--seed", type=int, default=1, help="seed passed to reload(model, seed) (default: 1)")
     report.add_argument(
         "--capture",
@@ -93,11 +137,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, --version (0) and usage errors (2, one line already printed)
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     run: Callable[[argparse.Namespace], int] | None = getattr(args, "run", None)
     if run is None:
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
+        return usage("no command given: run 'graphsafe demo' or 'graphsafe report TARGET' (see 'graphsafe --help')")
     try:
         return run(args)
     except KeyboardInterrupt:
