@@ -114,7 +114,10 @@ class GraphContract:
         if not isinstance(model, nn.Module):
             raise TypeError(f"GraphContract needs an nn.Module, got {type(model).__name__}")
         if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)} (no mode only warns)")
+            raise ValueError(
+                f"GraphContract: unknown mode {mode!r}: choose one of {', '.join(MODES)} (every mode acts on a "
+                "finding; to only list findings, run graphsafe.migration_report or `graphsafe report`)"
+            )
         if detect not in DETECT_POLICIES:
             raise ValueError(f"unknown detect policy {detect!r}: choose one of {', '.join(DETECT_POLICIES)}")
         self._model_ref = weakref.ref(model)
@@ -158,7 +161,11 @@ class GraphContract:
         """The model (raises if it was garbage-collected)."""
         model = self._model_ref()
         if model is None:
-            raise GraphSafeError("the contract's model was garbage-collected")
+            raise GraphSafeError(
+                "the contract's model was garbage-collected: a GraphContract holds its model weakly (it never keeps "
+                "a model alive), so keep a reference to the model for as long as the contract is used, e.g. "
+                "`model = load_model(); contract = GraphContract(model).seal()`"
+            )
         return model
 
     @property
@@ -589,6 +596,13 @@ class GraphContract:
         raise _violation(outcome, self)
 
 
+def _next_step(reason: str | None) -> str:
+    """What a refusal adds so that it names the way back (the reason may say it already)."""
+    if reason is not None and "recapture" in reason and "reseal" in reason:
+        return ""
+    return "; next step: recapture the graphs, then reseal() (graphsafe.capture graphs: graph.recapture_and_reseal())"
+
+
 def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViolation:
     problems = outcome.problems
     remote = [f for f in problems if f.rank is not None]
@@ -702,7 +716,10 @@ class ReloadTransaction:
             )
         try:
             if not contract.serving_safe:
-                refused = NotServingSafeError(f"refusing to reload: {contract.unsafe_reason}", contract.last_outcome)
+                refused = NotServingSafeError(
+                    f"refusing to reload: {contract.unsafe_reason}{_next_step(contract.unsafe_reason)}",
+                    contract.last_outcome,
+                )
                 if self.agreement is not None:
                     # The peers reload and wait for this rank: take part as FAILED so agreement rounds stay paired.
                     self.agreement(ReloadOutcome(Status.FAILED, contract.mode, error=refused))
