@@ -197,7 +197,7 @@ def test_report_on_the_legacy_zoo_in_each_format(fmt: str) -> None:
         assert out.startswith("# graphsafe migration report") and "```python" in out
     else:
         assert "graphsafe.testing.zoo.marlin.MarlinLinearMethod.process_weights_after_loading" in out
-        assert 'register_derived(layer, "_permute_scratch")' in out
+        assert 'register_derived(layer, "_permute_scratch", static=True)' in out  # the forward's scratch
 
 
 def test_report_strict_mode_and_output_file(tmp_path: Path) -> None:

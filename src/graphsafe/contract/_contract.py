@@ -351,6 +351,12 @@ class GraphContract:
             yield
         self._pending = dataflow
 
+    @property
+    def inputs_recorded(self) -> bool:
+        """Whether a recording of PWAL was taken (:meth:`record_inputs`, or the first reload): then a slot missing
+        from :meth:`recorded_inputs` is one that PWAL neither made nor wrote while it was recorded."""
+        return self._recorded
+
     def recorded_inputs(self) -> dict[SlotRef, tuple[SlotRef, ...]]:
         """For every declared slot a recording saw PWAL compute: the tensors (as the model holds them) it was
         computed from. Slots missing here are checked against their ``derived_from``, else the whole layer."""

@@ -99,6 +99,9 @@ class ReportEntry(SlotNamed):
     detail: str = ""
     #: Device address of the tensor's data (JSON only: other formats never print addresses).
     data_ptr: int | None = None
+    #: Whether PWAL wrote it (made it, or wrote it in place) while the contract recorded what PWAL does; ``None``
+    #: when no recording says. What decides ``static=True`` in the fixes (never the absence of a finding).
+    written: bool | None = None
 
     @property
     def drift(self) -> str:

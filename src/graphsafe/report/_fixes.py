@@ -63,13 +63,42 @@ def _lazy_note(members: Sequence[ReportEntry]) -> str:
     )
 
 
+#: Drift that means PWAL put a new tensor at the path (it follows the weights), and drift that means it did not
+#: touch the tensor (the contract's freshness check: "neither rebuilt it nor wrote it").
+_REBUILT: Final = frozenset(
+    {FindingKind.MOVED, FindingKind.RESPECIFIED, FindingKind.DEAD, FindingKind.ALIAS_BROKEN, FindingKind.AUTO_RESTORED}
+)
+_UNTOUCHED: Final = frozenset({FindingKind.STALE})
+
+
+def _pwal_wrote(entry: ReportEntry) -> bool | None:
+    """Whether PWAL wrote the tensor, from what the reload saw it do; ``None`` when nothing says."""
+    if entry.written is not None:
+        return entry.written
+    if entry.drift_kind in _REBUILT:
+        return True
+    if entry.drift_kind in _UNTOUCHED:
+        return False
+    return None
+
+
 def _static_paths(members: Sequence[ReportEntry], reloaded: bool) -> set[str]:
-    """Paths a reload neither replaced nor wrote: they do not follow the weights, so they are declared static
-    (else the contract's freshness check would call them stale). Without a reload nothing is known."""
+    """Paths PWAL was seen not to write: their contents do not follow the weights, so they are declared static
+    (else the contract's freshness check would call them stale). Decided from what PWAL did (the recording of what
+    it made and wrote, or a finding that says it left the tensor alone), never from the absence of a finding: a
+    tensor PWAL writes in place keeps its address and has no finding, yet follows the weights. A lazy tensor (not
+    there when PWAL returns) is static unless PWAL was seen writing it. Without a reload nothing is known."""
     if not reloaded:
         return set()
-    moved = {e.path for e in members if e.drift_kind is not None}
-    return {e.path for e in members if e.path not in moved}
+    wrote: dict[str, list[bool | None]] = {}
+    for entry in members:
+        wrote.setdefault(entry.path, []).append(_pwal_wrote(entry))
+    lazy = {e.path for e in members if e.lazy}
+    return {
+        path
+        for path, seen in wrote.items()
+        if not any(w is True for w in seen) and (all(w is False for w in seen) or path in lazy)
+    }
 
 
 def _pwal_fixes(members: Sequence[ReportEntry], static: set[str]) -> list[Fix]:
