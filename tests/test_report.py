@@ -10,6 +10,7 @@ goldens with ``GRAPHSAFE_REGEN_GOLDEN=1``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from graphsafe import (
+    ContractViolation,
     GraphContract,
     ReloadOutcome,
     UndeclaredDriftError,
@@ -773,3 +775,31 @@ def test_the_schema_rejects_a_corrupted_report(
     corrupt(document)
     with pytest.raises(jsonschema.ValidationError):
         _validate(document)
+
+
+class _TwoTables(nn.Module):
+    """Two tables made at __init__ that PWAL never writes, beside a weight-derived tensor PWAL rebuilds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4), requires_grad=False)
+        self.cos = torch.arange(4.0)
+        self.sin = torch.arange(4.0) * 2
+
+    def process_weights_after_loading(self) -> None:
+        self.w_t = self.weight.t().contiguous()
+
+
+def test_the_static_note_agrees_in_number() -> None:
+    """Issue 17 item 3: the generated sentence said "they does not follow" for two static paths."""
+    model = _TwoTables()
+    model.weight.copy_(torch.randn(4, 4))
+    model.process_weights_after_loading()
+    contract = GraphContract(model, "migrate").seal()
+    with contextlib.suppress(ContractViolation), contract.reload():  # fails closed: the tables look stale
+        model.weight.copy_(torch.randn(4, 4))
+        model.process_weights_after_loading()
+    (fix,) = migration_report(contract).fixes
+    assert fix.lines == ('@graph_visible("w_t")', '@graph_visible("cos", "sin", static=True)')
+    assert "cos, sin, so they do not follow the weights" in fix.note and "flag them stale" in fix.note
+    assert "they does" not in fix.note and "was not written" not in fix.note

@@ -4,7 +4,8 @@ Exit status: 0 clean (or every demo result as expected), 1 findings (or an unexp
 errors (bad arguments, a TARGET that cannot be loaded or reloaded, an output file that cannot be written), 3 a bug.
 
 Besides :func:`main`, the names a TARGET or a script may want: :class:`ReloadTarget` (what a TARGET may return),
-:func:`load_target`, the zoo targets :func:`legacy_zoo` and :func:`migrated_zoo`, and :func:`run_demo`.
+:func:`load_target`, the zoo targets :func:`legacy_zoo` and :func:`migrated_zoo`, :func:`run_demo`, and
+:func:`upstream_harm` (the demo's measured harm of a plain reload, :class:`Harm`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from graphsafe._version import __version__
-from graphsafe.cli._demo import run_demo
+from graphsafe.cli._demo import Harm, run_demo, upstream_harm
 from graphsafe.cli._exit import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, first_line, usage
 from graphsafe.cli._report_command import run_report
 from graphsafe.cli._target import (
@@ -33,6 +34,7 @@ from graphsafe.report import FORMATS
 from graphsafe.testing.zoo import EXAMPLES
 
 __all__ = [
+    "Harm",
     "ReloadTarget",
     "TargetError",
     "legacy_zoo",
@@ -40,6 +42,7 @@ __all__ = [
     "main",
     "migrated_zoo",
     "run_demo",
+    "upstream_harm",
     "zoo_target",
 ]
 

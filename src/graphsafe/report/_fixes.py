@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Collection, Iterable, Sequence
 from typing import Final, Literal
 
@@ -22,10 +23,21 @@ from graphsafe.report._owners import PWAL
 __all__ = ["fixes"]
 
 _STATIC_NOTE: Final = (
-    "static=True: {paths} kept {their} storage and was not written in the reload, so {it} does not follow the "
-    "weights (declared without it, graphsafe would flag it stale); if PWAL does rebuild {it} in place, drop "
-    "static=True so graphsafe checks that"
+    "static=True: PWAL was not seen writing {paths}, so {it} {does} not follow the weights (declared without it, "
+    "graphsafe would flag {them} stale); if PWAL does rebuild {them} in place, drop static=True so graphsafe "
+    "checks that"
 )
+
+
+def _static_note(frozen: Sequence[str]) -> str:
+    many = len(frozen) > 1
+    return _STATIC_NOTE.format(
+        paths=", ".join(frozen),
+        it="they" if many else "it",
+        does="do" if many else "does",
+        them="them" if many else "it",
+    )
+
 
 _Group = Literal["lazy", "no-pwal", "pwal"]
 
@@ -45,6 +57,44 @@ def _decorator(paths: Sequence[str], static: bool) -> str:
 def _stable_empty_call(entry: ReportEntry) -> str:
     shape = "(" + ", ".join(str(n) for n in entry.shape) + ("," if len(entry.shape) == 1 else "") + ")"
     return f"stable_empty(layer, {_quote(entry.path)}, {shape}, torch.{entry.dtype}, {_quote(entry.device)})"
+
+
+_ATTRIBUTES: Final = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _keep_vanished(members: Sequence[ReportEntry]) -> tuple[list[Fix], list[ReportEntry]]:
+    """Lazy tensors PWAL drops (they vanished in the reload) whose path is a plain attribute chain and whose PWAL is
+    known: one fix that re-binds each to its stable storage at the end of that PWAL (``stable_empty`` declares it
+    static and hands back the same storage every time), so the path holds what the graph reads when PWAL returns.
+    Declaring alone is not enough there. Returns those fixes and the members left to the usual lazy fix."""
+    vanished: dict[str, list[ReportEntry]] = {}
+    rest: list[ReportEntry] = []
+    for entry in members:
+        plain = (
+            entry.drift_kind is FindingKind.VANISHED and entry.pwal is not None and _ATTRIBUTES.fullmatch(entry.path)
+        )
+        if plain:
+            vanished.setdefault(str(entry.pwal), []).append(entry)
+        else:
+            rest.append(entry)
+    kept: list[Fix] = []
+    for pwal, entries in vanished.items():
+        by_path = list({e.path: e for e in entries}.values())
+        names = ", ".join(e.path for e in by_path)
+        kept.append(
+            Fix(
+                FixKind.REGISTER_DERIVED,
+                entries[0].owner,
+                f"{pwal}, at its end (it drops {names}, which the graph still reads)",
+                tuple(e.path for e in by_path),
+                tuple(dict.fromkeys(e.layer for e in entries)),
+                tuple(f"layer.{e.path} = {_stable_empty_call(e)}" for e in by_path),
+                "the same storage, declared static, is at the path again when PWAL returns; the code that allocates "
+                "it lazily then finds it there (or, simpler, stop resetting it in PWAL and declare it where it is "
+                "allocated)",
+            )
+        )
+    return kept, rest
 
 
 def _lazy_note(members: Sequence[ReportEntry]) -> str:
@@ -118,12 +168,7 @@ def _pwal_fixes(members: Sequence[ReportEntry], static: set[str]) -> list[Fix]:
         derived = [p for p in common if p not in static]
         frozen = [p for p in common if p in static]
         lines = tuple(_decorator(group, group is frozen) for group in (derived, frozen) if group)
-        note = ""
-        if frozen:
-            many = len(frozen) > 1
-            note = _STATIC_NOTE.format(
-                paths=", ".join(frozen), their="their" if many else "its", it="they" if many else "it"
-            )
+        note = _static_note(frozen) if frozen else ""
         fixes.append(Fix(FixKind.GRAPH_VISIBLE, owner, where, common, layers, lines, note))
     if partial:
         having = set().union(*(layers_with[p] for p in partial))
@@ -160,6 +205,12 @@ def fixes(drafted: Drafted, reloaded: bool) -> tuple[Fix, ...]:
         paths = tuple(dict.fromkeys(e.path for e in members))
         static = _static_paths(members, reloaded)
         if group == "lazy":
+            kept, members = _keep_vanished(members)
+            result += kept
+            if not members:
+                continue
+            layers = tuple(dict.fromkeys(e.layer for e in members))
+            paths = tuple(dict.fromkeys(e.path for e in members))
             target = (
                 f"{owner}: right after the code that assigns each path (it is not "
                 "there when PWAL returns, e.g. the first forward allocates it)"

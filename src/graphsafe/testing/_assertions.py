@@ -33,9 +33,9 @@ from graphsafe.errors import ContractViolation
 from graphsafe.outcome import Fingerprint, Origin, ReloadOutcome, SlotInfo, SlotRef, Status, fingerprint
 from graphsafe.paths import SlotPath
 from graphsafe.registry import declarations_of
-from graphsafe.report import AliasEntry, migration_report
+from graphsafe.report import AliasEntry, MigrationReport, migration_report
 
-__all__ = ["ExampleInput", "LoadWeights", "MakeLayer", "StabilityResult", "assert_reload_stable"]
+__all__ = ["ExampleInput", "LoadWeights", "MakeLayer", "ReloadUnstable", "StabilityResult", "assert_reload_stable"]
 
 #: Builds one layer (or model) with its parameters allocated but not loaded; called once per layer the check needs.
 MakeLayer = Callable[[], nn.Module]
@@ -67,6 +67,17 @@ class StabilityResult:
     #: Paths restored with the slot whose storage they share (a view of a weight): nothing to declare. The same
     #: answer the seal and the migration report give (:func:`graphsafe.collectors.classify`).
     aliases: tuple[AliasEntry, ...] = ()
+
+
+class ReloadUnstable(AssertionError):
+    """What :func:`assert_reload_stable` raises: an ``AssertionError`` whose message is the migration report plus
+    the failed checks, carrying the report itself (the same one, with the same fixes, as ``graphsafe report``) and
+    the reload's outcome, for tools that apply the fixes."""
+
+    def __init__(self, message: str, report: MigrationReport, outcome: ReloadOutcome) -> None:
+        super().__init__(message)
+        self.report = report
+        self.outcome = outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,14 +231,14 @@ class _Check:
                 outcome, written = self._reload(contract, subject, weights, step, tracked)
                 moved = _address_problems(contract, tracked, subject, state)
                 if outcome.status is not Status.COMMITTED or moved:
-                    raise AssertionError(self._message(contract, step, outcome, moved, []))
+                    raise self._failure(contract, step, outcome, moved, [])
                 # Only what this reload's PWAL wrote (rebuilt, or wrote in place) follows the weights; a tensor it
                 # left alone is scratch, whose bytes no load defines (the contract checks its freshness).
                 mismatches = _value_problems(contract, [t for t in tracked if t.where in written], values, weights)
                 if x is not None and output is not None:
                     mismatches += _compare("forward output", _output(subject(x)), output, weights)
                 if mismatches:
-                    raise AssertionError(self._message(contract, step, outcome, [], mismatches))
+                    raise self._failure(contract, step, outcome, [], mismatches)
         manifest = contract.manifest
         return StabilityResult(
             outcomes=tuple(self.outcomes),
@@ -269,15 +280,21 @@ class _Check:
         return outcome, written
 
     # -- the failure message -------------------------------------------------------------------------------------
-    def _message(
+    def _failure(
         self, contract: GraphContract, step: str, outcome: ReloadOutcome, moved: list[_Moved], mismatches: list[str]
+    ) -> ReloadUnstable:
+        report = migration_report(contract)
+        return ReloadUnstable(self._message(report, step, outcome, moved, mismatches), report, outcome)
+
+    def _message(
+        self, report: MigrationReport, step: str, outcome: ReloadOutcome, moved: list[_Moved], mismatches: list[str]
     ) -> str:
         if mismatches:
             what = "kept the addresses, but the values differ from a layer built cold on the same weights"
         else:
             what = "did not keep every graph-visible tensor at its captured address"
         lines = [f"assert_reload_stable({self.name}, mode={self.mode!r}): {step} {what}.", ""]
-        lines.append(migration_report(contract).render("text").rstrip("\n"))
+        lines.append(report.render("text").rstrip("\n"))
         lines += ["", "Outcome of the reload:", outcome.summary()]
         # The outcome already lists what the contract found; show only what the independent checks add.
         reported = {(f.layer, f.path) for f in outcome.problems}
