@@ -34,11 +34,14 @@ from torch.utils import _pytree as pytree
 
 from graphsafe.collectors import record_capture
 from graphsafe.contract import Agreement, GraphContract, Mode
-from graphsafe.errors import GraphSafeError, NotServingSafeError
+from graphsafe.errors import GraphSafeError, NotServingSafeError, hide_frames_in_pytest
 from graphsafe.handles import RemovableHandle
 from graphsafe.outcome import ReloadOutcome
 
 __all__ = ["CapturedGraph", "GraphRunner", "capture", "recapture_and_reseal", "run_reload"]
+
+#: pytest shows the caller's line and graphsafe's message, not this module's frames.
+__tracebackhide__ = hide_frames_in_pytest
 
 _NAMES = itertools.count()
 

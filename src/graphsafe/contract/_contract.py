@@ -35,11 +35,15 @@ from graphsafe.errors import (
     ReloadFailedError,
     UndeclaredDriftError,
     UnloadedInputWarning,
+    hide_frames_in_pytest,
 )
 from graphsafe.handles import RemovableHandle
 from graphsafe.outcome import Finding, FindingKind, Origin, ReloadOutcome, SlotInfo, SlotRef, Status, fingerprint
 from graphsafe.paths import SlotPath
 from graphsafe.registry import declarations_generation, declarations_of
+
+#: pytest shows the test's line and graphsafe's message, not this module's frames (``errors.hide_frames_in_pytest``).
+__tracebackhide__ = hide_frames_in_pytest
 
 __all__ = ["DETECT_POLICIES", "MODES", "Detect", "GraphContract", "Mode", "ReloadTransaction"]
 
