@@ -803,3 +803,59 @@ def test_the_static_note_agrees_in_number() -> None:
     assert fix.lines == ('@graph_visible("w_t")', '@graph_visible("cos", "sin", static=True)')
     assert "cos, sin, so they do not follow the weights" in fix.note and "flag them stale" in fix.note
     assert "they does" not in fix.note and "was not written" not in fix.note
+
+
+class _Key:
+    """A dict key no slot path can spell."""
+
+
+_KEY = _Key()
+
+
+class _ObjectKeyedCache(nn.Module):
+    """PWAL caches its transposed weight in a dict under ``(4, <object>)``: no slot path can name it."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4), requires_grad=False)
+        self.cache: dict[Any, torch.Tensor] = {}
+        self.fixed = fixed
+
+    def process_weights_after_loading(self) -> None:
+        if self.fixed:  # the report's fix, literally: key by a plain int, declare where it is assigned
+            self.cache[4] = self.weight.t().contiguous()
+            register_derived(self, "cache[4]")
+        else:
+            self.cache[(4, _KEY)] = self.weight.t().contiguous()
+
+
+def _load_cache(model: nn.Module, seed: int) -> None:
+    model.weight.copy_(torch.randn(4, 4, generator=torch.Generator().manual_seed(seed)))
+    model.process_weights_after_loading()
+
+
+def test_a_slot_no_path_can_name_is_a_finding_with_a_fix_not_a_note() -> None:
+    """Issue 17 item 5: the report (no capture) said "nothing to migrate" with only a note at the bottom."""
+    model = _ObjectKeyedCache()
+    _load_cache(model, 0)
+    contract = GraphContract(model, "migrate").seal()
+    with contract.reload():
+        _load_cache(model, 1)
+    assert contract.last_outcome is not None and not contract.last_outcome.committed
+    report = migration_report(contract)
+    assert not report.clean and not any("untrackable" in note for note in report.notes)
+    (place,) = report.untrackable
+    assert place.where.endswith("(_ObjectKeyedCache)") and place.detail.startswith("cache: ")
+    assert 'register_derived(layer, "cache[4]")' in place.fix and "plain int" in place.fix
+    text = report.render("text")
+    assert "nothing to migrate" not in text and "1 untrackable place(s)" in text.splitlines()[0]
+    jsonschema.validate(json.loads(report.render("json")), report_schema())
+    assert "## Untrackable" in report.render("markdown")
+
+    fixed = _ObjectKeyedCache(fixed=True)
+    _load_cache(fixed, 0)
+    strict = GraphContract(fixed, "strict").seal()
+    with strict.reload():
+        _load_cache(fixed, 1)
+    assert strict.last_outcome is not None and strict.last_outcome.committed
+    assert migration_report(strict).clean

@@ -14,13 +14,14 @@ import re
 from collections.abc import Collection, Iterable, Sequence
 from typing import Final, Literal
 
+from graphsafe.collectors import UNTRACKABLE_ADVICE
 from graphsafe.outcome import FindingKind
 from graphsafe.report._drafts import Drafted
-from graphsafe.report._entries import Fix, ReportEntry
+from graphsafe.report._entries import Fix, ReportEntry, UntrackableEntry
 from graphsafe.report._fix_kind import FixKind
 from graphsafe.report._owners import PWAL
 
-__all__ = ["fixes"]
+__all__ = ["fixes", "split_untrackable"]
 
 _STATIC_NOTE: Final = (
     "static=True: PWAL was not seen writing {paths}, so {it} {does} not follow the weights (declared without it, "
@@ -223,3 +224,35 @@ def fixes(drafted: Drafted, reloaded: bool) -> tuple[Fix, ...]:
         else:
             result += _pwal_fixes(members, static)
     return tuple(result)
+
+
+#: How the walker and the reload's finding spell an untrackable place: ``untrackable at LAYER (Class): DETAIL``.
+_UNTRACKABLE: Final = re.compile(r"untrackable at (?P<where>.+? \([^)]*\)): (?P<detail>.+)")
+#: A dict whose keys no slot path can spell (the walker says "the value under a ... dict key").
+_DICT_KEY: Final = re.compile(r"^(?P<place>[^:]+): the value under an? [^:]*dict key")
+
+
+def split_untrackable(notes: Iterable[str]) -> tuple[list[UntrackableEntry], list[str]]:
+    """The untrackable places among a report's notes, as findings with a concrete fix; the other notes."""
+    found: dict[tuple[str, str], UntrackableEntry] = {}
+    rest: list[str] = []
+    for note in notes:
+        match = _UNTRACKABLE.fullmatch(note)
+        if match is None:
+            rest.append(note)
+            continue
+        detail = match["detail"].removesuffix(UNTRACKABLE_ADVICE).rstrip("; ")
+        found.setdefault((match["where"], detail), UntrackableEntry(match["where"], detail, _untrackable_fix(detail)))
+    return list(found.values()), rest
+
+
+def _untrackable_fix(detail: str) -> str:
+    keyed = _DICT_KEY.match(detail)
+    if keyed is None:
+        return UNTRACKABLE_ADVICE.split(": ", 1)[-1]
+    place = keyed["place"].strip()
+    return (
+        f"key {place} by a plain int or str (the batch size, say) so that a slot path names each tensor, and "
+        f'declare each where it is assigned: register_derived(layer, "{place}[4]") for the key 4; or keep the '
+        f'tensor at an attribute of its own and register_derived(layer, "that_attribute")'
+    )
