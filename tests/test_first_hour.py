@@ -63,3 +63,16 @@ def test_docs_reference_only_files_in_the_repo_and_no_private_module() -> None:
         assert "ARCHITECTURE.md" not in text or (ROOT / "ARCHITECTURE.md").exists(), doc.name
     cli = (ROOT / "docs" / "cli.md").read_text()
     assert not re.findall(r"graphsafe(?:\.\w+)*\._\w+", cli), "docs/cli.md names a private module"
+
+
+def test_the_readme_says_how_to_install_and_how_to_get_the_cpu_build() -> None:
+    readme = (ROOT / "README.md").read_text()
+    install = readme[readme.index("## Install") :]
+    for line in (
+        "pip install graphsafe",
+        "pip install 'graphsafe[vllm]'",
+        "pip install torch --index-url https://download.pytorch.org/whl/cpu",
+        "make demo",
+        "make test",
+    ):
+        assert line in install, line
