@@ -24,10 +24,10 @@ __all__ = [
     "ReloadFailedError",
     "UndeclaredDriftError",
     "UnloadedInputWarning",
-    "hide_frames_in_pytest",
 ]
 
 
+# Not in __all__ (that lists the error classes, each exported by the package): graphsafe's own modules use it.
 def hide_frames_in_pytest(excinfo: Any) -> bool:
     """A module's ``__tracebackhide__``: pytest leaves the module's frames out of a failure's traceback when the
     error is graphsafe's own (a contract violation, a refusal, a declaration error), so the test's line and the
