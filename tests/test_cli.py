@@ -195,7 +195,8 @@ def test_report_on_the_legacy_zoo_in_each_format(fmt: str) -> None:
         assert out.startswith("# graphsafe migration report") and "```python" in out
     else:
         assert "graphsafe.testing.zoo.marlin.MarlinLinearMethod.process_weights_after_loading" in out
-        assert 'register_derived(layer, "_permute_scratch", static=True)' in out  # the forward's scratch
+        # PWAL drops the forward's scratch: the fix re-binds its stable storage at the end of that PWAL.
+        assert 'layer._permute_scratch = stable_empty(layer, "_permute_scratch", (16, 16), torch.float32' in out
 
 
 def test_report_strict_mode_and_output_file(tmp_path: Path) -> None:
