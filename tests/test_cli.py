@@ -136,6 +136,20 @@ def test_upstream_harm_is_measured_on_the_replay(monkeypatch: pytest.MonkeyPatch
     assert same.moved == harm.moved and same.replay_error < 1e-6
 
 
+class _ClosedPipe(io.StringIO):
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_closed_pipe_is_not_reported_as_a_bug(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``graphsafe demo | head`` closes the pipe early: no "internal error ... this is a bug" and no traceback."""
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    assert main(["demo", "act_order"]) == 0
+    assert "internal error" not in capsys.readouterr().err
+
+
 def test_demo_verbose_shows_every_example_under_every_mode() -> None:
     result = graphsafe("demo", "--verbose")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -11,6 +11,8 @@ Besides :func:`main`, the names a TARGET or a script may want: :class:`ReloadTar
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -18,7 +20,7 @@ from typing import NoReturn
 
 from graphsafe._version import __version__
 from graphsafe.cli._demo import Harm, run_demo, upstream_harm
-from graphsafe.cli._exit import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, first_line, usage
+from graphsafe.cli._exit import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, first_line, usage
 from graphsafe.cli._report_command import run_report
 from graphsafe.cli._target import (
     TARGET_HELP,
@@ -152,6 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("graphsafe: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `graphsafe demo | head`: the reader left; not a bug, and nothing more to say
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the interpreter flushes stdout at exit
+        return EXIT_CLEAN
     except Exception as exc:
         print(f"graphsafe: internal error ({first_line(exc)}); this is a bug, the traceback follows", file=sys.stderr)
         traceback.print_exc()
