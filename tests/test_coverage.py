@@ -317,7 +317,9 @@ def test_untrackable_places_are_findings_with_advice_and_in_the_report(name: str
         assert "\n" not in finding.detail and "declare" in finding.detail
     assert "untrackable" in str(info.value)
     report = migration_report(model)
-    assert any("untrackable" in note and "layer" in note for note in report.notes), report.notes
+    # A finding of the report with its fix (issue 17 item 5), not a note.
+    assert any(u.where.startswith("layer ") for u in report.untrackable), report.untrackable
+    assert not any("untrackable" in note for note in report.notes), report.notes
 
 
 def test_an_untrackable_tensor_fails_every_reload_not_only_the_one_that_moved_it() -> None:
@@ -615,13 +617,15 @@ def test_every_attribute_name_and_plain_key_round_trips_and_resolves(names: list
 
 
 def test_the_report_of_a_contract_says_each_untrackable_place_once() -> None:
-    """The seal's walk, the reload's finding and the report's own walk see one place: one note, with the advice."""
+    """The seal's walk, the reload's finding and the report's own walk see one place: one untrackable finding of the
+    report, with its fix."""
     host = fresh_host()
     model = Model(host)
     PLACES["set_member"].install(host, values(0))
     contract = GraphContract(model, "recapture").seal()
     with contract.reload():
         PLACES["set_member"].move(host, values(1))
-    notes = [note for note in migration_report(contract).notes if "untrackable" in note]
-    assert len(notes) == 1, notes
-    assert "layer (FreshHost)" in notes[0] and "a member of a set" in notes[0] and "declare that path" in notes[0]
+    places = migration_report(contract).untrackable
+    assert len(places) == 1, places
+    assert places[0].where == "layer (FreshHost)" and "a member of a set" in places[0].detail
+    assert "declare that path" in places[0].fix

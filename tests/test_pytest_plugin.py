@@ -39,8 +39,16 @@ def write(pytester: pytest.Pytester, body: str) -> None:
     pytester.makepyfile(test_inner=HEADER + textwrap.dedent(body))
 
 
+#: The source tree the outer session imports graphsafe from, for the inner sessions' PYTHONPATH.
+SRC = str(Path(plugin_module.__file__).resolve().parents[2])
+
+
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:randomly", *args)
+    """An inner session in its own process: torch registers its operator libraries once per process, so a second
+    in-process session that imports torch's test helpers again fails with "Only a single TORCH_LIBRARY"."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", SRC)
+        return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", *args, timeout=240)
 
 
 def test_the_plugin_is_loaded_from_the_entry_point(request: pytest.FixtureRequest) -> None:
@@ -69,7 +77,7 @@ def test_marker_fails_a_test_with_drift_and_passes_a_clean_one(pytester: pytest.
         [
             "*test_drift*",
             "@pytest.mark.graphsafe(mode='recapture'): a reload under the contract had findings",
-            "*reload 1: reload needs_recapture*",
+            "*1 of 1 reload(s) had findings: reload 1 (needs_recapture)*",
             "*moved: undeclared slot 'g_idx_sort_indices' of layers.0 (ActOrderLinear)*",
             '*@graph_visible("g_idx_sort_indices")*',
         ]
@@ -128,7 +136,63 @@ def test_marker_sees_every_reload_not_only_the_last(pytester: pytest.Pytester) -
     )
     result = run(pytester)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*reload 1: reload needs_recapture*", "*reload 2: reload needs_recapture*"])
+    result.stdout.fnmatch_lines(["*2 of 2 reload(s) had findings: reload 1 (needs_recapture), 2 (needs_recapture)*"])
+
+
+MIGRATE_THREE_TIMES = """
+    import torch
+    from graphsafe.testing.zoo import ZooModel
+
+    @pytest.mark.graphsafe(mode="migrate")
+    def test_migrate(graphsafe_contract):
+        cpu = torch.device("cpu")
+        names = ("act_order", "marlin_workspace", "cutlass_moe_strides", "mla_transposed", "flashinfer_swiglu")
+        model = ZooModel([EXAMPLES[name].make_layer("legacy", cpu) for name in names])
+        EX.load_weights(model, EX.make_weights(model, 0))
+        contract = graphsafe_contract(model)
+        for seed in (1, 2, 3):
+            reload(model, contract, seed)
+    """
+
+
+def _failure_section(result: pytest.RunResult, test: str) -> list[str]:
+    lines = result.stdout.lines
+    start = next(i for i, line in enumerate(lines) if line.startswith("___") and f" {test} " in line)
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith(("___", "=")))
+    return lines[start + 1 : end]
+
+
+def test_a_marker_failure_is_short_by_default_and_full_with_v(pytester: pytest.Pytester) -> None:
+    """Issue 17 item 6: every finding of every reload with its addresses was 264 lines; by default the first
+    finding of each kind, a count of the rest and the fix, in at most about 30 lines."""
+    write(pytester, MIGRATE_THREE_TIMES)
+    short = _failure_section(run(pytester), "test_migrate")
+    text = "\n".join(short)
+    assert len(short) <= 30, text
+    assert "3 of 3 reload(s) had findings" in text and "more auto-restored finding(s)" in text
+    assert "fix:" in text and '@graph_visible("g_idx_sort_indices")' in text and "more fix(es)" in text
+    assert "@0x" not in text and "run pytest with -v, or --graphsafe-report=PATH" in text
+    full = "\n".join(_failure_section(run(pytester, "-v"), "test_migrate"))
+    assert full.count("auto-restored: undeclared slot") > 20 and "reload 3: reload committed" in full
+    assert "graphsafe migration report:" in full
+
+
+def test_a_strict_failure_shows_the_test_not_graphsafe_s_source(pytester: pytest.Pytester) -> None:
+    """Issue 17 item 6: a strict violation showed about 40 lines of graphsafe's own source (``__tracebackhide__``
+    now hides its frames for graphsafe's own errors)."""
+    write(
+        pytester,
+        """
+        def test_strict(graphsafe_contract):
+            model = EX.build("legacy")
+            reload(model, graphsafe_contract(model))
+        """,
+    )
+    section = _failure_section(run(pytester), "test_strict")
+    text = "\n".join(section)
+    assert "UndeclaredDriftError" in text and "with contract.reload():" in text
+    assert "_contract.py" not in text and "def _apply" not in text and "raise _violation" not in text, text
+    assert len(section) <= 40, text
 
 
 def test_marker_without_a_contract_fails_instead_of_checking_nothing(pytester: pytest.Pytester) -> None:

@@ -10,6 +10,7 @@ goldens with ``GRAPHSAFE_REGEN_GOLDEN=1``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from graphsafe import (
+    ContractViolation,
     GraphContract,
     ReloadOutcome,
     UndeclaredDriftError,
@@ -522,9 +524,10 @@ def test_lazy_tensors_get_register_derived_not_a_decorator(
     scratch = _by_where(report)[("layers.2", "_scratch")]
     assert scratch.lazy and scratch.evidence == "after-seal"  # sealed before the warm-up allocated it
     fix = next(f for f in report.fixes if "_scratch" in f.paths)
-    assert fix.kind is FixKind.REGISTER_DERIVED and fix.lines == ('register_derived(layer, "_scratch")',)
-    # It vanished in the reload: declaring alone would not keep the storage; the note says what does.
-    assert 'stable_empty(layer, "_scratch", (4, 6), torch.float32, "cpu")' in fix.note
+    # It vanished in the reload: declaring alone would not keep the storage, so the fix line itself allocates it
+    # through stable_empty (applied literally, the next reload keeps it).
+    assert fix.kind is FixKind.REGISTER_DERIVED
+    assert fix.lines == ('layer._scratch = stable_empty(layer, "_scratch", (4, 6), torch.float32, "cpu")',)
     assert all("_scratch" not in line for f in report.fixes if f.kind is FixKind.GRAPH_VISIBLE for line in f.lines)
 
 
@@ -577,7 +580,8 @@ def test_fix_lines_are_grouped_by_owner_and_exact(golden: tuple[GoldenModel, Gra
         ("layers.2",),
         ('@graph_visible("W_UV", "W_UK_T", "topk", "act.keywords[\'perm\']")', '@graph_visible("rope", static=True)'),
     )
-    assert fixes[3][0] is FixKind.REGISTER_DERIVED and fixes[3][3] == ('register_derived(layer, "_scratch")',)
+    assert fixes[3][0] is FixKind.REGISTER_DERIVED
+    assert fixes[3][3] == ('layer._scratch = stable_empty(layer, "_scratch", (4, 6), torch.float32, "cpu")',)
     assert len(fixes) == 4
 
 
@@ -785,3 +789,87 @@ def test_the_schema_rejects_a_corrupted_report(
     corrupt(document)
     with pytest.raises(jsonschema.ValidationError):
         _validate(document)
+
+
+class _TwoTables(nn.Module):
+    """Two tables made at __init__ that PWAL never writes, beside a weight-derived tensor PWAL rebuilds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4), requires_grad=False)
+        self.cos = torch.arange(4.0)
+        self.sin = torch.arange(4.0) * 2
+
+    def process_weights_after_loading(self) -> None:
+        self.w_t = self.weight.t().contiguous()
+
+
+def test_the_static_note_agrees_in_number() -> None:
+    """Issue 17 item 3: the generated sentence said "they does not follow" for two static paths."""
+    model = _TwoTables()
+    model.weight.copy_(torch.randn(4, 4))
+    model.process_weights_after_loading()
+    contract = GraphContract(model, "migrate").seal()
+    with contextlib.suppress(ContractViolation), contract.reload():  # fails closed: the tables look stale
+        model.weight.copy_(torch.randn(4, 4))
+        model.process_weights_after_loading()
+    (fix,) = migration_report(contract).fixes
+    assert fix.lines == ('@graph_visible("w_t")', '@graph_visible("cos", "sin", static=True)')
+    assert "cos, sin, so they do not follow the weights" in fix.note and "flag them stale" in fix.note
+    assert "they does" not in fix.note and "was not written" not in fix.note
+
+
+class _Key:
+    """A dict key no slot path can spell."""
+
+
+_KEY = _Key()
+
+
+class _ObjectKeyedCache(nn.Module):
+    """PWAL caches its transposed weight in a dict under ``(4, <object>)``: no slot path can name it."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4), requires_grad=False)
+        self.cache: dict[Any, torch.Tensor] = {}
+        self.fixed = fixed
+
+    def process_weights_after_loading(self) -> None:
+        if self.fixed:  # the report's fix, literally: key by a plain int, declare where it is assigned
+            self.cache[4] = self.weight.t().contiguous()
+            register_derived(self, "cache[4]")
+        else:
+            self.cache[(4, _KEY)] = self.weight.t().contiguous()
+
+
+def _load_cache(model: nn.Module, seed: int) -> None:
+    model.weight.copy_(torch.randn(4, 4, generator=torch.Generator().manual_seed(seed)))
+    model.process_weights_after_loading()
+
+
+def test_a_slot_no_path_can_name_is_a_finding_with_a_fix_not_a_note() -> None:
+    """Issue 17 item 5: the report (no capture) said "nothing to migrate" with only a note at the bottom."""
+    model = _ObjectKeyedCache()
+    _load_cache(model, 0)
+    contract = GraphContract(model, "migrate").seal()
+    with contract.reload():
+        _load_cache(model, 1)
+    assert contract.last_outcome is not None and not contract.last_outcome.committed
+    report = migration_report(contract)
+    assert not report.clean and not any("untrackable" in note for note in report.notes)
+    (place,) = report.untrackable
+    assert place.where.endswith("(_ObjectKeyedCache)") and place.detail.startswith("cache: ")
+    assert 'register_derived(layer, "cache[4]")' in place.fix and "plain int" in place.fix
+    text = report.render("text")
+    assert "nothing to migrate" not in text and "1 untrackable place(s)" in text.splitlines()[0]
+    jsonschema.validate(json.loads(report.render("json")), report_schema())
+    assert "## Untrackable" in report.render("markdown")
+
+    fixed = _ObjectKeyedCache(fixed=True)
+    _load_cache(fixed, 0)
+    strict = GraphContract(fixed, "strict").seal()
+    with strict.reload():
+        _load_cache(fixed, 1)
+    assert strict.last_outcome is not None and strict.last_outcome.committed
+    assert migration_report(strict).clean

@@ -23,7 +23,7 @@ from graphsafe import (
     Status,
     stable_empty,
 )
-from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, run_reload
+from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, recapture_and_reseal, run_reload
 from graphsafe.collectors import Manifest
 from graphsafe.testing.zoo import EXAMPLES
 
@@ -316,3 +316,43 @@ def test_zoo_round_trip_in_fallback(name: str) -> None:
             assert torch.equal(graph.replay(), fresh(inp))
         run_reload(contract, lambda model=model: ex.load_weights(model, ex.make_weights(model, 0)))
         assert torch.equal(graph.replay(), first)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Recovery after a failed reload (issue 17 item 4).
+
+
+def test_recovery_names_the_next_step_and_needs_a_recapture(x: torch.Tensor) -> None:
+    """After a strict failure every refusal says "recapture, then reseal"; a reseal with no recapture is refused
+    (the graph would replay freed memory); ``graph.recapture_and_reseal()`` is the one-call way back."""
+    model = build()
+    contract = GraphContract(model, "strict")
+    graph = capture(contract, model, x)
+    other = capture(contract, lambda t: model(t) + 1, x)
+    with pytest.raises(ContractViolation):
+        run_reload(contract, lambda: load(model, seed=1))
+    with pytest.raises(NotServingSafeError, match=r"recapture.*then reseal") as replay_refused:
+        graph.replay()
+    assert "recapture_and_reseal()" in str(replay_refused.value)
+    with pytest.raises(NotServingSafeError, match=r"refusing to reload: .*recapture the graphs, then reseal\(\)"):
+        run_reload(contract, lambda: load(model, seed=1))
+    with pytest.raises(NotServingSafeError, match="recapture the graphs, then reseal"):
+        contract.reseal()  # no recapture: replay would read the storage of before the reload
+    assert not contract.serving_safe
+
+    assert graph.recapture_and_reseal() is contract
+    assert contract.serving_safe and graph.captures == 2 and other.captures == 2  # every graph of the contract
+    assert torch.equal(graph.replay(), eager(1, x))
+    assert torch.equal(other.replay(), eager(1, x) + 1)
+
+
+def test_recapture_and_reseal_needs_a_graph_of_the_adapter(x: torch.Tensor) -> None:
+    model = build()
+    graph = capture(GraphContract(model, "strict"), model, x)
+    other_model = build()
+    lone = GraphContract(other_model, "strict").seal()
+    graph.close()
+    with pytest.raises(GraphSafeError, match="was closed"):
+        graph.recapture_and_reseal()
+    with pytest.raises(GraphSafeError, match="no open graph"):
+        recapture_and_reseal(lone)

@@ -6,7 +6,7 @@ the :class:`~graphsafe.ReloadOutcome` so callers can inspect every finding progr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from graphsafe.outcome import ReloadOutcome
@@ -25,6 +25,14 @@ __all__ = [
     "UndeclaredDriftError",
     "UnloadedInputWarning",
 ]
+
+
+# Not in __all__ (that lists the error classes, each exported by the package): graphsafe's own modules use it.
+def hide_frames_in_pytest(excinfo: Any) -> bool:
+    """A module's ``__tracebackhide__``: pytest leaves the module's frames out of a failure's traceback when the
+    error is graphsafe's own (a contract violation, a refusal, a declaration error), so the test's line and the
+    message are what shows; any other exception (a bug) keeps every frame. ``--full-trace`` shows them all."""
+    return isinstance(getattr(excinfo, "value", None), GraphSafeError)
 
 
 class GraphSafeError(Exception):

@@ -34,13 +34,19 @@ from torch.utils import _pytree as pytree
 
 from graphsafe.collectors import record_capture
 from graphsafe.contract import Agreement, GraphContract, Mode
-from graphsafe.errors import GraphSafeError, NotServingSafeError
+from graphsafe.errors import GraphSafeError, NotServingSafeError, hide_frames_in_pytest
 from graphsafe.handles import RemovableHandle
 from graphsafe.outcome import ReloadOutcome
 
-__all__ = ["CapturedGraph", "GraphRunner", "capture", "run_reload"]
+__all__ = ["CapturedGraph", "GraphRunner", "capture", "recapture_and_reseal", "run_reload"]
+
+#: pytest shows the caller's line and graphsafe's message, not this module's frames.
+__tracebackhide__ = hide_frames_in_pytest
 
 _NAMES = itertools.count()
+
+#: The graphs captured under each contract by this adapter (weakly: a closed or collected graph drops out).
+_GRAPHS: weakref.WeakKeyDictionary[GraphContract, weakref.WeakSet[CapturedGraph]] = weakref.WeakKeyDictionary()
 
 
 class CapturedGraph:
@@ -111,7 +117,9 @@ class CapturedGraph:
         contract = self.contract
         if not contract.serving_safe:
             raise NotServingSafeError(
-                f"refusing to replay graph {self.name!r}: {contract.unsafe_reason}", contract.last_outcome
+                f"refusing to replay graph {self.name!r}: {contract.unsafe_reason}; next step: once the weights are "
+                "good, graph.recapture_and_reseal() (recapture, then reseal)",
+                contract.last_outcome,
             )
         if self.uses_graph:
             if self._graph is None:
@@ -124,10 +132,25 @@ class CapturedGraph:
         return self._output
 
     def recapture(self, *, reindex: bool = True) -> None:
-        """Warm up and capture again (after a reload that moved what the old graph reads)."""
+        """Warm up and capture again (after a reload that moved what the old graph reads).
+
+        This graph only; the contract stays not serving-safe until it is resealed. :meth:`recapture_and_reseal`
+        is the way back after a failed reload.
+        """
         if self._closed:
             raise GraphSafeError(f"graph {self.name!r} was closed")
         self._capture(reindex=reindex)
+
+    def recapture_and_reseal(self) -> GraphContract:
+        """The way back after a failed reload (once the weights are good again): capture every open graph of this
+        graph's contract again, then reseal it. Returns the contract, serving-safe again.
+
+        Every graph of the contract, not only this one: a reseal after recapturing some of them would make the
+        contract call the others safe while they still read the storage of before the reload.
+        """
+        if self._closed:
+            raise GraphSafeError(f"graph {self.name!r} was closed")
+        return recapture_and_reseal(self.contract)
 
     def close(self) -> None:
         """Drop the graph, stop recapturing it, and forget its manifest entries (idempotent)."""
@@ -145,6 +168,7 @@ class CapturedGraph:
     # -- capture -----------------------------------------------------------------------------------------------
     def _start(self) -> CapturedGraph:
         self._capture(reindex=True)
+        _GRAPHS.setdefault(self.contract, weakref.WeakSet()).add(self)
         # The contract holds the callback weakly: a strong bound method would make a reference cycle, and a cycle
         # collected by the GC in the middle of some later capture would destroy this graph there and invalidate it.
         self._handle = self.contract.on_recapture(_WeakRecapture(self))
@@ -291,6 +315,25 @@ def capture(
     return CapturedGraph(contract, fn, inputs, warmup=warmup, name=name, use_graph=use_graph)._start()
 
 
+def recapture_and_reseal(contract: GraphContract) -> GraphContract:
+    """Capture every open graph this adapter captured under ``contract`` again, then reseal it; returns it.
+
+    The way back after a strict-mode violation or a failed reload, once the model holds good weights again: the
+    recaptures are the evidence :meth:`GraphContract.reseal` needs. Raises :class:`~graphsafe.GraphSafeError`
+    when no open graph of this adapter reads the contract's model (recapture your own graphs, call
+    ``contract.note_capture()``, then ``contract.reseal()``).
+    """
+    graphs = sorted((g for g in _GRAPHS.get(contract, ()) if not g._closed), key=lambda g: g.name)
+    if not graphs:
+        raise GraphSafeError(
+            "recapture_and_reseal: no open graph of graphsafe.capture reads this contract's model; recapture your "
+            "own graphs, call contract.note_capture(), then contract.reseal()"
+        )
+    for graph in graphs:
+        graph.recapture(reindex=False)
+    return contract.reseal()
+
+
 def run_reload(
     contract: GraphContract, load_fn: Callable[[], object], *, agreement: Agreement | None = None
 ) -> ReloadOutcome:
@@ -366,9 +409,10 @@ class GraphRunner(AbstractContextManager["GraphRunner"]):
     def recapture(self) -> None:
         """Capture every open graph again and reseal: the way back after a strict-mode violation or a failed
         reload (once the weights are good again)."""
-        for graph in self.graphs:
-            graph.recapture(reindex=False)
-        self.contract.reseal()
+        if not self.graphs:
+            self.contract.reseal()  # nothing captured: the reseal refuses unless a capture was reported
+            return
+        recapture_and_reseal(self.contract)
 
     def close(self) -> None:
         """Close every graph."""

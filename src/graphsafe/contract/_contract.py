@@ -43,11 +43,15 @@ from graphsafe.errors import (
     ReloadFailedError,
     UndeclaredDriftError,
     UnloadedInputWarning,
+    hide_frames_in_pytest,
 )
 from graphsafe.handles import RemovableHandle
 from graphsafe.outcome import Finding, FindingKind, Origin, ReloadOutcome, SlotInfo, SlotRef, Status, fingerprint
 from graphsafe.paths import SlotPath
 from graphsafe.registry import declarations_generation, declarations_of
+
+#: pytest shows the test's line and graphsafe's message, not this module's frames (``errors.hide_frames_in_pytest``).
+__tracebackhide__ = hide_frames_in_pytest
 
 __all__ = ["DETECT_POLICIES", "MODES", "Detect", "GraphContract", "Mode", "ReloadTransaction"]
 
@@ -131,7 +135,10 @@ class GraphContract:
         if not isinstance(model, nn.Module):
             raise TypeError(f"GraphContract needs an nn.Module, got {type(model).__name__}")
         if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)} (no mode only warns)")
+            raise ValueError(
+                f"GraphContract: unknown mode {mode!r}: choose one of {', '.join(MODES)} (every mode acts on a "
+                "finding; to only list findings, run graphsafe.migration_report or `graphsafe report`)"
+            )
         if detect not in DETECT_POLICIES:
             raise ValueError(f"unknown detect policy {detect!r}: choose one of {', '.join(DETECT_POLICIES)}")
         self._model_ref = weakref.ref(model)
@@ -178,7 +185,11 @@ class GraphContract:
         """The model (raises if it was garbage-collected)."""
         model = self._model_ref()
         if model is None:
-            raise GraphSafeError("the contract's model was garbage-collected")
+            raise GraphSafeError(
+                "the contract's model was garbage-collected: a GraphContract holds its model weakly (it never keeps "
+                "a model alive), so keep a reference to the model for as long as the contract is used, e.g. "
+                "`model = load_model(); contract = GraphContract(model).seal()`"
+            )
         return model
 
     @property
@@ -364,6 +375,12 @@ class GraphContract:
         with dataflow:
             yield
         self._pending = dataflow
+
+    @property
+    def inputs_recorded(self) -> bool:
+        """Whether a recording of PWAL was taken (:meth:`record_inputs`, or the first reload): then a slot missing
+        from :meth:`recorded_inputs` is one that PWAL neither made nor wrote while it was recorded."""
+        return self._recorded
 
     def recorded_inputs(self) -> dict[SlotRef, tuple[SlotRef, ...]]:
         """For every declared slot a recording saw PWAL compute: the tensors (as the model holds them) it was
@@ -610,6 +627,13 @@ class GraphContract:
         raise _violation(outcome, self)
 
 
+def _next_step(reason: str | None) -> str:
+    """What a refusal adds so that it names the way back (the reason may say it already)."""
+    if reason is not None and "recapture" in reason and "reseal" in reason:
+        return ""
+    return "; next step: recapture the graphs, then reseal() (graphsafe.capture graphs: graph.recapture_and_reseal())"
+
+
 def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViolation:
     problems = outcome.problems
     remote = [f for f in problems if f.rank is not None]
@@ -728,7 +752,10 @@ class ReloadTransaction:
             )
         try:
             if not contract.serving_safe:
-                refused = NotServingSafeError(f"refusing to reload: {contract.unsafe_reason}", contract.last_outcome)
+                refused = NotServingSafeError(
+                    f"refusing to reload: {contract.unsafe_reason}{_next_step(contract.unsafe_reason)}",
+                    contract.last_outcome,
+                )
                 if self.agreement is not None:
                     # The peers reload and wait for this rank: take part as FAILED so agreement rounds stay paired.
                     self.agreement(ReloadOutcome(Status.FAILED, contract.mode, error=refused))

@@ -95,6 +95,7 @@ def graph_visible(
     """
     if not paths:
         raise DeclarationError("graph_visible() needs at least one slot path")
+    _require_bool("graph_visible", "static", static)
     parsed = tuple(SlotPath(p) for p in paths)  # PathSyntaxError at import time, where the bug is
     sources = _normalize_derived_from(derived_from)
     spec = GraphVisibleSpec(tuple(p.text for p in parsed), sources, static, layer_arg)
@@ -124,6 +125,12 @@ def graph_visible(
         return wrapper
 
     return decorate
+
+
+def _require_bool(where: str, name: str, value: object) -> None:
+    """``static='yes'`` would be truthy and silently turn off the staleness check: only ``True``/``False``."""
+    if not isinstance(value, bool):
+        raise DeclarationError(f"{where}: {name} must be True or False, got {value!r}")
 
 
 def _declare(
@@ -247,6 +254,7 @@ def register_derived(
     """
     if not isinstance(layer, nn.Module):
         raise DeclarationError(f"register_derived needs an nn.Module layer, got {type(layer).__name__}")
+    _require_bool(f"register_derived({type(layer).__name__}, {path!r})", "static", static)
     try:
         slot = _slot_path(path)
     except PathSyntaxError as exc:
@@ -272,6 +280,7 @@ def declare(
     """
     if not isinstance(layer, nn.Module):
         raise DeclarationError(f"declare needs an nn.Module layer, got {type(layer).__name__}")
+    _require_bool(f"declare({type(layer).__name__}, {path!r})", "static", static)
     try:
         slot = path if isinstance(path, SlotPath) else _slot_path(path)
     except PathSyntaxError as exc:
@@ -306,6 +315,11 @@ def stable_empty(
     if not isinstance(layer, nn.Module):
         raise DeclarationError(f"stable_empty needs an nn.Module layer, got {type(layer).__name__}")
     slot = SlotPath(name)
+    if not isinstance(dtype, torch.dtype):
+        raise DeclarationError(
+            f"stable_empty({type(layer).__name__}, {slot.text!r}): dtype must be a torch.dtype such as "
+            f"torch.float32, got {dtype!r}"
+        )
     wanted_shape = tuple(int(n) for n in shape)
     wanted_device = torch.device(device)
     store = layer_store(layer)

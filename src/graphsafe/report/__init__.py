@@ -10,7 +10,15 @@ a versioned schema), a tree or a Graphviz graph.
 """
 
 from graphsafe.report._build import migration_report
-from graphsafe.report._entries import STABLE, AliasEntry, Fix, MigrationReport, ReportEntry, UnownedEntry
+from graphsafe.report._entries import (
+    STABLE,
+    AliasEntry,
+    Fix,
+    MigrationReport,
+    ReportEntry,
+    UnownedEntry,
+    UntrackableEntry,
+)
 from graphsafe.report._fix_kind import FixKind
 from graphsafe.report._render import FORMATS
 from graphsafe.report._schema import SCHEMA_ID, report_schema
@@ -25,6 +33,7 @@ __all__ = [
     "MigrationReport",
     "ReportEntry",
     "UnownedEntry",
+    "UntrackableEntry",
     "migration_report",
     "report_schema",
 ]

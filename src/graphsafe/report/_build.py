@@ -12,7 +12,7 @@ from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.outcome import ReloadOutcome
 from graphsafe.report._drafts import to_entries
 from graphsafe.report._entries import MigrationReport, SourceKind, UnownedEntry
-from graphsafe.report._fixes import fixes
+from graphsafe.report._fixes import fixes, split_untrackable
 from graphsafe.report._sources import Collected, from_contract, from_model, from_outcome, unowned_storage
 
 __all__ = ["migration_report"]
@@ -64,15 +64,17 @@ def migration_report(
             f"migration_report needs an nn.Module, a GraphContract or a ReloadOutcome, got {type(source).__name__}"
         )
     drafted = to_entries(collected.drafts, collected.layers)
+    untrackable, notes = split_untrackable(dict.fromkeys(collected.notes))
     return MigrationReport(
         entries=drafted.entries,
         fixes=fixes(drafted, reloaded=outcome is not None),
         unowned=tuple(unowned),
-        notes=tuple(dict.fromkeys(collected.notes)),
+        notes=tuple(notes),
         source=kind,
         mode=mode,
         status=outcome.status if outcome is not None else None,
         reloaded=outcome is not None,
         declared_problems=collected.declared_problems,
         aliases=tuple(collected.aliases),
+        untrackable=tuple(untrackable),
     )

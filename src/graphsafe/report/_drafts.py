@@ -45,6 +45,8 @@ class Draft:
     evidence: Evidence
     reason: str | None = None
     detail: str = ""
+    #: Whether PWAL wrote it (made it, or wrote it in place) while the contract recorded PWAL; ``None``: unknown.
+    written: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,7 @@ def to_entries(drafts: Iterable[Draft], layers: Mapping[str, nn.Module]) -> Draf
                 via=via(layer, draft.path) if layer is not None else (),
                 detail=strip_addresses(draft.detail),
                 data_ptr=draft.fp.data_ptr,
+                written=draft.written,
             )
         )
     return Drafted(tuple(entries), tuple(known))

@@ -99,6 +99,9 @@ class ReportEntry(SlotNamed):
     detail: str = ""
     #: Device address of the tensor's data (JSON only: other formats never print addresses).
     data_ptr: int | None = None
+    #: Whether PWAL wrote it (made it, or wrote it in place) while the contract recorded what PWAL does; ``None``
+    #: when no recording says. What decides ``static=True`` in the fixes (never the absence of a finding).
+    written: bool | None = None
 
     @property
     def drift(self) -> str:
@@ -178,6 +181,24 @@ class UnownedEntry:
         return _json_fields(self, ("description", "shape", "dtype", "device", "bytes", "data_ptr"))
 
 
+@dataclass(frozen=True, slots=True)
+class UntrackableEntry:
+    """A place where device tensors sit that no slot path can name (a dict under an object key, a weak reference's
+    referent, an lru_cache's results...): a finding, not a note. Nothing can check that a graph still reads their
+    memory, so no reload of the layer commits until the code changes."""
+
+    #: ``layer (Class)``.
+    where: str
+    #: The place and what is there, as the walker or the reload found it.
+    detail: str
+    #: The concrete change that makes the tensors nameable (and the line that declares them).
+    fix: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly rendering (see ``schema.json``)."""
+        return _json_fields(self, ("where", "detail", "fix"))
+
+
 @dataclass(frozen=True)
 class MigrationReport:
     """What is undeclared, how it drifted, and the grouped fixes; ``render(fmt)`` for people and tools."""
@@ -198,11 +219,14 @@ class MigrationReport:
     #: Undeclared paths restored with the tracked slot they alias: nothing to declare, listed so an author sees
     #: why a path the walker reaches is not an entry.
     aliases: tuple[AliasEntry, ...] = ()
+    #: Places with device tensors no slot path can name: each one keeps every reload of its layer from committing.
+    untrackable: tuple[UntrackableEntry, ...] = ()
 
     @property
     def clean(self) -> bool:
-        """Nothing to migrate: no undeclared tensor and no unowned captured storage (aliases need no work)."""
-        return not self.entries and not self.unowned
+        """Nothing to migrate: no undeclared tensor, no unowned captured storage and no untrackable place (aliases
+        need no work)."""
+        return not self.entries and not self.unowned and not self.untrackable
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -247,6 +271,7 @@ class MigrationReport:
             "fixes": [f.to_dict() for f in self.fixes],
             "unowned": [u.to_dict() for u in self.unowned],
             "aliases": [a.to_dict() for a in self.aliases],
+            "untrackable": [u.to_dict() for u in self.untrackable],
             "notes": list(self.notes),
         }
 

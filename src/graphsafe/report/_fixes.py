@@ -10,22 +10,35 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Collection, Iterable, Sequence
 from typing import Final, Literal
 
+from graphsafe.collectors import UNTRACKABLE_ADVICE
 from graphsafe.outcome import FindingKind
 from graphsafe.report._drafts import Drafted
-from graphsafe.report._entries import Fix, ReportEntry
+from graphsafe.report._entries import Fix, ReportEntry, UntrackableEntry
 from graphsafe.report._fix_kind import FixKind
 from graphsafe.report._owners import PWAL
 
-__all__ = ["fixes"]
+__all__ = ["fixes", "split_untrackable"]
 
 _STATIC_NOTE: Final = (
-    "static=True: {paths} kept {their} storage and was not written in the reload, so {it} does not follow the "
-    "weights (declared without it, graphsafe would flag it stale); if PWAL does rebuild {it} in place, drop "
-    "static=True so graphsafe checks that"
+    "static=True: PWAL was not seen writing {paths}, so {it} {does} not follow the weights (declared without it, "
+    "graphsafe would flag {them} stale); if PWAL does rebuild {them} in place, drop static=True so graphsafe "
+    "checks that"
 )
+
+
+def _static_note(frozen: Sequence[str]) -> str:
+    many = len(frozen) > 1
+    return _STATIC_NOTE.format(
+        paths=", ".join(frozen),
+        it="they" if many else "it",
+        does="do" if many else "does",
+        them="them" if many else "it",
+    )
+
 
 _Group = Literal["lazy", "no-pwal", "pwal"]
 
@@ -47,6 +60,44 @@ def _stable_empty_call(entry: ReportEntry) -> str:
     return f"stable_empty(layer, {_quote(entry.path)}, {shape}, torch.{entry.dtype}, {_quote(entry.device)})"
 
 
+_ATTRIBUTES: Final = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _keep_vanished(members: Sequence[ReportEntry]) -> tuple[list[Fix], list[ReportEntry]]:
+    """Lazy tensors PWAL drops (they vanished in the reload) whose path is a plain attribute chain and whose PWAL is
+    known: one fix that re-binds each to its stable storage at the end of that PWAL (``stable_empty`` declares it
+    static and hands back the same storage every time), so the path holds what the graph reads when PWAL returns.
+    Declaring alone is not enough there. Returns those fixes and the members left to the usual lazy fix."""
+    vanished: dict[str, list[ReportEntry]] = {}
+    rest: list[ReportEntry] = []
+    for entry in members:
+        plain = (
+            entry.drift_kind is FindingKind.VANISHED and entry.pwal is not None and _ATTRIBUTES.fullmatch(entry.path)
+        )
+        if plain:
+            vanished.setdefault(str(entry.pwal), []).append(entry)
+        else:
+            rest.append(entry)
+    kept: list[Fix] = []
+    for pwal, entries in vanished.items():
+        by_path = list({e.path: e for e in entries}.values())
+        names = ", ".join(e.path for e in by_path)
+        kept.append(
+            Fix(
+                FixKind.REGISTER_DERIVED,
+                entries[0].owner,
+                f"{pwal}, at its end (it drops {names}, which the graph still reads)",
+                tuple(e.path for e in by_path),
+                tuple(dict.fromkeys(e.layer for e in entries)),
+                tuple(f"layer.{e.path} = {_stable_empty_call(e)}" for e in by_path),
+                "the same storage, declared static, is at the path again when PWAL returns; the code that allocates "
+                "it lazily then finds it there (or, simpler, stop resetting it in PWAL and declare it where it is "
+                "allocated)",
+            )
+        )
+    return kept, rest
+
+
 def _lazy_note(members: Sequence[ReportEntry]) -> str:
     vanished = list({e.path: e for e in members if e.drift_kind is FindingKind.VANISHED}.values())
     if not vanished:
@@ -63,13 +114,42 @@ def _lazy_note(members: Sequence[ReportEntry]) -> str:
     )
 
 
+#: Drift that means PWAL put a new tensor at the path (it follows the weights), and drift that means it did not
+#: touch the tensor (the contract's freshness check: "neither rebuilt it nor wrote it").
+_REBUILT: Final = frozenset(
+    {FindingKind.MOVED, FindingKind.RESPECIFIED, FindingKind.DEAD, FindingKind.ALIAS_BROKEN, FindingKind.AUTO_RESTORED}
+)
+_UNTOUCHED: Final = frozenset({FindingKind.STALE})
+
+
+def _pwal_wrote(entry: ReportEntry) -> bool | None:
+    """Whether PWAL wrote the tensor, from what the reload saw it do; ``None`` when nothing says."""
+    if entry.written is not None:
+        return entry.written
+    if entry.drift_kind in _REBUILT:
+        return True
+    if entry.drift_kind in _UNTOUCHED:
+        return False
+    return None
+
+
 def _static_paths(members: Sequence[ReportEntry], reloaded: bool) -> set[str]:
-    """Paths a reload neither replaced nor wrote: they do not follow the weights, so they are declared static
-    (else the contract's freshness check would call them stale). Without a reload nothing is known."""
+    """Paths PWAL was seen not to write: their contents do not follow the weights, so they are declared static
+    (else the contract's freshness check would call them stale). Decided from what PWAL did (the recording of what
+    it made and wrote, or a finding that says it left the tensor alone), never from the absence of a finding: a
+    tensor PWAL writes in place keeps its address and has no finding, yet follows the weights. A lazy tensor (not
+    there when PWAL returns) is static unless PWAL was seen writing it. Without a reload nothing is known."""
     if not reloaded:
         return set()
-    moved = {e.path for e in members if e.drift_kind is not None}
-    return {e.path for e in members if e.path not in moved}
+    wrote: dict[str, list[bool | None]] = {}
+    for entry in members:
+        wrote.setdefault(entry.path, []).append(_pwal_wrote(entry))
+    lazy = {e.path for e in members if e.lazy}
+    return {
+        path
+        for path, seen in wrote.items()
+        if not any(w is True for w in seen) and (all(w is False for w in seen) or path in lazy)
+    }
 
 
 def _pwal_fixes(members: Sequence[ReportEntry], static: set[str]) -> list[Fix]:
@@ -89,12 +169,7 @@ def _pwal_fixes(members: Sequence[ReportEntry], static: set[str]) -> list[Fix]:
         derived = [p for p in common if p not in static]
         frozen = [p for p in common if p in static]
         lines = tuple(_decorator(group, group is frozen) for group in (derived, frozen) if group)
-        note = ""
-        if frozen:
-            many = len(frozen) > 1
-            note = _STATIC_NOTE.format(
-                paths=", ".join(frozen), their="their" if many else "its", it="they" if many else "it"
-            )
+        note = _static_note(frozen) if frozen else ""
         fixes.append(Fix(FixKind.GRAPH_VISIBLE, owner, where, common, layers, lines, note))
     if partial:
         having = set().union(*(layers_with[p] for p in partial))
@@ -131,6 +206,12 @@ def fixes(drafted: Drafted, reloaded: bool) -> tuple[Fix, ...]:
         paths = tuple(dict.fromkeys(e.path for e in members))
         static = _static_paths(members, reloaded)
         if group == "lazy":
+            kept, members = _keep_vanished(members)
+            result += kept
+            if not members:
+                continue
+            layers = tuple(dict.fromkeys(e.layer for e in members))
+            paths = tuple(dict.fromkeys(e.path for e in members))
             target = (
                 f"{owner}: right after the code that assigns each path (it is not "
                 "there when PWAL returns, e.g. the first forward allocates it)"
@@ -143,3 +224,35 @@ def fixes(drafted: Drafted, reloaded: bool) -> tuple[Fix, ...]:
         else:
             result += _pwal_fixes(members, static)
     return tuple(result)
+
+
+#: How the walker and the reload's finding spell an untrackable place: ``untrackable at LAYER (Class): DETAIL``.
+_UNTRACKABLE: Final = re.compile(r"untrackable at (?P<where>.+? \([^)]*\)): (?P<detail>.+)")
+#: A dict whose keys no slot path can spell (the walker says "the value under a ... dict key").
+_DICT_KEY: Final = re.compile(r"^(?P<place>[^:]+): the value under an? [^:]*dict key")
+
+
+def split_untrackable(notes: Iterable[str]) -> tuple[list[UntrackableEntry], list[str]]:
+    """The untrackable places among a report's notes, as findings with a concrete fix; the other notes."""
+    found: dict[tuple[str, str], UntrackableEntry] = {}
+    rest: list[str] = []
+    for note in notes:
+        match = _UNTRACKABLE.fullmatch(note)
+        if match is None:
+            rest.append(note)
+            continue
+        detail = match["detail"].removesuffix(UNTRACKABLE_ADVICE).rstrip("; ")
+        found.setdefault((match["where"], detail), UntrackableEntry(match["where"], detail, _untrackable_fix(detail)))
+    return list(found.values()), rest
+
+
+def _untrackable_fix(detail: str) -> str:
+    keyed = _DICT_KEY.match(detail)
+    if keyed is None:
+        return UNTRACKABLE_ADVICE.split(": ", 1)[-1]
+    place = keyed["place"].strip()
+    return (
+        f"key {place} by a plain int or str (the batch size, say) so that a slot path names each tensor, and "
+        f'declare each where it is assigned: register_derived(layer, "{place}[4]") for the key 4; or keep the '
+        f'tensor at an attribute of its own and register_derived(layer, "that_attribute")'
+    )

@@ -69,6 +69,11 @@ def _headline(report: MigrationReport) -> str:
     if report.clean:
         return "nothing to migrate: no undeclared graph-visible tensor"
     parts = []
+    if report.untrackable:
+        parts.append(
+            f"{len(report.untrackable)} untrackable place(s): device tensors no slot path can name, so no reload of "
+            "their layer commits"
+        )
     if report.entries:
         parts.append(
             f"{len(report.entries)} undeclared graph-visible tensor(s) in {len(report.layers)} layer(s), "
@@ -134,6 +139,10 @@ def text(report: MigrationReport) -> str:
         lines += ["", "Unowned captured storage (a captured graph reads it; no layer path reaches it):"]
         rows = [_unowned_cells(u, human_bytes) for u in report.unowned]
         lines += ["  " + row for row in _table(rows)]
+    if report.untrackable:
+        lines += ["", "Untrackable (findings: no reload of these layers commits until the code changes):"]
+        for u in report.untrackable:
+            lines += [f"  - {u.where}: {u.detail}", f"      fix: {u.fix}"]
     if report.notes:
         lines += ["", "Notes:"] + [f"  - {note}" for note in report.notes]
     return "\n".join(lines) + "\n"
@@ -213,6 +222,9 @@ def markdown(report: MigrationReport) -> str:
         ]
         for u in report.unowned:
             lines.append("| " + " | ".join(_md(c) for c in _unowned_cells(u, str)) + " |")
+    if report.untrackable:
+        lines += ["", "## Untrackable", "", "No reload of these layers commits until the code changes.", ""]
+        lines += [f"- {u.where}: {u.detail}. Fix: {u.fix}." for u in report.untrackable]
     if report.notes:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in report.notes]
     return "\n".join(lines) + "\n"

@@ -160,6 +160,8 @@ def from_contract(contract: GraphContract) -> Collected:
     collected = Collected([], dict(contract.sealed_layers()), notes=findings.notes)
     collected.declared_problems = findings.declared_problems
     known: set[tuple[str, str]] = set()
+    # What PWAL made or wrote while the contract recorded it (the input tracing of the freshness check).
+    recorded = {(ref.layer, ref.path) for ref in contract.recorded_inputs()} if contract.inputs_recorded else None
     for slot in contract.slots():
         known.add((slot.layer, slot.path))
         if slot.origin is Origin.ALIAS:
@@ -179,6 +181,7 @@ def from_contract(contract: GraphContract) -> Collected:
                 drift is FindingKind.VANISHED,
                 "seal",
                 detail=finding.detail if finding is not None else "",
+                written=(slot.layer, slot.path) in recorded if recorded is not None else None,
             )
         )
     for where, finding in findings.by_slot.items():

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         ExampleInput,
         LoadWeights,
         MakeLayer,
+        ReloadUnstable,
         StabilityResult,
         assert_reload_stable,
     )
@@ -33,6 +34,7 @@ __all__ = [
     "Grading",
     "LoadWeights",
     "MakeLayer",
+    "ReloadUnstable",
     "StabilityResult",
     "assert_reload_stable",
     "grade",
@@ -44,6 +46,7 @@ _MODULES = {
         "ExampleInput",
         "LoadWeights",
         "MakeLayer",
+        "ReloadUnstable",
         "StabilityResult",
         "assert_reload_stable",
     ),

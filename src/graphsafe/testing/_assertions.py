@@ -1,20 +1,26 @@
 """``assert_reload_stable``: a CPU unit test that a layer's PWAL keeps every graph-visible tensor in place.
 
-The check is differential. One layer (the *subject*) is loaded with weights A, sealed under a
-:class:`~graphsafe.GraphContract` and, given an example input, run once under the capture manifest, as an engine
-would capture it. It is then reloaded B, A, B, A... under the contract. After every reload:
+The check is differential. One layer (the *subject*) is loaded with weights A (the load recorded, so the contract
+knows what PWAL makes and writes) and sealed under a :class:`~graphsafe.GraphContract` right after, where an engine
+seals; given an example input it is then warmed up (lazy scratch appears here) and run once under the capture
+manifest, as an engine would capture it. It is then reloaded B, A, B, A... under the contract. After every reload:
 
-* **addresses**: the contract must commit, and, independently of its verdict, every sealed slot, every parameter
-  and buffer and every storage the forward read must still be where it was sealed;
-* **values**: after A -> B every tracked derived tensor (and the forward output) must equal those of a second
-  layer built cold on B; after B -> A they must equal what the subject held after its first load of A.
+* **addresses**: the contract must commit, and, independently of its verdict, every sealed slot, every slot
+  declared during the warm-up (``stable_empty``), every parameter and buffer and every storage the forward read
+  must still be where it was sealed;
+* **values**, like with like (every side right after a load and its PWAL, before any forward): each tracked
+  tensor that this reload's PWAL wrote (a new tensor at its path, or its version counter moved) must equal that
+  of a second layer built cold on B (after A -> B), or what the subject held right after its first load of A
+  (after B -> A). Tensors PWAL leaves alone (scratch) are address-checked only. The forward output after the
+  reload must equal the cold layer's after the same warm-up.
 
-A failure raises ``AssertionError`` whose message is the migration report of the subject plus the reload's
-outcome and the address or value checks that failed.
+A failure raises ``AssertionError`` whose message is the migration report of the subject (the same report, and
+the same fixes, as ``graphsafe report``) plus the reload's outcome and the address or value checks that failed.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,12 +30,12 @@ from torch import nn
 from graphsafe.collectors import Manifest, record_capture
 from graphsafe.contract import MODES, GraphContract, Mode
 from graphsafe.errors import ContractViolation
-from graphsafe.outcome import Fingerprint, ReloadOutcome, SlotInfo, Status, fingerprint
+from graphsafe.outcome import Fingerprint, Origin, ReloadOutcome, SlotInfo, SlotRef, Status, fingerprint
 from graphsafe.paths import SlotPath
 from graphsafe.registry import declarations_of
-from graphsafe.report import AliasEntry, migration_report
+from graphsafe.report import AliasEntry, MigrationReport, migration_report
 
-__all__ = ["ExampleInput", "LoadWeights", "MakeLayer", "StabilityResult", "assert_reload_stable"]
+__all__ = ["ExampleInput", "LoadWeights", "MakeLayer", "ReloadUnstable", "StabilityResult", "assert_reload_stable"]
 
 #: Builds one layer (or model) with its parameters allocated but not loaded; called once per layer the check needs.
 MakeLayer = Callable[[], nn.Module]
@@ -61,6 +67,17 @@ class StabilityResult:
     #: Paths restored with the slot whose storage they share (a view of a weight): nothing to declare. The same
     #: answer the seal and the migration report give (:func:`graphsafe.collectors.classify`).
     aliases: tuple[AliasEntry, ...] = ()
+
+
+class ReloadUnstable(AssertionError):
+    """What :func:`assert_reload_stable` raises: an ``AssertionError`` whose message is the migration report plus
+    the failed checks, carrying the report itself (the same one, with the same fixes, as ``graphsafe report``) and
+    the reload's outcome, for tools that apply the fixes."""
+
+    def __init__(self, message: str, report: MigrationReport, outcome: ReloadOutcome) -> None:
+        super().__init__(message)
+        self.report = report
+        self.outcome = outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +113,9 @@ def assert_reload_stable(
             ``"migrate"`` also accepts undeclared tensors the contract can restore itself.
         reloads: how many A -> B -> A cycles to run (at least 1).
         seed: weights A come from ``torch.Generator().manual_seed(seed)``, weights B from ``seed + 1``.
-        example_input: a tensor, or ``layer -> tensor``. When given, a warm-up forward runs before the seal
-            (allocating lazy scratch), one forward runs under the capture manifest (so the storages it reads
-            are checked too) and the output after every reload is compared.
+        example_input: a tensor, or ``layer -> tensor``. When given, a warm-up forward runs after the seal
+            (allocating lazy scratch, as in an engine), one forward runs under the capture manifest (so the
+            storages it reads are checked too) and the output after every reload is compared.
 
     Returns:
         What was checked; the assertion passed.
@@ -136,13 +153,21 @@ class _Check:
         self.example_input = example_input
         self.outcomes: list[ReloadOutcome] = []
         self.name = "layer"  # the subject's class name, once built
+        self.written: set[str] = set()  # tracked slots some reload's PWAL wrote (compared by value)
 
     # -- setup ---------------------------------------------------------------------------------------------------
-    def _build(self, weights: str) -> nn.Module:
+    def _new_layer(self) -> nn.Module:
         layer = self.make_layer()
         if not isinstance(layer, nn.Module):
             raise TypeError(f"make_layer() must return an nn.Module, got {type(layer).__name__}")
+        return layer
+
+    def _load(self, layer: nn.Module, weights: str) -> None:
         self.load_weights(layer, torch.Generator().manual_seed(self.seeds[weights]))
+
+    def _build(self, weights: str) -> nn.Module:
+        layer = self._new_layer()
+        self._load(layer, weights)
         return layer
 
     def _input(self, layer: nn.Module) -> torch.Tensor | None:
@@ -156,54 +181,69 @@ class _Check:
 
     def run(self, reloads: int) -> StabilityResult:
         __tracebackhide__ = True
-        subject = self._build("A")
+        subject = self._new_layer()
         self.name = type(subject).__name__
-        x = self._input(subject)
-        if x is not None:
-            subject(x)  # warm-up: lazily allocated scratch exists before the seal, as in an engine
-        contract = GraphContract(subject, self.mode, detect="every-reload").seal()
-        first_output: torch.Tensor | None = None
-        if x is not None:
-            with record_capture(contract, name=_CAPTURE, ignore=[x]):
-                first_output = _output(subject(x))
+        contract = GraphContract(subject, self.mode, detect="every-reload")
+        # The first load is recorded: what its PWAL made or wrote follows the weights, anything else (scratch made
+        # in __init__ or by a forward) does not; the contract's freshness checks and the report's static advice
+        # both read this recording.
+        with contract.record_inputs():
+            self._load(subject, "A")
+        # Seal where an engine seals: right after the first load and its PWAL, before the warm-up and the capture.
+        # What the warm-up allocates (lazy scratch) is then known not to come from PWAL, and the capture manifest
+        # checks its storage.
+        contract.seal()
         # Parameters and buffers are address-checked on their own (``state``), whether the seal tracks them or not.
         tracked = [
             _Tracked(info, _compare_by_value(contract, info)) for info in contract.slots() if not info.origin.is_state
         ]
         state = _state_fingerprints(subject)
+        # Values are compared like with like: every side right after a load and its PWAL, before any forward (a
+        # forward may write scratch); the forward outputs after the same warm-up.
         first_values: dict[str, torch.Tensor | None] = {
             t.where: _resolve(contract, t.info).clone() for t in tracked if t.compare
         }
+        x = self._input(subject)
+        first_output: torch.Tensor | None = None
+        if x is not None:
+            subject(x)  # warm-up: lazily allocated scratch appears here, as in an engine
+            with record_capture(contract, name=_CAPTURE, ignore=[x]):
+                first_output = _output(subject(x))
+            # Declared during the warm-up (stable_empty scratch): address-checked from now on, as the contract
+            # adopts them at the next reload; static ones are never compared by value.
+            tracked += [_Tracked(info, _compare_by_value(contract, info)) for info in _late_declared(subject, tracked)]
 
         reference = self._build("B")
         _require_different_weights(subject, reference, self.seeds)
+        expected_b: dict[str, torch.Tensor | None] = {
+            t.where: _clone_or_none(_resolve_on(reference, t.info)) for t in tracked if t.compare
+        }
         reference_output: torch.Tensor | None = None
         if x is not None:
             reference(x)  # the same warm-up the subject had
             reference_output = _output(reference(x))
-        expected_b: dict[str, torch.Tensor | None] = {
-            t.where: _resolve_on(reference, t.info) for t in tracked if t.compare
-        }
 
         count = 0
         for _ in range(reloads):
             for weights, values, output in (("B", expected_b, reference_output), ("A", first_values, first_output)):
                 count += 1
                 step = f"reload {count} of {2 * reloads} (weights -> {weights}, seed {self.seeds[weights]})"
-                outcome = self._reload(contract, subject, weights, step)
+                outcome, written = self._reload(contract, subject, weights, step, tracked)
                 moved = _address_problems(contract, tracked, subject, state)
                 if outcome.status is not Status.COMMITTED or moved:
-                    raise AssertionError(self._message(contract, step, outcome, moved, []))
-                mismatches = _value_problems(contract, tracked, values, weights)
+                    raise self._failure(contract, step, outcome, moved, [])
+                # Only what this reload's PWAL wrote (rebuilt, or wrote in place) follows the weights; a tensor it
+                # left alone is scratch, whose bytes no load defines (the contract checks its freshness).
+                mismatches = _value_problems(contract, [t for t in tracked if t.where in written], values, weights)
                 if x is not None and output is not None:
                     mismatches += _compare("forward output", _output(subject(x)), output, weights)
                 if mismatches:
-                    raise AssertionError(self._message(contract, step, outcome, [], mismatches))
+                    raise self._failure(contract, step, outcome, [], mismatches)
         manifest = contract.manifest
         return StabilityResult(
             outcomes=tuple(self.outcomes),
             slots=tuple(t.where for t in tracked),
-            compared=tuple(t.where for t in tracked if t.compare),
+            compared=tuple(t.where for t in tracked if t.compare and t.where in self.written),
             state_tensors=len(state),
             manifest_storages=len(manifest.storages()) if isinstance(manifest, Manifest) else 0,
             output_compared=x is not None,
@@ -211,12 +251,22 @@ class _Check:
         )
 
     # -- one reload ----------------------------------------------------------------------------------------------
-    def _reload(self, contract: GraphContract, subject: nn.Module, weights: str, step: str) -> ReloadOutcome:
+    def _reload(
+        self, contract: GraphContract, subject: nn.Module, weights: str, step: str, tracked: list[_Tracked]
+    ) -> tuple[ReloadOutcome, set[str]]:
+        """One reload under the contract; returns its outcome and the tracked slots its PWAL wrote (a new tensor
+        at the path, or the old one written in place: its version counter moved), as seen before the contract's
+        restore."""
         generator = torch.Generator().manual_seed(self.seeds[weights])
+        before = {t.where: _version_of(_resolve_on(subject, t.info)) for t in tracked if t.compare}
+        written: set[str] = set()
         txn = contract.reload()
         try:
             with txn:
                 self.load_weights(subject, generator)
+                for t in tracked:
+                    if t.where in before and _version_of(_resolve_on(subject, t.info)) != before[t.where]:
+                        written.add(t.where)
         except ContractViolation:  # strict mode raises on any finding; the outcome is the verdict
             if txn.outcome is None:
                 raise
@@ -226,18 +276,25 @@ class _Check:
         outcome = txn.outcome
         assert outcome is not None  # a finished transaction always records one
         self.outcomes.append(outcome)
-        return outcome
+        self.written |= written
+        return outcome, written
 
     # -- the failure message -------------------------------------------------------------------------------------
-    def _message(
+    def _failure(
         self, contract: GraphContract, step: str, outcome: ReloadOutcome, moved: list[_Moved], mismatches: list[str]
+    ) -> ReloadUnstable:
+        report = migration_report(contract)
+        return ReloadUnstable(self._message(report, step, outcome, moved, mismatches), report, outcome)
+
+    def _message(
+        self, report: MigrationReport, step: str, outcome: ReloadOutcome, moved: list[_Moved], mismatches: list[str]
     ) -> str:
         if mismatches:
             what = "kept the addresses, but the values differ from a layer built cold on the same weights"
         else:
             what = "did not keep every graph-visible tensor at its captured address"
         lines = [f"assert_reload_stable({self.name}, mode={self.mode!r}): {step} {what}.", ""]
-        lines.append(migration_report(contract).render("text").rstrip("\n"))
+        lines.append(report.render("text").rstrip("\n"))
         lines += ["", "Outcome of the reload:", outcome.summary()]
         # The outcome already lists what the contract found; show only what the independent checks add.
         reported = {(f.layer, f.path) for f in outcome.problems}
@@ -265,6 +322,56 @@ class _Check:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers.
+
+
+def _late_declared(model: nn.Module, tracked: list[_Tracked]) -> list[SlotInfo]:
+    """Declared slots the seal did not see (declared after it, by a forward): fingerprinted now."""
+    known = {t.where for t in tracked}
+    late: list[SlotInfo] = []
+    for qualname, layer in model.named_modules():
+        for path, declaration in declarations_of(layer).items():
+            value = SlotPath(path).resolve_or(layer, None)
+            if not isinstance(value, torch.Tensor) or str(SlotRef(qualname, path)) in known:
+                continue
+            info = SlotInfo(
+                qualname,
+                type(layer).__name__,
+                path,
+                Origin.DECLARED,
+                fingerprint(value),
+                True,
+                None,
+                declaration.source,
+            )
+            late.append(info)
+    return late
+
+
+class _Version:
+    """Which tensor object is at a path (held weakly: holding it would change what the contract sees) and how
+    often it was written in place."""
+
+    __slots__ = ("ref", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.ref = weakref.ref(tensor)
+        self.version = tensor._version
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Version):
+            return NotImplemented
+        return self.ref() is other.ref() and self.ref() is not None and self.version == other.version
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _version_of(tensor: torch.Tensor | None) -> _Version | None:
+    """``None`` where no tensor is at the path."""
+    return None if tensor is None else _Version(tensor)
+
+
+def _clone_or_none(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.clone()
 
 
 def _output(value: object) -> torch.Tensor:

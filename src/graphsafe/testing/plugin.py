@@ -194,6 +194,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 # The marker's verdict.
 
 
+#: Findings of one kind shown before the rest are counted, and fixes shown before the rest are counted.
+_FIRST_FINDINGS = 1
+_FIRST_FIXES = 3
+
+
 def _marker_verdict(item: pytest.Item, mode: str) -> str | None:
     tracked = item.stash.get(_TRACKED, [])
     if not tracked:
@@ -201,27 +206,70 @@ def _marker_verdict(item: pytest.Item, mode: str) -> str | None:
             f"@pytest.mark.graphsafe(mode={mode!r}): the test created no contract through the graphsafe_contract "
             "fixture, so nothing was checked; use contract = graphsafe_contract(model)"
         )
-    from graphsafe.report import migration_report
-
+    full = item.config.get_verbosity() > 0 or item.config.stash.get(_REPORT, None) is not None
     parts: list[str] = []
     for number, entry in enumerate(tracked, 1):
-        contract = entry.contract
         bad = [(index, o) for index, o in enumerate(entry.outcomes, 1) if o.findings]
-        if not bad and contract.serving_safe:
+        if not bad and entry.contract.serving_safe:
             continue
-        name = type(entry.model).__name__
-        lines = [f"contract #{number} on {name} (mode={contract.mode}):"]
-        for index, outcome in bad:
-            lines.append(f"reload {index}: " + outcome.summary())
-            lines += [f"  - {f.describe()}" for f in outcome.auto_restored]
-        if not contract.serving_safe:
-            lines.append(f"not serving-safe at the end of the test: {contract.unsafe_reason}")
-        lines += ["", migration_report(contract).render("text").rstrip("\n")]
-        parts.append("\n".join(lines))
+        parts.append((_full_part if full else _short_part)(number, entry, bad))
     if not parts:
         return None
     header = f"@pytest.mark.graphsafe(mode={mode!r}): a reload under the contract had findings"
+    if not full:
+        parts.append("(every finding and the whole migration report: run pytest with -v, or --graphsafe-report=PATH)")
     return "\n\n".join([header, *parts])
+
+
+def _full_part(number: int, entry: _Tracked, bad: list[tuple[int, ReloadOutcome]]) -> str:
+    """Every reload with findings, each finding in full, and the whole migration report (``-v``)."""
+    from graphsafe.report import migration_report
+
+    contract = entry.contract
+    lines = [f"contract #{number} on {type(entry.model).__name__} (mode={contract.mode}):"]
+    for index, outcome in bad:
+        lines.append(f"reload {index}: " + outcome.summary())
+        lines += [f"  - {f.describe()}" for f in outcome.auto_restored]
+    if not contract.serving_safe:
+        lines.append(f"not serving-safe at the end of the test: {contract.unsafe_reason}")
+    lines += ["", migration_report(contract).render("text").rstrip("\n")]
+    return "\n".join(lines)
+
+
+def _short_part(number: int, entry: _Tracked, bad: list[tuple[int, ReloadOutcome]]) -> str:
+    """The default: which reloads, the first finding of each kind with a count of the rest, and the fix."""
+    from graphsafe.report import migration_report
+
+    contract = entry.contract
+    reloads = ", ".join(f"{index} ({outcome.status.value})" for index, outcome in bad)
+    lines = [
+        f"contract #{number} on {type(entry.model).__name__} (mode={contract.mode}): "
+        f"{len(bad)} of {len(entry.outcomes)} reload(s) had findings: reload {reloads}"
+    ]
+    by_kind: dict[str, list[str]] = {}
+    for _, outcome in bad:
+        for finding in outcome.findings:
+            first = finding.describe().splitlines()[0]  # the sentence; the lines below it are addresses
+            by_kind.setdefault(finding.kind.value, []).append(first)
+    for kind, described in by_kind.items():
+        lines += [f"  - {_clip(text)}" for text in described[:_FIRST_FINDINGS]]
+        if len(described) > _FIRST_FINDINGS:
+            lines.append(f"    ... and {len(described) - _FIRST_FINDINGS} more {kind} finding(s)")
+    if not contract.serving_safe:
+        lines.append(f"not serving-safe at the end of the test: {_clip(str(contract.unsafe_reason))}")
+    fixes = migration_report(contract).fixes
+    if fixes:
+        lines.append("fix:")
+        for fix in fixes[:_FIRST_FIXES]:
+            lines.append(f"  {'on' if fix.kind.value == 'graph_visible' else 'in'} {_clip(fix.target)}")
+            lines += [f"      {line}" for line in fix.lines]
+        if len(fixes) > _FIRST_FIXES:
+            lines.append(f"  ... and {len(fixes) - _FIRST_FIXES} more fix(es)")
+    return "\n".join(lines)
+
+
+def _clip(text: str, width: int = 200) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 # ----------------------------------------------------------------------------------------------------------------

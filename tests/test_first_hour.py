@@ -1,0 +1,78 @@
+"""A new user's first hour (issue 17 item 8): bad input gets a clear one-line error that says what to do."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import graphsafe
+from graphsafe import DeclarationError, GraphContract, GraphSafeError, graph_visible, register_derived, stable_empty
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_collected_model_says_the_contract_holds_it_weakly() -> None:
+    def load_model() -> nn.Module:
+        return nn.Linear(2, 2)
+
+    contract = GraphContract(load_model())  # nothing else holds the model
+    with pytest.raises(GraphSafeError, match="holds its model weakly") as raised:
+        contract.seal()
+    assert "keep a reference to the model" in str(raised.value)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_static_must_be_a_bool(value: object) -> None:
+    with pytest.raises(DeclarationError, match=r"static must be True or False, got"):
+        graph_visible("w", static=value)  # type: ignore[arg-type]
+    layer = nn.Linear(2, 2)
+    layer.w = torch.zeros(2)
+    with pytest.raises(DeclarationError, match=r"register_derived\(Linear, 'w'\): static must be True or False"):
+        register_derived(layer, "w", static=value)  # type: ignore[arg-type]
+
+
+def test_stable_empty_names_a_string_dtype() -> None:
+    with pytest.raises(DeclarationError, match=r"stable_empty\(Linear, 's'\): dtype must be a torch.dtype") as e:
+        stable_empty(nn.Linear(2, 2), "s", (2,), "float32", "cpu")  # type: ignore[arg-type]
+    assert "'float32'" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_mode_error_says_what_to_use_instead() -> None:
+    with pytest.raises(ValueError, match="unknown mode 'warn'") as raised:
+        GraphContract(nn.Linear(2, 2), "warn")  # type: ignore[arg-type]
+    message = str(raised.value)
+    assert "no mode only warns" not in message and "migration_report" in message and "graphsafe report" in message
+
+
+def test_dir_of_graphsafe_lists_only_its_api() -> None:
+    public = [name for name in dir(graphsafe) if not name.startswith("__")]
+    assert not [name for name in public if name.startswith("_") or name in {"Any", "importlib", "TYPE_CHECKING"}]
+    assert set(public) >= {"GraphContract", "graph_visible", "stable_empty", "migration_report"}
+
+
+def test_docs_reference_only_files_in_the_repo_and_no_private_module() -> None:
+    """ARCHITECTURE.md was referenced but not in the repo; docs/cli.md documented a private module."""
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for target in re.findall(r"\]\(([^)#:]+\.md)", text):
+            assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
+        assert "ARCHITECTURE.md" not in text or (ROOT / "ARCHITECTURE.md").exists(), doc.name
+    cli = (ROOT / "docs" / "cli.md").read_text()
+    assert not re.findall(r"graphsafe(?:\.\w+)*\._\w+", cli), "docs/cli.md names a private module"
+
+
+def test_the_readme_says_how_to_install_and_how_to_get_the_cpu_build() -> None:
+    readme = (ROOT / "README.md").read_text()
+    install = readme[readme.index("## Install") :]
+    for line in (
+        "pip install graphsafe",
+        "pip install 'graphsafe[vllm]'",
+        "pip install torch --index-url https://download.pytorch.org/whl/cpu",
+        "make demo",
+        "make test",
+    ):
+        assert line in install, line
