@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from graphsafe import GraphContract
+from graphsafe.adapters.vllm import _hooks as vllm_hooks
 from graphsafe.collectors import (
     GraphNode,
     Manifest,
@@ -418,3 +420,55 @@ def test_a_table_recorded_on_the_gpu_decodes_to_the_storages_the_graph_reads() -
     assert facts.counts["private"] == 8  # the intermediates, chained through the graph's pool
     # cuBLAS's parameter struct also holds host pointers (alpha, beta) and packed integers: not device memory.
     assert facts.counts["foreign"] == 18
+
+
+# -- the vLLM runner's capture (no vLLM needed: the hook's recording step with a fake runner) --------------------------
+class FakeTorchGraph:
+    """Stands for torch.cuda.CUDAGraph on CPU: scannable only when made with keep_graph=True."""
+
+    def __new__(cls, keep_graph: bool = False) -> FakeTorchGraph:
+        graph = super().__new__(cls)
+        graph.keep_graph = keep_graph
+        return graph
+
+    def raw_cuda_graph(self) -> int:
+        if not self.keep_graph:
+            raise RuntimeError("You cannot access the raw cudaGraph_t instance unless CUDAGraph was initialized "
+                               "with keep_graph=true")  # fmt: skip
+        return 1
+
+
+def test_vllm_capture_hook_scans_every_graph_the_runner_makes(
+    fake_cuda: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = Cached()
+    input_ids, kv_cache = torch.zeros(8), torch.zeros(16)
+    runner = SimpleNamespace(model=model, input_ids=SimpleNamespace(gpu=input_ids), kv_caches=[kv_cache])
+    fake_cuda["table"] = _table(model.weight, _CACHE["table"], input_ids, kv_cache)
+    fake_cuda["tensors"] = [model.weight, _CACHE["table"], input_ids, kv_cache]
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeTorchGraph)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    contract = GraphContract(model, "recapture").seal()
+    state = SimpleNamespace(config=SimpleNamespace(record_manifest=True))
+    with vllm_hooks._maybe_record(state, contract, runner):  # type: ignore[arg-type]
+        graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]  # what vLLM's capture does
+    assert all(g.keep_graph for g in graphs) and torch.cuda.CUDAGraph is FakeTorchGraph
+    manifest = contract.manifest
+    assert isinstance(manifest, Manifest)
+    assert manifest.backends() == {"vllm-0": "kernel-scan", "vllm-1": "kernel-scan"}
+    contract.reseal()  # what the capture wrapper does next: it ties the scanned storages to model paths
+    # the runner's input buffer and KV cache are registered: only the module-level cache is unowned
+    assert [id(e.storage_ref()) for e in manifest.unowned()] == [id(_CACHE["table"].untyped_storage())]
+    assert {h.where for e in manifest.storages() for h in e.holders} == {"<model>:weight"}
+
+
+def test_vllm_capture_hook_falls_back_to_the_dispatch_recorder_without_the_scan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = Cached()
+    contract = GraphContract(model, "recapture").seal()
+    state = SimpleNamespace(config=SimpleNamespace(record_manifest=True))
+    with torch.no_grad(), vllm_hooks._maybe_record(state, contract, None):  # type: ignore[arg-type]
+        model(torch.randn(2, 4))
+    assert isinstance(contract.manifest, Manifest) and contract.manifest.backends() == {"vllm": "dispatch"}

@@ -34,7 +34,9 @@ from graphsafe.collectors._manifest import (
     Holder,
     Manifest,
     SealedModel,
+    kernel_scan_unavailable,
     record_capture,
+    record_scan,
 )
 from graphsafe.collectors.walker import TensorRef, WalkResult, collect, walk
 
@@ -59,8 +61,10 @@ __all__ = [
     "classify",
     "classify_walk",
     "collect",
+    "kernel_scan_unavailable",
     "pointer_words",
     "record_capture",
+    "record_scan",
     "record_table",
     "scan_graph",
     "walk",

@@ -51,7 +51,9 @@ __all__ = [
     "Holder",
     "Manifest",
     "SealedModel",
+    "kernel_scan_unavailable",
     "record_capture",
+    "record_scan",
 ]
 
 
@@ -372,12 +374,7 @@ def record_capture(
         finally:
             if gc_was_enabled:
                 gc.enable()
-        manifest._install(capture, _scan_capture(capture, graph, contract, ignore, manifest), scanned=True)
-        if contract is not None:
-            contract.manifest = manifest
-            contract.note_capture()
-            if reindex:
-                manifest._index(contract, manifest.entries(capture))
+        record_scan(contract, graph, name=capture, ignore=ignore, reindex=reindex, manifest=manifest)
         return
     wanted = tuple(torch.device(d) for d in devices) if devices is not None else None
     recorder = _Recorder(capture, wanted, ignore)
@@ -401,6 +398,53 @@ def record_capture(
         contract.note_capture()
         if reindex:
             manifest._index(contract, manifest.entries(capture))
+
+
+def record_scan(
+    contract: SealedModel | None,
+    graph: Any,
+    *,
+    name: str,
+    ignore: Iterable[torch.Tensor] = (),
+    reindex: bool = True,
+    manifest: Manifest | None = None,
+) -> Manifest:
+    """Record an already captured ``torch.cuda.CUDAGraph(keep_graph=True)`` by the kernel scan.
+
+    What :func:`record_capture` does after a capture, for graphs someone else captured (an engine's runner):
+    the capture ``name`` replaces an earlier one of that name, ``ignore`` are its registered inputs and outputs,
+    and the contract is told a capture happened. Raises :class:`~graphsafe.GraphSafeError` when the graph cannot
+    be scanned (no ``keep_graph``, no cuda-bindings).
+    """
+    if manifest is None:
+        existing = contract.manifest if contract is not None else None
+        if existing is not None and not isinstance(existing, Manifest):
+            raise GraphSafeError(
+                f"the contract already has a manifest of type {type(existing).__name__}; pass manifest= explicitly"
+            )
+        manifest = existing if existing is not None else Manifest()
+    try:
+        kscan.driver()
+    except kscan.ScanUnavailable as exc:
+        raise GraphSafeError(f"collectors: capture {name!r}: {exc}") from exc
+    manifest._install(name, _scan_capture(name, graph, contract, list(ignore), manifest), scanned=True)
+    if contract is not None:
+        contract.manifest = manifest
+        contract.note_capture()
+        if reindex:
+            manifest._index(contract, manifest.entries(name))
+    return manifest
+
+
+def kernel_scan_unavailable() -> str | None:
+    """Why the kernel scan cannot run in this process (no CUDA, no cuda-bindings), or ``None`` when it can."""
+    if not torch.cuda.is_available():
+        return "kernel scan unavailable: CUDA is not available"
+    try:
+        kscan.driver()
+    except kscan.ScanUnavailable as exc:
+        return str(exc)
+    return None
 
 
 def _kernel_backend(capture: str, graph: Any, backend: str, manifest: Manifest) -> bool:
