@@ -184,6 +184,18 @@ def test_views_of_one_storage_share_a_range_without_comparing_tensors(monkeypatc
     assert StorageView([], [], [segment]).locate(address + 8).what == "unowned"
 
 
+def test_a_range_nested_in_a_larger_one_does_not_hide_it() -> None:
+    # A storage made over part of another's memory (from_blob, DLPack): an address past the inner one, inside the
+    # outer one, is still the outer one's, even with a disjoint range after the inner one.
+    outer, inner, after = object(), object(), object()
+    ranges = kscan._Intervals([(0x1000, 0x1000, outer), (0x1100, 0x100, inner), (0x1400, 0x100, after)])
+    assert ranges.find(0x1180) == (0x1100, 0x1200, inner)
+    assert ranges.find(0x1300) == (0x1000, 0x2000, outer)
+    assert ranges.find(0x1480) == (0x1400, 0x1500, after)
+    assert ranges.find(0x1500) == (0x1000, 0x2000, outer)
+    assert ranges.find(0x2000) is None and ranges.find(0xFFF) is None
+
+
 def test_attribute_keeps_the_lowest_offset_and_first_kernel() -> None:
     weight, cache = torch.zeros(4), torch.zeros(4)
     view = StorageView([(0x10000, 0x1000, weight)], [], _segments(), others=[(0x11000, 0x1000, cache)])

@@ -422,7 +422,7 @@ class Located:
 
 
 class _Intervals:
-    """Disjoint-ish ``[start, end)`` ranges with a payload, searched by bisection."""
+    """``[start, end)`` ranges with a payload, searched by bisection; ranges may nest or overlap."""
 
     def __init__(self, ranges: Iterable[tuple[int, int, Any]]) -> None:
         # Sorted by the range alone: views of one storage give equal ranges, and payloads (tensors) do not compare.
@@ -432,16 +432,20 @@ class _Intervals:
         )
         self._starts = [item[0] for item in items]
         self._items = items
+        # reach[i]: the furthest end of items[0..i], so a search looks back only while an earlier range can reach.
+        self._reach: list[int] = []
+        furthest = 0
+        for _, end, _ in items:
+            furthest = max(furthest, end)
+            self._reach.append(furthest)
 
     def find(self, address: int) -> tuple[int, int, Any] | None:
+        """The range with the greatest start that contains ``address`` (the innermost of nested ones)."""
         index = bisect.bisect_right(self._starts, address) - 1
-        # Overlapping ranges (views' storages are distinct objects over one allocation): look back a little.
-        while index >= 0:
+        while index >= 0 and self._reach[index] > address:
             start, end, payload = self._items[index]
             if start <= address < end:
                 return start, end, payload
-            if index and self._items[index - 1][1] <= start:
-                break
             index -= 1
         return None
 

@@ -501,7 +501,8 @@ def _scan_capture(
         storage = tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else tensor
         try:
             first = fingerprint(tensor)
-        except (TypeError, RuntimeError):
+        except (TypeError, RuntimeError) as exc:
+            manifest.notes.append(f"graphsafe: capture {capture!r}: a storage {label} reads cannot be recorded ({exc})")
             continue
         entries.append(
             CapturedStorage(
