@@ -348,7 +348,9 @@ class Plan:
             f"a class attribute of {self.name}: assigning through an instance would shadow it, not restore it"
         )
         if kind in (OBJECT, MODULE):
-            self.class_dicts = tuple((TYPE_NAME(klass), _class_dict(d)) for klass, d in pairs if _user_class(klass, d))
+            self.class_dicts = tuple(
+                (TYPE_NAME(klass), _class_dict(d)) for klass, d in pairs if _user_class(klass, d)
+            )
 
 
 # The caches, by id(cls): hashing a class could run a metaclass's __hash__. KINDS is the hot loops' leaf test.
