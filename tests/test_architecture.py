@@ -43,6 +43,11 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     # white-box tests of the restore plan: the "layer still in the model" fast path against get_submodule, and
     # the copy batch's grouping
     "tests/test_restore_plan.py": {"graphsafe.contract._access", "graphsafe.contract._copy"},
+    # the kernel scan's driver, allocator view and live-tensor source are replaced by recorded tables (no GPU)
+    # (and the vLLM hook's recording step runs on a fake runner, without vLLM)
+    "tests/test_kernelscan.py": {"graphsafe.collectors._kernelscan", "graphsafe.adapters.vllm._hooks"},
+    # the GPU tests read captured graphs through the same driver the scan uses, and the scan's per-capture facts
+    "tests/gpu/test_kernel_scan.py": {"graphsafe.collectors._kernelscan"},
     # a copy that raises halfway is injected into the copy batch
     "tests/test_adversarial.py": {"graphsafe.contract._copy"},
     # the hook installer's wrappers and markers, and the pack's attribute, are checked on the real vLLM

@@ -492,6 +492,9 @@ class ReloadOutcome:
     layers: int = 0
     error: BaseException | None = field(default=None, repr=False, compare=False)
     rank_statuses: tuple[tuple[int, Status], ...] = ()
+    #: Slots whose storage no captured graph reads, by the kernel scan (``None``: not every capture was
+    #: kernel-scanned, so what is unread is not known).
+    slots_unread: int | None = None
 
     @property
     def needs_recapture(self) -> bool:

@@ -192,8 +192,13 @@ class CapturedGraph:
             ignore = [*inputs, *self._out_leaves]
             if self.uses_graph:
                 self._graph = None  # free the old graph's pool before capturing the new one
-                graph = torch.cuda.CUDAGraph()
-                with record_capture(contract, name=self.name, ignore=ignore, reindex=reindex), torch.cuda.graph(graph):
+                # keep_graph: the kernel scan reads the captured nodes (record_capture falls back to the dispatch
+                # recorder, with a note, where the scan is unavailable).
+                graph = torch.cuda.CUDAGraph(keep_graph=True)
+                with (
+                    record_capture(contract, name=self.name, ignore=ignore, reindex=reindex, graph=graph),
+                    torch.cuda.graph(graph),
+                ):
                     self._copy_out(self.fn(*inputs))
                 self._graph = graph
             else:

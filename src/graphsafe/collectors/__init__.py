@@ -3,6 +3,7 @@
 * :func:`classify`: the one classification of a layer's tensors (declared, parameter, buffer, alias, walker).
 * :func:`walk` / :func:`collect`: the walker (undeclared tensors reachable from a layer).
 * :func:`record_capture` / :class:`Manifest`: the capture-time manifest (what a graph really read).
+* :func:`scan_graph` / :class:`StorageView`: the kernel scan (what a captured CUDA graph's nodes point into).
 * :class:`Dataflow`: which storages PWAL computed each tensor from (what a reload really read).
 
 Collectors observe; they never restore anything.
@@ -18,12 +19,24 @@ from graphsafe.collectors._classify import (
     classify_walk,
 )
 from graphsafe.collectors._dataflow import Dataflow
+from graphsafe.collectors._kernelscan import (
+    GraphNode,
+    GraphScan,
+    RecordedDriver,
+    ScanUnavailable,
+    StorageView,
+    pointer_words,
+    record_table,
+    scan_graph,
+)
 from graphsafe.collectors._manifest import (
     CapturedStorage,
     Holder,
     Manifest,
     SealedModel,
+    kernel_scan_unavailable,
     record_capture,
+    record_scan,
 )
 from graphsafe.collectors.walker import TensorRef, WalkResult, collect, walk
 
@@ -32,10 +45,15 @@ __all__ = [
     "CapturedStorage",
     "Classified",
     "Dataflow",
+    "GraphNode",
+    "GraphScan",
     "Holder",
     "LayerTensors",
     "Manifest",
+    "RecordedDriver",
+    "ScanUnavailable",
     "SealedModel",
+    "StorageView",
     "TensorRef",
     "TrackedStorage",
     "Unresolved",
@@ -43,6 +61,11 @@ __all__ = [
     "classify",
     "classify_walk",
     "collect",
+    "kernel_scan_unavailable",
+    "pointer_words",
     "record_capture",
+    "record_scan",
+    "record_table",
+    "scan_graph",
     "walk",
 ]

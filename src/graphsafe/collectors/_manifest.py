@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import warnings
 import weakref
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphsafe.collectors import _kernelscan as kscan
 from graphsafe.collectors._classify import classify
 from graphsafe.errors import GraphSafeError
 from graphsafe.outcome import (
@@ -49,7 +51,9 @@ __all__ = [
     "Holder",
     "Manifest",
     "SealedModel",
+    "kernel_scan_unavailable",
     "record_capture",
+    "record_scan",
 ]
 
 
@@ -93,6 +97,9 @@ class CapturedStorage:
     written: bool = False
     #: Model paths that held it when last indexed; empty for unowned storage.
     holders: tuple[Holder, ...] = ()
+    #: Which backend produced this fact: ``"dispatch"`` (the dispatch recorder) or ``"kernel-scan"`` (the graph's
+    #: kernel nodes; ``op`` is then the first kernel that pointed into it and ``lo`` the lowest offset it used).
+    backend: str = "dispatch"
 
     @property
     def alive(self) -> bool:
@@ -111,6 +118,11 @@ class CapturedStorage:
 
     def touched(self) -> str:
         """A phrase for messages: which bytes of which storage the capture used, and how."""
+        if self.backend == "kernel-scan":
+            return (
+                f"capture {self.capture!r} (kernel scan) reads storage @0x{self.data_ptr:x} from byte {self.lo} "
+                f"({self.nbytes} bytes on {self.device}; first by kernel {self.op})"
+            )
         what = f"bytes [{self.lo}, {self.hi}) of" if self.hi else "(no bytes of)"
         return (
             f"capture {self.capture!r} {self.access} {what} storage @0x{self.data_ptr:x} "
@@ -313,6 +325,8 @@ def record_capture(
     devices: Collection[torch.device | str] | None = None,
     reindex: bool = True,
     manifest: Manifest | None = None,
+    graph: Any = None,
+    backend: str = "auto",
 ) -> Iterator[Manifest]:
     """Record what a capture touches: ``with record_capture(contract): with torch.cuda.graph(g): out = fwd(x)``.
 
@@ -333,6 +347,12 @@ def record_capture(
         reindex: tie the recorded storages to the model paths that hold them now. The adapter passes ``False``
             when the contract reseals right after (a recapture), which indexes everything anyway.
         manifest: record into this manifest instead of the contract's.
+        graph: the ``torch.cuda.CUDAGraph`` captured inside the block. Made with ``keep_graph=True``, it is read by
+            the kernel scan after the capture (what its kernel, memset and memcpy nodes point into) and no
+            dispatch mode is active during the capture, so the graph checked is the graph that serves.
+        backend: ``"auto"`` (the kernel scan when ``graph`` can be scanned, else the dispatch recorder with a
+            one-line warning), ``"kernel"`` (the kernel scan or a :class:`~graphsafe.GraphSafeError`) or
+            ``"dispatch"`` (the dispatch recorder: the CPU fallback and the cross-check).
 
     Yields:
         The manifest; the new capture's storages are in it once the block exits without an exception.
@@ -345,6 +365,17 @@ def record_capture(
             )
         manifest = existing if existing is not None else Manifest()
     capture = name if name is not None else f"capture-{next(_NAMES)}"
+    ignore = list(ignore)
+    if _kernel_backend(capture, graph, backend, manifest):
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            yield manifest
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        record_scan(contract, graph, name=capture, ignore=ignore, reindex=reindex, manifest=manifest)
+        return
     wanted = tuple(torch.device(d) for d in devices) if devices is not None else None
     recorder = _Recorder(capture, wanted, ignore)
     # A cyclic collection inside a capture could destroy an unrelated CUDA graph (or free its pool), which
@@ -367,6 +398,144 @@ def record_capture(
         contract.note_capture()
         if reindex:
             manifest._index(contract, manifest.entries(capture))
+
+
+def record_scan(
+    contract: SealedModel | None,
+    graph: Any,
+    *,
+    name: str,
+    ignore: Iterable[torch.Tensor] = (),
+    reindex: bool = True,
+    manifest: Manifest | None = None,
+) -> Manifest:
+    """Record an already captured ``torch.cuda.CUDAGraph(keep_graph=True)`` by the kernel scan.
+
+    What :func:`record_capture` does after a capture, for graphs someone else captured (an engine's runner):
+    the capture ``name`` replaces an earlier one of that name, ``ignore`` are its registered inputs and outputs,
+    and the contract is told a capture happened. Raises :class:`~graphsafe.GraphSafeError` when the graph cannot
+    be scanned (no ``keep_graph``, no cuda-bindings).
+    """
+    if manifest is None:
+        existing = contract.manifest if contract is not None else None
+        if existing is not None and not isinstance(existing, Manifest):
+            raise GraphSafeError(
+                f"the contract already has a manifest of type {type(existing).__name__}; pass manifest= explicitly"
+            )
+        manifest = existing if existing is not None else Manifest()
+    try:
+        kscan.driver()
+    except kscan.ScanUnavailable as exc:
+        raise GraphSafeError(f"collectors: capture {name!r}: {exc}") from exc
+    manifest._install(name, _scan_capture(name, graph, contract, list(ignore), manifest), scanned=True)
+    if contract is not None:
+        contract.manifest = manifest
+        contract.note_capture()
+        if reindex:
+            manifest._index(contract, manifest.entries(name))
+    return manifest
+
+
+def kernel_scan_unavailable() -> str | None:
+    """Why the kernel scan cannot run in this process (no CUDA, no cuda-bindings), or ``None`` when it can."""
+    if not torch.cuda.is_available():
+        return "kernel scan unavailable: CUDA is not available"
+    try:
+        kscan.driver()
+    except kscan.ScanUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def _kernel_backend(capture: str, graph: Any, backend: str, manifest: Manifest) -> bool:
+    """Whether this capture is read by the kernel scan (see :func:`record_capture`'s ``backend``)."""
+    if backend not in ("auto", "kernel", "dispatch"):
+        raise GraphSafeError(
+            f"collectors: record_capture(backend={backend!r}) is not a backend; use 'auto', 'kernel' or 'dispatch'"
+        )
+    if backend == "dispatch":
+        return False
+    if graph is None:
+        if backend == "kernel":
+            raise GraphSafeError(
+                f"collectors: record_capture(backend='kernel') for capture {capture!r} needs graph=, the "
+                "torch.cuda.CUDAGraph(keep_graph=True) captured inside the block"
+            )
+        return False
+    try:
+        if not kscan.keeps_graph(graph):
+            raise kscan.ScanUnavailable(
+                "kernel scan unavailable: the graph is not made with torch.cuda.CUDAGraph(keep_graph=True)"
+            )
+        kscan.driver()
+    except kscan.ScanUnavailable as exc:
+        if backend == "kernel":
+            raise GraphSafeError(f"collectors: capture {capture!r}: {exc}") from exc
+        note = f"graphsafe: capture {capture!r}: {exc}; recorded by the dispatch recorder instead"
+        manifest.notes.append(note)
+        warnings.warn(note, stacklevel=4)
+        return False
+    return True
+
+
+def _scan_capture(
+    capture: str, graph: Any, contract: SealedModel | None, ignore: list[torch.Tensor], manifest: Manifest
+) -> list[CapturedStorage]:
+    """The kernel scan of a just-captured graph, as manifest entries (holders are tied by ``_index``)."""
+    drv = kscan.driver()
+    try:
+        scan = kscan.scan_graph(kscan.raw_graph(graph), drv)
+    except kscan.ScanUnavailable as exc:
+        raise GraphSafeError(f"collectors: capture {capture!r}: {exc}") from exc
+    index = _PathIndex()
+    if contract is not None:
+        if contract.sealed:
+            _contract_index(contract, index)
+        _model_index(contract.model, index, walk=manifest.walk)
+    model = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t) for t in index.tensors.values()]
+    ignored = [part for tensor in ignore for part in _memory(tensor)]
+    view = kscan.StorageView.from_allocator(model, ignored)
+    facts = kscan.attribute(scan, view)
+    entries: list[CapturedStorage] = []
+    for tensor, offset, label in [*facts.model.values(), *facts.unowned.values()]:
+        storage = tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else tensor
+        try:
+            first = fingerprint(tensor)
+        except (TypeError, RuntimeError) as exc:
+            manifest.notes.append(f"graphsafe: capture {capture!r}: a storage {label} reads cannot be recorded ({exc})")
+            continue
+        entries.append(
+            CapturedStorage(
+                capture=capture,
+                storage_ref=weakref.ref(storage),
+                data_ptr=storage.data_ptr(),
+                nbytes=storage.nbytes(),
+                device=tensor.device,
+                first_view=first,
+                op=label,
+                lo=offset,
+                hi=storage.nbytes(),
+                backend="kernel-scan",
+            )
+        )
+    # Kept per capture: counts, kernel names and notes. Not the tensors (a reference would keep a storage the graph
+    # reads alive, so it could never be found dead), nor the parameter bytes.
+    facts.model.clear()
+    facts.unowned.clear()
+    facts.scan = kscan.GraphScan([kscan.GraphNode(n.kind, n.name) for n in scan.nodes], scan.notes, scan.seconds)
+    manifest._scans[capture] = facts
+    notes = list(dict.fromkeys(scan.notes))
+    if facts.freed:
+        # Right after capture_end nothing the capture read can have been freed yet: a word into a free block of
+        # the default pool is a non-pointer value (a packed index or divisor) or a block whose pool the snapshot
+        # does not name. Noted, not a finding; storages freed later are dead by their weak references.
+        base, nbytes, label = facts.freed[0]
+        notes.append(
+            f"{len(facts.freed)} parameter word(s) point into free allocator blocks (first @0x{base:x}, "
+            f"{nbytes} bytes, by {label}); not attributed"
+        )
+    manifest.notes.extend(f"graphsafe: capture {capture!r}: {note}" for note in notes)
+    return entries
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -392,6 +561,8 @@ class _PathIndex:
 
     def __init__(self) -> None:
         self.by_storage: dict[int, tuple[Any, list[Holder]]] = {}
+        #: One tensor per storage id (the kernel scan locates addresses by them).
+        self.tensors: dict[int, torch.Tensor] = {}
         # (storage id, layer, path) already added: one set lookup, not a scan of the storage's holders (a storage
         # viewed at N paths would otherwise cost O(N^2)).
         self._seen: set[tuple[int, str, str]] = set()
@@ -406,6 +577,7 @@ class _PathIndex:
                 continue
             self._seen.add(key)
             slot = self.by_storage.setdefault(id(storage), (storage, []))
+            self.tensors.setdefault(id(storage), part)
             slot[1].append(Holder(layer, layer_class, path, origin, SlotPath(path)))
 
     def holders(self, storage: Any) -> list[Holder]:
@@ -466,6 +638,10 @@ class Manifest:
         self.walk = walk
         self._captures: dict[str, list[CapturedStorage]] = {}
         self._tracked: frozenset[tuple[str, str]] = frozenset()  # (layer, path) of the contract's slots at seal
+        #: The kernel scan's facts per capture it read (captures missing here were recorded by dispatch).
+        self._scans: dict[str, kscan.ScanFacts] = {}
+        #: One line per thing a capture could not see (kernel scan unavailable, ``extra`` parameters, ...).
+        self.notes: list[str] = []
 
     # -- contents ----------------------------------------------------------------------------------------------
     @property
@@ -501,10 +677,45 @@ class Manifest:
 
     def discard(self, capture: str) -> bool:
         """Forget a capture whose graph was destroyed; ``False`` if there was none by that name."""
+        self._scans.pop(capture, None)
         return self._captures.pop(capture, None) is not None
 
-    def _install(self, capture: str, entries: list[CapturedStorage]) -> None:
+    def _install(self, capture: str, entries: list[CapturedStorage], *, scanned: bool = False) -> None:
         self._captures[capture] = entries
+        if not scanned:
+            self._scans.pop(capture, None)  # a recapture by the dispatch recorder replaces an earlier scan
+
+    def backends(self) -> dict[str, str]:
+        """Which backend recorded each capture: ``"kernel-scan"`` or ``"dispatch"``."""
+        return {name: "kernel-scan" if name in self._scans else "dispatch" for name in self._captures}
+
+    @property
+    def complete(self) -> bool:
+        """Whether every recorded capture was read by the kernel scan (so what no capture reads is known)."""
+        return bool(self._captures) and all(name in self._scans for name in self._captures)
+
+    def unread(self, contract: SealedModel) -> list[SlotInfo] | None:
+        """The contract's slots whose storage no captured graph reads; ``None`` unless :attr:`complete`.
+
+        O(slots + recorded storages): the slots are resolved once, no walk.
+        """
+        if not self.complete:
+            return None
+        read: set[int] = set()
+        for entry in self.entries():
+            storage = entry.storage_ref()
+            if storage is not None:
+                read.add(id(storage))
+        layers = dict(contract.sealed_layers())
+        unread: list[SlotInfo] = []
+        for info in contract.slots():
+            layer = layers.get(info.layer)
+            value = SlotPath(info.path).resolve_or(layer, None) if layer is not None else None
+            if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
+                continue
+            if all(id(part.untyped_storage()) not in read for part in _memory(value)):
+                unread.append(info)
+        return unread
 
     # -- indexing ----------------------------------------------------------------------------------------------
     def reindex(self, contract: SealedModel) -> None:
@@ -578,7 +789,12 @@ class Manifest:
                 findings.append(_finding(FindingKind.DEAD, entry, model, None, what=moved))
                 continue
             if not entry.holders:
-                continue  # unowned and alive: nothing says who should update it (see unowned())
+                if entry.backend == "kernel-scan":
+                    # A kernel node points into it and no model path, input or output holds it: nothing a reload
+                    # does is known to reach what replay reads there. The dispatch recorder's unowned storages stay
+                    # a listing (unowned()): it also sees storages no kernel reads (views, ops outside the graph).
+                    findings.append(_finding(FindingKind.ORPHANED, entry, model, None, what=_UNOWNED_ALIVE))
+                continue
             left = [holder for holder in entry.holders if not _holds(model, layers, holder, storage)]
             if len(left) < len(entry.holders):
                 # Still held. A path the contract does not track that left it (PWAL rebuilt an undeclared base
@@ -593,6 +809,12 @@ class Manifest:
             now = first.slot_path.resolve_or(layer, None) if layer is not None else None
             findings.append(_finding(FindingKind.ORPHANED, entry, model, now))
         return findings
+
+
+_UNOWNED_ALIVE = (
+    "no model path holds it, so no reload updates what replay reads there; hold it at a model path, declare it, or "
+    "pass it as a graph input"
+)
 
 
 def _layer(model: nn.Module, cache: dict[str, nn.Module | None], qualname: str) -> nn.Module | None:
@@ -629,7 +851,7 @@ def _left_finding(
         declared=holder.declared,
         before=entry.first_view,
         after=after,
-        detail=f"capture manifest: {entry.touched()}; the model no longer holds it at {holder.path!r} (still at "
+        detail=f"{_source(entry)}: {entry.touched()}; the model no longer holds it at {holder.path!r} (still at "
         f"{keep}), so replay reads that path's old values there; declare {holder.path!r} or recapture",
     )
 
@@ -658,7 +880,7 @@ def _finding(
             declared=any(h.declared for h in entry.holders),
             before=entry.first_view,
             after=after,
-            detail=f"capture manifest: {touched}; {what}{also}",
+            detail=f"{_source(entry)}: {touched}; {what}{also}",
         )
     return Finding(
         kind,
@@ -667,5 +889,10 @@ def _finding(
         path="",
         declared=False,
         before=entry.first_view,
-        detail=f"capture manifest: unowned captured storage (no model path held it at capture): {touched}; {what}",
+        detail=f"{_source(entry)}: unowned captured storage (no model path held it at capture): {touched}; {what}",
     )
+
+
+def _source(entry: CapturedStorage) -> str:
+    """Which backend a finding's fact came from, as its messages start."""
+    return "capture manifest (kernel scan)" if entry.backend == "kernel-scan" else "capture manifest"

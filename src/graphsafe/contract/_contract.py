@@ -941,6 +941,8 @@ class ReloadTransaction:
             contract._active = None
         self._seconds += time.perf_counter() - start
         status = contract._decide(self._findings, error)
+        unread = getattr(contract.manifest, "unread", None)  # the kernel scan's: slots no graph reads
+        unread_slots = unread(contract) if callable(unread) and error is None else None
         outcome = ReloadOutcome(
             status=status,
             mode=contract.mode,
@@ -950,6 +952,7 @@ class ReloadTransaction:
             seconds=self._seconds,
             layers=len(contract._layers),
             error=error,
+            slots_unread=None if unread_slots is None else len(unread_slots),
         )
         if self.agreement is not None:
             try:

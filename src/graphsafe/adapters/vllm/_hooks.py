@@ -280,16 +280,90 @@ def _wrap_runner_load(state: AdapterState) -> Callable[[Callable[..., Any]], Wra
     return make
 
 
+#: Prefix of the manifest's capture names for the graphs vLLM's runner captured (``vllm-0``, ``vllm-1``, ...).
+SCAN_PREFIX = "vllm-"
+
+
 @contextlib.contextmanager
-def _maybe_record(state: AdapterState, contract: GraphContract | None) -> Iterator[None]:
-    """Record the capture into the contract's manifest when ``GRAPHSAFE_MANIFEST=1``."""
+def _maybe_record(state: AdapterState, contract: GraphContract | None, runner: Any = None) -> Iterator[None]:
+    """Record the capture into the contract's manifest when ``GRAPHSAFE_MANIFEST=1``.
+
+    With CUDA and cuda-bindings, by the kernel scan: every ``torch.cuda.CUDAGraph`` made during the capture is made
+    with ``keep_graph=True`` and scanned once the runner's capture returns, with the CUDA tensors the runner holds
+    (its persistent input buffers, the KV cache) registered as the engine's inputs and outputs. Otherwise (or for a
+    graph that cannot be scanned) by the dispatch recorder, with one logged line saying why.
+    """
     if contract is None or not state.config.record_manifest:
         yield
         return
-    from graphsafe.collectors import record_capture
+    from graphsafe.collectors import kernel_scan_unavailable, record_capture, record_scan
 
-    with record_capture(contract, name="vllm", reindex=False):
+    why = kernel_scan_unavailable()
+    if why is not None:
+        log.info("graphsafe: %s; vLLM's capture is recorded by the dispatch recorder", why)
+        with record_capture(contract, name="vllm", reindex=False, backend="dispatch"):
+            yield
+        return
+    with _kept_graphs() as graphs:
         yield
+    manifest = contract.manifest
+    for name in getattr(manifest, "captures", ()):
+        if name.startswith(SCAN_PREFIX) or name == "vllm":
+            manifest.discard(name)  # type: ignore[union-attr]  # a Manifest (it has captures)
+    engine = engine_tensors(runner)
+    for index, graph in enumerate(graphs):
+        record_scan(contract, graph, name=f"{SCAN_PREFIX}{index}", ignore=engine, reindex=False)
+
+
+@contextlib.contextmanager
+def _kept_graphs() -> Iterator[list[Any]]:
+    """Within the block, ``torch.cuda.CUDAGraph(...)`` makes graphs with ``keep_graph=True``; yields them."""
+    original = torch.cuda.CUDAGraph
+    made: list[Any] = []
+
+    class _KeptGraph(original):  # type: ignore[misc,valid-type]  # torch's graph class, subclassed for the block
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            kwargs["keep_graph"] = True
+            graph = super().__new__(cls, *args, **kwargs)
+            made.append(graph)
+            return graph
+
+    torch.cuda.CUDAGraph = _KeptGraph  # type: ignore[misc]
+    try:
+        yield made
+    finally:
+        torch.cuda.CUDAGraph = original  # type: ignore[misc]
+
+
+def engine_tensors(runner: Any, depth: int = 2) -> list[torch.Tensor]:
+    """Tensors a model runner holds (attributes, their items, and one level of their attributes): the engine's
+    input and output buffers and KV cache, which its graphs read but no model path holds. The model's own tensors
+    are found among them too; the kernel scan looks a storage up among the model's paths first."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def visit(value: Any, left: int) -> None:
+        if id(value) in seen or isinstance(value, nn.Module):
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            found.append(value)  # a CPU tensor among them is harmless: no graph node points into it
+            return
+        if left == 0:
+            return
+        if isinstance(value, dict):
+            items: list[Any] = list(value.values())
+        elif isinstance(value, list | tuple):
+            items = list(value)
+        else:
+            attrs = getattr(value, "__dict__", None)
+            items = list(attrs.values()) if isinstance(attrs, dict) else []
+        for item in items:
+            visit(item, left - 1)
+
+    if runner is not None:
+        visit(runner, depth + 1)
+    return found
 
 
 def _wrap_capture(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
@@ -299,7 +373,7 @@ def _wrap_capture(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper
             contract = state.contracts.get(model) if model is not None else None
             if kwargs.get("profile_only", False):  # graphs thrown away after measuring memory
                 return original(self, *args, **kwargs)
-            with _maybe_record(state, contract):
+            with _maybe_record(state, contract, self):
                 result = original(self, *args, **kwargs)
             if contract is not None:
                 contract.note_capture()  # the graphs read the model as it is now: a reseal may follow

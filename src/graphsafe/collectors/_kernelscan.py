@@ -1,0 +1,586 @@
+"""Kernel scan: what a captured CUDA graph reads, from the graph's own nodes.
+
+The dispatch recorder (:func:`~graphsafe.collectors.record_capture`'s CPU fallback) sees only ops that pass through
+torch's dispatcher, and, active during a capture, changes what ``torch.compile`` captures. The graph itself holds
+the truth: every kernel node keeps the bytes of its arguments. This module walks a graph's nodes through the CUDA
+driver API and reads them:
+
+* kernel nodes: the parameter bytes at the offsets and sizes ``cuFuncGetParamInfo`` gives; every aligned,
+  pointer-sized word of them is a candidate address;
+* memset nodes: the destination; memcpy nodes: source and destination; child-graph nodes: walked in turn.
+
+:class:`StorageView` then says what each candidate address is: a byte of a storage some model path holds, a
+registered graph input or output (never a finding), an intermediate in a graph's private pool, another live tensor
+no model path holds (unowned), freed memory, or memory the caching allocator never handed out (NCCL's, cuBLAS's
+own; outside the model's concern, counted only). Allocator blocks no Python tensor holds (a library's workspace
+taken from the caching allocator) are likewise counted, not reported.
+
+Limits: a pointer a kernel reads through a device-side pointer array (grouped-GEMM argument arrays) is visible only
+as the array; parameters passed through ``extra`` rather than ``kernelParams`` are not read (the node is noted); a
+graph captured without ``keep_graph=True`` cannot be scanned (:class:`ScanUnavailable`).
+
+The driver is reached through NVIDIA's ``cuda-bindings`` (the optional extra ``graphsafe[cuda]``), imported on
+first use; :class:`RecordedDriver` replays a recorded node table, so the walk and the decoding run without a GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import gc
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+__all__ = [
+    "POINTER_SIZE",
+    "CudaDriver",
+    "Driver",
+    "GraphNode",
+    "GraphScan",
+    "Located",
+    "ScanFacts",
+    "RecordedDriver",
+    "ScanUnavailable",
+    "StorageView",
+    "allocator_segments",
+    "attribute",
+    "driver",
+    "keeps_graph",
+    "live_tensors",
+    "pointer_words",
+    "raw_graph",
+    "record_table",
+    "scan_graph",
+]
+
+#: Bytes of a device pointer (the words the scan reads).
+POINTER_SIZE = 8
+
+# What a located address is.
+MODEL = "model"  # inside a storage the caller named (model paths; their holders come from the manifest's index)
+IGNORED = "ignored"  # a registered graph input or output
+PRIVATE = "private"  # an active block of a graph's private pool: that graph's intermediates
+UNOWNED = "unowned"  # a live Python-visible tensor no model path holds
+FREED = "freed"  # inside an allocator segment but in no allocated block
+FOREIGN = "foreign"  # memory the allocator never handed out, or an allocator block no Python tensor holds
+
+
+class ScanUnavailable(Exception):
+    """The kernel scan cannot run here (no driver bindings, no ``keep_graph``, a driver without the calls)."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Nodes and decoding.
+
+
+@dataclass(frozen=True, slots=True)
+class GraphNode:
+    """One node of a captured graph, as the scan reads it.
+
+    ``kind`` is ``"kernel"``, ``"memset"``, ``"memcpy"`` or another node type's name (not read). For a kernel,
+    ``layout`` is ``(offset, size)`` per parameter and ``params`` their bytes (``None`` when the launch passed
+    them through ``extra``); for a memset or memcpy, ``pointers`` are its device addresses.
+    """
+
+    kind: str
+    name: str = ""
+    layout: tuple[tuple[int, int], ...] = ()
+    params: tuple[bytes, ...] | None = ()
+    pointers: tuple[int, ...] = ()
+
+    def words(self) -> list[int]:
+        """Candidate addresses: a kernel's aligned pointer-sized parameter words, or a copy node's pointers."""
+        if self.kind != "kernel":
+            return [p for p in self.pointers if p]
+        if self.params is None:
+            return []
+        return pointer_words(self.layout, self.params)
+
+
+def pointer_words(layout: Sequence[tuple[int, int]], params: Sequence[bytes]) -> list[int]:
+    """Every non-zero, pointer-aligned, pointer-sized word of a kernel's parameters.
+
+    ``layout[i]`` is parameter ``i``'s ``(offset, size)`` in the argument buffer and ``params[i]`` its bytes.
+    Words are taken at argument-buffer offsets that are multiples of :data:`POINTER_SIZE` (where the ABI puts a
+    pointer), inside parameters of at least that size: a pointer argument, or a pointer field of a struct
+    argument (``TensorInfo``, an array of pointers passed by value).
+    """
+    if len(layout) != len(params):
+        raise ValueError(f"kernel scan: {len(layout)} parameter offsets but {len(params)} parameter buffers")
+    words: list[int] = []
+    for (offset, size), data in zip(layout, params, strict=True):
+        if size < POINTER_SIZE:
+            continue
+        if len(data) < size:
+            raise ValueError(f"kernel scan: parameter at offset {offset} has {len(data)} bytes, expected {size}")
+        start = (-offset) % POINTER_SIZE
+        for at in range(start, size - POINTER_SIZE + 1, POINTER_SIZE):
+            word = int.from_bytes(data[at : at + POINTER_SIZE], "little")
+            if word:
+                words.append(word)
+    return words
+
+
+class Driver(Protocol):
+    """The driver calls the walk needs (:class:`CudaDriver` for the GPU, :class:`RecordedDriver` for tests)."""
+
+    def nodes(self, graph: int) -> Sequence[int]:
+        """The graph's node handles."""
+        ...
+
+    def node_type(self, node: int) -> str:
+        """``"kernel"``, ``"memset"``, ``"memcpy"``, ``"graph"`` (a child graph), or another type's name."""
+        ...
+
+    def kernel(self, node: int) -> GraphNode:
+        """A kernel node's name, parameter layout and parameter bytes."""
+        ...
+
+    def copy_pointers(self, node: int, kind: str) -> tuple[int, ...]:
+        """A memset's destination, a memcpy's device source and destination."""
+        ...
+
+    def child(self, node: int) -> int:
+        """A child-graph node's graph."""
+        ...
+
+
+@dataclass(slots=True)
+class GraphScan:
+    """What one walk of a graph found."""
+
+    nodes: list[GraphNode] = field(default_factory=list)
+    #: One line per node the scan could not read (a kernel with ``extra`` parameters, an unknown node type).
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def kernel_names(self) -> list[str]:
+        """The kernels' names, in node order."""
+        return [node.name for node in self.nodes if node.kind == "kernel"]
+
+    def counts(self) -> dict[str, int]:
+        """Nodes per kind."""
+        out: dict[str, int] = {}
+        for node in self.nodes:
+            out[node.kind] = out.get(node.kind, 0) + 1
+        return out
+
+
+def scan_graph(graph: int, drv: Driver) -> GraphScan:
+    """Walk ``graph`` (and its child graphs) and read every kernel, memset and memcpy node."""
+    start = time.perf_counter()
+    result = GraphScan()
+    pending = [graph]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for node in drv.nodes(current):
+            kind = drv.node_type(node)
+            if kind == "kernel":
+                read = drv.kernel(node)
+                if read.params is None:
+                    result.notes.append(
+                        f"kernel {read.name or '?'}: parameters passed through 'extra' are not read by the kernel scan"
+                    )
+                result.nodes.append(read)
+            elif kind in ("memset", "memcpy"):
+                result.nodes.append(GraphNode(kind, pointers=drv.copy_pointers(node, kind)))
+            elif kind == "graph":
+                pending.append(drv.child(node))
+            elif kind not in ("empty", "event_record", "wait_event", "mem_alloc", "mem_free"):
+                result.notes.append(f"a {kind} node is not read by the kernel scan")
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Recorded node tables (CPU tests, and what the GPU run dumps).
+
+
+def record_table(graph: int, drv: Driver) -> dict[str, Any]:
+    """The nodes of ``graph`` and its children as plain data, for :class:`RecordedDriver`."""
+    graphs: dict[str, list[dict[str, Any]]] = {}
+    pending = [graph]
+    while pending:
+        current = pending.pop()
+        if str(current) in graphs:
+            continue
+        rows: list[dict[str, Any]] = []
+        for node in drv.nodes(current):
+            kind = drv.node_type(node)
+            row: dict[str, Any] = {"type": kind}
+            if kind == "kernel":
+                read = drv.kernel(node)
+                row["name"] = read.name
+                row["layout"] = [list(pair) for pair in read.layout]
+                row["params"] = None if read.params is None else [p.hex() for p in read.params]
+            elif kind in ("memset", "memcpy"):
+                row["pointers"] = list(drv.copy_pointers(node, kind))
+            elif kind == "graph":
+                child = drv.child(node)
+                row["graph"] = child
+                pending.append(child)
+            rows.append(row)
+        graphs[str(current)] = rows
+    return {"root": graph, "graphs": graphs}
+
+
+class RecordedDriver:
+    """A :class:`Driver` over a recorded node table (``{"root": id, "graphs": {id: [row, ...]}}``)."""
+
+    def __init__(self, table: Mapping[str, Any]) -> None:
+        self.root = int(table["root"])
+        self._rows: dict[int, dict[str, Any]] = {}
+        self._graphs: dict[int, list[int]] = {}
+        handle = 1
+        for key, rows in table["graphs"].items():
+            handles = []
+            for row in rows:
+                self._rows[handle] = row
+                handles.append(handle)
+                handle += 1
+            self._graphs[int(key)] = handles
+
+    def nodes(self, graph: int) -> Sequence[int]:
+        if graph not in self._graphs:
+            raise ScanUnavailable(f"kernel scan: no recorded graph {graph}")
+        return self._graphs[graph]
+
+    def node_type(self, node: int) -> str:
+        return str(self._rows[node]["type"])
+
+    def kernel(self, node: int) -> GraphNode:
+        row = self._rows[node]
+        params = row.get("params")
+        return GraphNode(
+            "kernel",
+            name=str(row.get("name", "")),
+            layout=tuple((int(o), int(s)) for o, s in row.get("layout", ())),
+            params=None if params is None else tuple(bytes.fromhex(p) for p in params),
+        )
+
+    def copy_pointers(self, node: int, kind: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in self._rows[node].get("pointers", ()))
+
+    def child(self, node: int) -> int:
+        return int(self._rows[node]["graph"])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The CUDA driver through cuda-bindings.
+
+_NODE_TYPES = {
+    0: "kernel",
+    1: "memcpy",
+    2: "memset",
+    3: "host",
+    4: "graph",
+    5: "empty",
+    6: "wait_event",
+    7: "event_record",
+    8: "ext_semas_signal",
+    9: "ext_semas_wait",
+    10: "mem_alloc",
+    11: "mem_free",
+    12: "batch_mem_op",
+    13: "conditional",
+}
+
+
+class CudaDriver:
+    """:class:`Driver` through ``cuda.bindings.driver`` (``pip install graphsafe[cuda]``)."""
+
+    def __init__(self) -> None:
+        try:
+            from cuda.bindings import driver as cu  # type: ignore[import-not-found,unused-ignore]
+        except ImportError as exc:
+            raise ScanUnavailable(
+                "kernel scan unavailable: cuda-bindings is not installed (pip install 'graphsafe[cuda]')"
+            ) from exc
+        self._cu: Any = cu
+        self._success = cu.CUresult.CUDA_SUCCESS
+        self._layouts: dict[int, tuple[tuple[tuple[int, int], ...], str]] = {}
+
+    def _call(self, what: str, result: Any) -> Any:
+        err, *rest = result
+        if err != self._success:
+            raise ScanUnavailable(f"kernel scan: {what} failed with {err!r}")
+        return rest[0] if len(rest) == 1 else tuple(rest)
+
+    def nodes(self, graph: int) -> Sequence[int]:
+        cu = self._cu
+        _, count = self._call("cuGraphGetNodes", cu.cuGraphGetNodes(graph, 0))
+        if not count:
+            return []
+        nodes, _ = self._call("cuGraphGetNodes", cu.cuGraphGetNodes(graph, count))
+        return [int(node) for node in nodes[:count]]
+
+    def node_type(self, node: int) -> str:
+        kind = self._call("cuGraphNodeGetType", self._cu.cuGraphNodeGetType(node))
+        return _NODE_TYPES.get(int(kind), f"type-{int(kind)}")
+
+    def _layout(self, func: int) -> tuple[tuple[tuple[int, int], ...], str]:
+        cached = self._layouts.get(func)
+        if cached is not None:
+            return cached
+        cu = self._cu
+        layout: list[tuple[int, int]] = []
+        while True:
+            err, offset, size = cu.cuFuncGetParamInfo(func, len(layout))
+            if err != self._success:
+                break  # CUDA_ERROR_INVALID_VALUE past the last parameter
+            layout.append((int(offset), int(size)))
+        err, name = cu.cuFuncGetName(func)
+        text = name.decode(errors="replace") if err == self._success and isinstance(name, bytes) else str(name)
+        cached = (tuple(layout), text)
+        self._layouts[func] = cached
+        return cached
+
+    def kernel(self, node: int) -> GraphNode:
+        cu = self._cu
+        params = self._call("cuGraphKernelNodeGetParams", cu.cuGraphKernelNodeGetParams(node))
+        func = int(params.func)
+        if not func and int(params.kern):
+            func = int(self._call("cuKernelGetFunction", cu.cuKernelGetFunction(params.kern)))
+        layout, name = self._layout(func)
+        address = int(params.kernelParams)
+        if not address:
+            return GraphNode("kernel", name=name, layout=layout, params=None)
+        values: list[bytes] = []
+        for index, (_, size) in enumerate(layout):
+            pointer = ctypes.c_void_p.from_address(address + index * ctypes.sizeof(ctypes.c_void_p)).value
+            values.append(ctypes.string_at(pointer, size) if pointer else bytes(size))
+        return GraphNode("kernel", name=name, layout=layout, params=tuple(values))
+
+    def copy_pointers(self, node: int, kind: str) -> tuple[int, ...]:
+        cu = self._cu
+        if kind == "memset":
+            params = self._call("cuGraphMemsetNodeGetParams", cu.cuGraphMemsetNodeGetParams(node))
+            return (int(params.dst),)
+        params = self._call("cuGraphMemcpyNodeGetParams", cu.cuGraphMemcpyNodeGetParams(node))
+        return (int(params.srcDevice), int(params.dstDevice))
+
+    def child(self, node: int) -> int:
+        return int(self._call("cuGraphChildGraphNodeGetGraph", self._cu.cuGraphChildGraphNodeGetGraph(node)))
+
+
+_DRIVER: CudaDriver | None = None
+
+
+def driver() -> CudaDriver:
+    """The process's :class:`CudaDriver` (raises :class:`ScanUnavailable` without cuda-bindings)."""
+    global _DRIVER
+    if _DRIVER is None:
+        _DRIVER = CudaDriver()
+    return _DRIVER
+
+
+def raw_graph(graph: Any) -> int:
+    """The ``cudaGraph_t`` of a captured ``torch.cuda.CUDAGraph``; :class:`ScanUnavailable` without keep_graph."""
+    try:
+        return int(graph.raw_cuda_graph())
+    except (RuntimeError, AttributeError) as exc:
+        raise ScanUnavailable(
+            "kernel scan unavailable: the graph was captured without torch.cuda.CUDAGraph(keep_graph=True)"
+        ) from exc
+
+
+def keeps_graph(graph: Any) -> bool:
+    """Whether an (uncaptured or captured) ``torch.cuda.CUDAGraph`` was made with ``keep_graph=True``."""
+    try:
+        graph.raw_cuda_graph()
+    except AttributeError:
+        return False
+    except RuntimeError as exc:
+        # Before capture_end torch refuses either way; only the refusal for a graph it will not keep names it.
+        return "keep_graph" not in str(exc)
+    return True
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Addresses to storages.
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """One address range the graph reads, and what it is."""
+
+    what: str
+    base: int
+    nbytes: int
+    storage: Any = None
+    #: The lowest offset into the range any node's word pointed at.
+    offset: int = 0
+
+
+class _Intervals:
+    """``[start, end)`` ranges with a payload, searched by bisection; ranges may nest or overlap."""
+
+    def __init__(self, ranges: Iterable[tuple[int, int, Any]]) -> None:
+        # Sorted by the range alone: views of one storage give equal ranges, and payloads (tensors) do not compare.
+        items = sorted(
+            ((start, start + size, payload) for start, size, payload in ranges if size > 0),
+            key=lambda item: (item[0], item[1]),
+        )
+        self._starts = [item[0] for item in items]
+        self._items = items
+        # reach[i]: the furthest end of items[0..i], so a search looks back only while an earlier range can reach.
+        self._reach: list[int] = []
+        furthest = 0
+        for _, end, _ in items:
+            furthest = max(furthest, end)
+            self._reach.append(furthest)
+
+    def find(self, address: int) -> tuple[int, int, Any] | None:
+        """The range with the greatest start that contains ``address`` (the innermost of nested ones)."""
+        index = bisect.bisect_right(self._starts, address) - 1
+        while index >= 0 and self._reach[index] > address:
+            start, end, payload = self._items[index]
+            if start <= address < end:
+                return start, end, payload
+            index -= 1
+        return None
+
+
+def _storage_ranges(tensors: Iterable[object]) -> Iterator[tuple[int, int, Any]]:
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided and tensor.device.type != "meta":
+            try:
+                storage = tensor.untyped_storage()
+                address = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):
+                continue  # no memory of its own (a FakeTensor or FunctionalTensor left from compiling)
+            yield address, storage.nbytes(), tensor
+
+
+class StorageView:
+    """What an address is, by the caller's storages and the caching allocator's own view.
+
+    Args:
+        model: ``(address, nbytes, tensor)`` of the storages model paths hold.
+        ignored: registered graph inputs and outputs (tensors).
+        segments: the allocator's segments as ``torch.cuda.memory._snapshot()["segments"]`` gives them.
+        others: ``(address, nbytes, tensor)`` of other live tensors; ``None``: found through the garbage
+            collector when an allocated block is neither model, input/output nor private (once per view).
+    """
+
+    def __init__(
+        self,
+        model: Iterable[tuple[int, int, Any]],
+        ignored: Iterable[object] = (),
+        segments: Sequence[Mapping[str, Any]] = (),
+        others: Iterable[tuple[int, int, Any]] | None = None,
+    ) -> None:
+        self._model = _Intervals(model)
+        self._ignored = _Intervals(_storage_ranges(ignored))
+        blocks: list[tuple[int, int, Any]] = []
+        segs: list[tuple[int, int, Any]] = []
+        for segment in segments:
+            pool = tuple(segment.get("segment_pool_id", (0, 0)) or (0, 0))
+            private = any(pool)
+            base = int(segment["address"])
+            segs.append((base, int(segment["total_size"]), private))
+            at = base
+            for block in segment.get("blocks", ()):
+                address = int(block.get("address", at))
+                size = int(block["size"])
+                at = address + size
+                allocated = str(block.get("state", "")).startswith("active")
+                blocks.append((address, size, (allocated, private)))
+        self._segments = _Intervals(segs)
+        self._blocks = _Intervals(blocks)
+        self._others = None if others is None else _Intervals(others)
+
+    @classmethod
+    def from_allocator(cls, model: Iterable[tuple[int, int, Any]], ignored: Iterable[object] = ()) -> StorageView:
+        """Model storages and ignored tensors against the live caching allocator's snapshot."""
+        return cls(model, ignored, allocator_segments())
+
+    def _other(self, address: int) -> tuple[int, int, Any] | None:
+        if self._others is None:
+            self._others = _Intervals(_storage_ranges(live_tensors()))
+        return self._others.find(address)
+
+    def locate(self, address: int) -> Located:
+        """What ``address`` is (see the module docs for the kinds)."""
+        hit = self._model.find(address)
+        if hit is not None:
+            return Located(MODEL, hit[0], hit[1] - hit[0], hit[2], address - hit[0])
+        hit = self._ignored.find(address)
+        if hit is not None:
+            return Located(IGNORED, hit[0], hit[1] - hit[0], hit[2], address - hit[0])
+        block = self._blocks.find(address)
+        if block is None:
+            segment = self._segments.find(address)
+            if segment is None:
+                return Located(FOREIGN, address, 0)
+            return Located(PRIVATE if segment[2] else FREED, segment[0], segment[1] - segment[0])
+        allocated, private = block[2]
+        if private:  # allocated or not: a graph's pool keeps its intermediates' memory for replay
+            return Located(PRIVATE, block[0], block[1] - block[0])
+        if not allocated:
+            return Located(FREED, block[0], block[1] - block[0])
+        hit = self._other(address)
+        if hit is not None:
+            return Located(UNOWNED, hit[0], hit[1] - hit[0], hit[2], address - hit[0])
+        return Located(FOREIGN, block[0], block[1] - block[0])
+
+
+def allocator_segments() -> list[Mapping[str, Any]]:
+    """The caching allocator's segments with their blocks and pool ids (``torch.cuda.memory._snapshot()``)."""
+    return list(torch.cuda.memory._snapshot()["segments"])
+
+
+def live_tensors() -> Iterator[torch.Tensor]:
+    """Every live CUDA tensor the garbage collector tracks (capture time only, and only when needed: O(heap))."""
+    for obj in gc.get_objects():
+        # type(), not isinstance(): the heap holds weak proxies (isinstance on a dead one raises) and deprecated
+        # module attributes that warn when touched.
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cuda":
+            yield obj
+
+
+@dataclass(slots=True)
+class ScanFacts:
+    """What a scanned graph reads, by storage, with the counts the scan could not attribute."""
+
+    scan: GraphScan
+    #: id(storage) -> (tensor or storage, lowest offset read, first node that read it), model and unowned.
+    model: dict[int, tuple[Any, int, str]] = field(default_factory=dict)
+    unowned: dict[int, tuple[Any, int, str]] = field(default_factory=dict)
+    #: Freed ranges a node points into: (base, nbytes, kernel).
+    freed: list[tuple[int, int, str]] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def attribute(scan: GraphScan, view: StorageView) -> ScanFacts:
+    """Sort every candidate address of ``scan`` by what ``view`` says it is."""
+    facts = ScanFacts(scan)
+    counts = facts.counts
+    freed_seen: set[int] = set()
+    for node in scan.nodes:
+        label = node.name or node.kind
+        for word in node.words():
+            where = view.locate(word)
+            counts[where.what] = counts.get(where.what, 0) + 1
+            if where.what in (MODEL, UNOWNED):
+                table = facts.model if where.what == MODEL else facts.unowned
+                payload = where.storage
+                key = id(payload.untyped_storage() if isinstance(payload, torch.Tensor) else payload)
+                known = table.get(key)
+                if known is None:
+                    table[key] = (where.storage, where.offset, label)
+                elif where.offset < known[1]:
+                    table[key] = (known[0], where.offset, known[2])
+            elif where.what == FREED and where.base not in freed_seen:
+                freed_seen.add(where.base)
+                facts.freed.append((where.base, where.nbytes, label))
+    return facts
