@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import types
@@ -81,11 +80,6 @@ def test_every_public_callable_and_class_has_a_docstring() -> None:
 # README quick start, executed as written (only the names it leaves to the reader are stubbed)
 
 
-def _readme_python_blocks() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
-
-
 class _Kernel:
     workspace: torch.Tensor | None = None
 
@@ -127,51 +121,7 @@ class _Model(nn.Module):
         return x
 
 
-def test_readme_quick_start_runs_as_written_and_keeps_its_promise(capsys: pytest.CaptureFixture[str]) -> None:
-    declare, contract_block = _readme_python_blocks()[:2]
-    scope: dict[str, Any] = {"torch": torch, "make_workspace": _make_workspace}
-    exec(compile(declare, "README.md:declare", "exec"), scope)
-    method_cls = scope["MarlinLinearMethod"]
-    spec = graphsafe.graph_visible_spec(method_cls.process_weights_after_loading)
-    assert spec is not None and spec.paths == ("quant_method.kernel.workspace", "g_idx_sort_indices")
-
-    model = _Model(method_cls)
-    model.load_weights(0)
-    captured = [
-        (layer.quant_method.kernel.workspace.data_ptr(), layer.g_idx_sort_indices.data_ptr()) for layer in model.layers
-    ]
-    replays: list[int] = []
-    scope.update(model=model, new_weights=1, capture=lambda m: types.SimpleNamespace(replay=lambda: replays.append(1)))
-    exec(compile(contract_block, "README.md:contract", "exec"), scope)
-
-    txn = scope["txn"]
-    assert txn.outcome.status is Status.COMMITTED  # what the README's comment promises
-    assert "committed" in capsys.readouterr().out
-    assert replays == [1]
-    assert [
-        (layer.quant_method.kernel.workspace.data_ptr(), layer.g_idx_sort_indices.data_ptr()) for layer in model.layers
-    ] == captured
-    fresh = _Model(method_cls)
-    fresh.load_weights(1)
-    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(9))
-    with torch.no_grad():
-        assert torch.equal(model(x), fresh(x))
-
-
-def test_readme_plain_pytorch_snippet_runs_as_written() -> None:
-    declare, _, adapter_block = _readme_python_blocks()[:3]
-    scope: dict[str, Any] = {"torch": torch, "make_workspace": _make_workspace}
-    exec(compile(declare, "README.md:declare", "exec"), scope)
-    model = _Model(scope["MarlinLinearMethod"])
-    model.load_weights(0)
-    static_x = torch.randn(2, 4, generator=torch.Generator().manual_seed(9))
-    scope.update(model=model, static_x=static_x, new_weights=1)
-    exec(compile(adapter_block, "README.md:adapter", "exec"), scope)
-    assert scope["contract"].last_outcome.status is Status.COMMITTED
-    fresh = _Model(scope["MarlinLinearMethod"])
-    fresh.load_weights(1)
-    with torch.no_grad():
-        assert torch.equal(scope["y"], fresh(static_x))
+# The README's own blocks run as written in tests/test_doc_blocks.py (they assert the addresses they promise).
 
 
 def test_the_readme_quick_start_would_fail_if_pwal_moved_an_undeclared_tensor() -> None:

@@ -34,7 +34,7 @@ from graphsafe.errors import (
 )
 
 if _TYPE_CHECKING:
-    from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, run_reload
+    from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, recapture_and_reseal, run_reload
     from graphsafe.collectors import Manifest, TensorRef, classify, collect, record_capture
     from graphsafe.contract import GraphContract, ReloadTransaction
     from graphsafe.devices import DeviceSet, WalkBudget
@@ -51,6 +51,7 @@ _LAZY = {
     "GraphRunner": "graphsafe.adapters.torch",
     "capture": "graphsafe.adapters.torch",
     "run_reload": "graphsafe.adapters.torch",
+    "recapture_and_reseal": "graphsafe.adapters.torch",
     "Manifest": "graphsafe.collectors",
     "TensorRef": "graphsafe.collectors",
     "classify": "graphsafe.collectors",
@@ -131,6 +132,7 @@ __all__ = [
     "graph_visible",
     "graph_visible_spec",
     "migration_report",
+    "recapture_and_reseal",
     "record_capture",
     "register_derived",
     "run_reload",
