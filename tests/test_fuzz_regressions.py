@@ -255,3 +255,46 @@ def test_a_new_view_of_its_own_memory_is_not_a_foreign_write() -> None:
     slot = SlotSpec("d0", factor=2, holder="child", mutation="view_old")
     result = run(_one_layer(slot, detect="declared-only", loader="keep"))
     assert result.verdict == oracle.OK, f"{result.verdict}: {result.reason}"
+
+
+@pytest.mark.parametrize("detect", ["every-reload", "sealed-paths", "declared-only"])
+def test_a_skipped_tensor_of_a_child_without_weights_is_stale(detect: str) -> None:
+    """d0 lives in a child module that has no weights of its own; PWAL skips it although the parent's weight
+    changed. Its layer's fallback inputs were its own module's tensors (itself included), so nothing it was
+    computed from seemed to change and the reload committed stale values (found as ``skip`` at ``@child``)."""
+    slot = SlotSpec("d0", source="complex", factor=3, holder="child", mutation="skip")
+    _assert_honest(_one_layer(slot, detect=detect))
+
+
+@pytest.mark.parametrize("detect", ["every-reload", "declared-only"])
+def test_a_declared_view_written_through_a_negative_view_of_its_base_is_stale(detect: str) -> None:
+    """The undeclared d0 is rewritten in place negated and bound as a negative view of its captured storage; the
+    declared d1 (``tail(d0)``) is skipped. d1's memory changed, so it passed for refreshed, but it holds the raw
+    negated bytes a recapture would read (found as ``neg`` with ``tail:skip``)."""
+    slots = (
+        SlotSpec("d0", source="scale", factor=2, subclass=True, holder="closure", mutation="neg"),
+        SlotSpec("d1", kind="tail", of=0, holder="dict", declare="graph_visible", mutation="skip"),
+    )
+    _assert_honest(_one_layer(*slots, mode="recapture", detect=detect, loader="rebind"))
+
+
+@pytest.mark.parametrize("mode", ["recapture", "migrate"])
+def test_a_skipped_tie_in_a_layer_whose_own_weights_did_not_change_is_stale(mode: str) -> None:
+    """layers.1's d0 is tied to layers.0's d0; layers.0 reloads new weights and rebuilds its side, layers.1 keeps
+    its weights and PWAL skips the tie. The tie's own layer's inputs did not change, so it kept its old bytes and
+    the partner broke away: NEEDS_RECAPTURE, and the recapture read the old values (found as ``tie:skip``)."""
+    scenario = Scenario(
+        layers=(
+            LayerSpec(rows=3, cols=2, slots=(SlotSpec("d0", source="sum", factor=2, declare="graph_visible"),)),
+            LayerSpec(
+                rows=4,
+                cols=1,
+                loader="keep",
+                slots=(SlotSpec("d0", kind="tie", of=0, holder="nested", declare="graph_visible", mutation="skip"),),
+            ),
+        ),
+        mode=mode,
+        detect="sealed-paths",
+        manifest=True,
+    )
+    _assert_honest(scenario)

@@ -6,6 +6,7 @@ The contract is the only place that decides an outcome. Adapters translate a fra
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import warnings
@@ -559,6 +560,18 @@ class GraphContract:
         sealed.declared_generation = generation
         self._index_layers()  # a new slot may read a storage other slots read
 
+    def _outer(self, qualname: str) -> list[tuple[str, nn.Module]]:
+        """The modules above ``qualname``, nearest first (the model itself last)."""
+        found: list[tuple[str, nn.Module]] = []
+        name = qualname
+        while name:
+            name = name.rpartition(".")[0]
+            try:
+                found.append((name, self.model.get_submodule(name) if name else self.model))
+            except AttributeError:
+                break
+        return found
+
     def _walker_extras(
         self, sealed: SealedLayer, layer: nn.Module
     ) -> tuple[list[SealedSlot], str | None, tuple[str, ...]]:
@@ -985,7 +998,13 @@ class ReloadTransaction:
         contract._adopt_late_declarations(sealed, layer)
         extras, exhausted, untrackable = contract._walker_extras(sealed, layer)
         extras += self._manifest_extras(sealed)
-        snapshot = LayerSnapshot.take(sealed, layer, extras, recorded=contract._recorded)
+        snapshot = LayerSnapshot.take(
+            sealed,
+            layer,
+            extras,
+            recorded=contract._recorded,
+            outer=functools.partial(contract._outer, sealed.qualname),
+        )
         # Untrackable at the seal or now: no check can tell whether the graph still reads their memory.
         for where in dict.fromkeys(sealed.untrackable + untrackable):
             snapshot.findings.append(

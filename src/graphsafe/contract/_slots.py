@@ -360,11 +360,25 @@ class _Inputs:
     qualname: str
     inputs: dict[Any, _Input] = field(default_factory=dict)
     fallback: tuple[Any, ...] | None = None  # the keys of _layer_inputs, computed on first need
+    #: The modules above the layer, nearest first, ``(qualified name, module)``: where a layer with no weights of
+    #: its own (a child holding a cache) takes its fallback inputs from.
+    outer: Callable[[], list[tuple[str, nn.Module]]] | None = None
 
     def _add(self, key: Any, name: str, resolve: Callable[[], Any]) -> Any:
         if key not in self.inputs:
             self.inputs[key] = (name, resolve, _input_before(resolve()))
         return key
+
+    def _outer_fallback(self) -> tuple[Any, ...]:
+        """A layer without weights of its own would have no inputs and never be stale: its tensors are computed
+        from the weights of a module above it, the nearest one with any."""
+        for name, module in self.outer() if self.outer is not None else ():
+            entries = _layer_inputs(module)
+            if entries:
+                return tuple(
+                    self._add(key, f"{name}:{label}" if name else label, resolve) for key, label, resolve in entries
+                )
+        return ()
 
     def of(self, slot: SealedSlot) -> tuple[Any, ...]:
         """The keys of ``slot``'s inputs (see the section comment for which).
@@ -384,7 +398,9 @@ class _Inputs:
         ):
             if self.fallback is None:
                 self.fallback = tuple(self._add(*entry) for entry in _layer_inputs(layer))
-            return self.fallback
+            own = (id(layer), slot.path.text)  # an undeclared plain attribute is in the fallback: not its own input
+            keys = tuple(key for key in self.fallback if key != own)
+            return keys or self._outer_fallback()
         keys: list[Any] = []
         for ref in recorded or ():
             keys.append(self._add((id(ref.module_ref()), ref.path.text), ref.label(self.qualname), ref.resolve))
@@ -424,7 +440,13 @@ class LayerSnapshot:
 
     @classmethod
     def take(
-        cls, sealed: SealedLayer, layer: nn.Module, extra: Iterable[SealedSlot] = (), *, recorded: bool = False
+        cls,
+        sealed: SealedLayer,
+        layer: nn.Module,
+        extra: Iterable[SealedSlot] = (),
+        *,
+        recorded: bool = False,
+        outer: Callable[[], list[tuple[str, nn.Module]]] | None = None,
     ) -> LayerSnapshot:
         """Snapshot ``layer`` before its load.
 
@@ -432,6 +454,7 @@ class LayerSnapshot:
         exists. A tensor only the walker found is then watched for freshness only if that recording saw PWAL compute
         it; one PWAL never touched is static (a scratch, a table, a KV cache). Before any recording nothing says
         which it is, so it is watched: a weight change that leaves it as it was is ``stale`` (fail closed).
+        ``outer`` lists the modules above the layer (see :attr:`_Inputs.outer`).
         """
         slots = list(sealed.slots)
         slots.extend(extra)
@@ -462,7 +485,7 @@ class LayerSnapshot:
                 current = slot.get(layer)
                 if isinstance(current, tensor_type):
                     if inputs is None:
-                        inputs = _Inputs(layer, sealed.qualname)
+                        inputs = _Inputs(layer, sealed.qualname, outer=outer)
                     freshness[index] = (
                         current,
                         current._version,
@@ -576,6 +599,7 @@ class LayerSnapshot:
                                     + _describe_geometry_change(slot, current),
                                 )
                             )
+                            self.kept.append(current)  # it wrote that memory as it reads it
                         elif index in freshness:
                             self._note_fresh(index, slot, current)
                     else:
@@ -1203,9 +1227,13 @@ class RestorePlan:
             why = f"the reload wrote its bytes through the new tensor of {', '.join(map(repr, owners))}"
         else:
             changed = reader.changed_inputs() if reader.changed_inputs is not None else []
+            # Or what its moved partner is computed from (a tie to another layer's slot reads that layer's weights).
+            for move in self.moves:
+                if not changed and _overlap(move.dst, view):
+                    changed = move.snapshot.changed_inputs(move.index)
             if not changed:
-                return  # nothing it is computed from changed: its old values are its values
-            why = f"nothing wrote it although its input(s) {', '.join(changed)} changed"
+                return  # nothing it or its partner is computed from changed: its old values are its values
+            why = f"nothing wrote it although {', '.join(changed)} changed"
         partners = sorted({m.ref for m in self.moves if _overlap(m.dst, view)})
         self.findings.append(
             sealed.finding(
