@@ -298,3 +298,31 @@ def test_a_skipped_tie_in_a_layer_whose_own_weights_did_not_change_is_stale(mode
         manifest=True,
     )
     _assert_honest(scenario)
+
+
+def test_a_respecified_stride_is_sampled_not_a_crash() -> None:
+    """The undeclared d0 is rebuilt with a stride of 2 (``respec_stride``); its value sample for the freshness
+    check was a strided view that cannot be viewed as bytes, and the reload escaped as a raw RuntimeError (found as
+    ``respec_stride`` once undeclared tensors were watched)."""
+    slots = (
+        SlotSpec("d0", source="sum", factor=3, holder="closure", mutation="respec_stride"),
+        SlotSpec("d1", kind="weight_view", declare="graph_visible", mutation="skip"),
+        SlotSpec("d2", source="scale", subclass=True, holder="child", mutation="respec_stride"),
+        SlotSpec("d3", kind="weight_view", holder="list", mutation="skip"),
+    )
+    scenario = Scenario(layers=(LayerSpec(rows=1, cols=2, slots=slots, loader="rebind"),), mode="migrate")
+    result = run(scenario)
+    assert result.verdict != oracle.CRASH, f"{result.reason} {result.detail}"
+    _assert_honest(scenario)
+
+
+@pytest.mark.parametrize("detect", ["every-reload", "sealed-paths"])
+def test_a_skipped_tensor_and_its_alias_in_a_child_without_weights_are_stale(detect: str) -> None:
+    """d0 and its alias d1 (one tensor) live in a child module without weights; PWAL skips both although the
+    parent's buffer weight changed. Each was the other's fallback input, unchanged, so the reload committed stale
+    values (found as ``skip`` with ``alias:skip`` at ``@child``)."""
+    slots = (
+        SlotSpec("d0", source="int8", factor=3, subclass=True, holder="child", mutation="skip"),
+        SlotSpec("d1", kind="alias", of=0, holder="child", mutation="skip"),
+    )
+    _assert_honest(_one_layer(*slots, detect=detect, loader="rebind", buffer=True))

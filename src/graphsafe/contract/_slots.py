@@ -287,7 +287,8 @@ def _signature(tensor: torch.Tensor, elements: int = _SIGNATURE_ELEMENTS) -> tor
         index = tuple(slice(None, None, max(1, n // per_dim)) for n in value.shape)
         sample = value[index].reshape(-1)
     # Compared as bytes: NaN equals NaN, and -0.0 differs from 0.0 (a write that changes any bit is a write).
-    return sample.clone().view(torch.uint8)
+    # A contiguous copy: a strided sample (a respecified stride) cannot be viewed as bytes.
+    return sample.clone(memory_format=torch.contiguous_format).view(torch.uint8)
 
 
 def _strided(value: Any) -> bool:
@@ -309,6 +310,10 @@ def _input_before(value: Any) -> _InputBefore:
     if not isinstance(value, torch.Tensor) or value.device.type == "meta":
         return None
     return weakref.ref(value.untyped_storage()), value._version, _signature(value)
+
+
+def _reads_storage(before: _InputBefore, storage: Any) -> bool:
+    return before is not None and storage is not None and before[0]() is storage
 
 
 def _input_change(before: _InputBefore, value: Any) -> int:
@@ -398,8 +403,11 @@ class _Inputs:
         ):
             if self.fallback is None:
                 self.fallback = tuple(self._add(*entry) for entry in _layer_inputs(layer))
-            own = (id(layer), slot.path.text)  # an undeclared plain attribute is in the fallback: not its own input
-            keys = tuple(key for key in self.fallback if key != own)
+            # An undeclared plain attribute is in the fallback, and so is any other path to its memory (an alias):
+            # none of them is its own input.
+            current = slot.get(layer)
+            own = current.untyped_storage() if isinstance(current, torch.Tensor) else None
+            keys = tuple(key for key in self.fallback if not _reads_storage(self.inputs[key][2], own))
             return keys or self._outer_fallback()
         keys: list[Any] = []
         for ref in recorded or ():
