@@ -407,8 +407,8 @@ class _Inputs:
             # none of them is its own input.
             current = slot.get(layer)
             own = current.untyped_storage() if isinstance(current, torch.Tensor) else None
-            keys = tuple(key for key in self.fallback if not _reads_storage(self.inputs[key][2], own))
-            return keys or self._outer_fallback()
+            others = tuple(key for key in self.fallback if not _reads_storage(self.inputs[key][2], own))
+            return others or self._outer_fallback()
         keys: list[Any] = []
         for ref in recorded or ():
             keys.append(self._add((id(ref.module_ref()), ref.path.text), ref.label(self.qualname), ref.resolve))
