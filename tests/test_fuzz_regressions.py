@@ -326,3 +326,72 @@ def test_a_skipped_tensor_and_its_alias_in_a_child_without_weights_are_stale(det
         SlotSpec("d1", kind="alias", of=0, holder="child", mutation="skip"),
     )
     _assert_honest(_one_layer(*slots, detect=detect, loader="rebind", buffer=True))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Found by the long run on the GPU machine's CPUs (126,000 reloads), minimized
+
+
+@pytest.mark.parametrize("mutation", ["neg", "conj"])
+def test_an_alias_path_of_a_slot_now_read_another_way_is_stale(mutation: str) -> None:
+    """d0 is rewritten in place negated (or conjugated) and bound as a negative (conjugate) view of its captured
+    memory; its undeclared alias d1 is skipped. The memory was not abandoned by address, so d1 was not doubted,
+    and the recapture read the raw bytes through d1."""
+    source = "complex" if mutation == "conj" else "t"
+    slots = (
+        SlotSpec("d0", source=source, declare="graph_visible", mutation=mutation),
+        SlotSpec("d1", kind="alias", of=0, mutation="skip"),
+    )
+    _assert_honest(_one_layer(*slots, mode="migrate", loader="rebind"))
+
+
+@pytest.mark.parametrize("detect", ["every-reload", "declared-only"])
+def test_an_undeclared_tie_skipped_while_its_partner_moved_is_stale(detect: str) -> None:
+    """layers.1's undeclared d0 is tied to layers.0's undeclared d0; layers.0 rebinds its side, layers.1 (its own
+    weights kept) skips. No copy restored layers.0's side (recapture mode), and the tie stayed on the old values."""
+    scenario = Scenario(
+        layers=(
+            LayerSpec(rows=2, cols=1, slots=(SlotSpec("d0", source="sum", factor=3),)),
+            LayerSpec(rows=1, cols=2, loader="keep", slots=(SlotSpec("d0", kind="tie", of=0, mutation="skip"),)),
+        ),
+        mode="recapture",
+        detect=detect,
+        manifest=detect == "declared-only",
+    )
+    _assert_honest(scenario)
+
+
+def test_an_untracked_path_sharing_a_freed_declared_tail_is_watched() -> None:
+    """Under ``declared-only`` the undeclared d0 shares memory with the declared d1 (``tail(d0)``, empty here);
+    PWAL frees d1 and skips d0. d0 counted as an alias path of d1, and alias paths were not watched for
+    freshness: the recapture read d0's old values."""
+    slots = (
+        SlotSpec("d0", source="sum", factor=3, mutation="skip"),
+        SlotSpec("d1", kind="tail", of=0, declare="register_derived", mutation="free"),
+    )
+    scenario = Scenario(
+        layers=(LayerSpec(rows=1, cols=2, slots=slots, loader="data_copy"),),
+        mode="recapture",
+        detect="declared-only",
+        manifest=True,
+    )
+    _assert_honest(scenario)
+
+
+def test_an_alias_path_written_through_a_rotated_partner_is_stale() -> None:
+    """Under ``declared-only`` d0 and d1 (undeclared) swap their tensor objects and each writes its values in
+    place; d3 (an undeclared alias of d1) is skipped and now holds d0's values. Foreign writes were checked for
+    watched slots only, not alias paths."""
+    slots = (
+        SlotSpec("d0", source="sum"),
+        SlotSpec("d1", source="sum", factor=2),
+        SlotSpec("d2", kind="tail", of=1, declare="register_derived"),
+        SlotSpec("d3", kind="alias", of=1, mutation="skip"),
+    )
+    scenario = Scenario(
+        layers=(LayerSpec(rows=2, cols=2, slots=slots, loader="keep", cycle=(0, 1)),),
+        mode="migrate",
+        detect="declared-only",
+        manifest=True,
+    )
+    _assert_honest(scenario)

@@ -30,7 +30,8 @@ from graphsafe.contract._slots import (
     SealedLayer,
     SealedSlot,
     SharedIndex,
-    overlaps,
+    address_range,
+    reads_as_captured,
 )
 from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.errors import (
@@ -710,7 +711,8 @@ class ReloadTransaction:
         self._snapshots: dict[int, LayerSnapshot] = {}
         self._held: dict[str, list[tuple[str, torch.Tensor]]] | None = None  # see _manifest_extras
         # captured tensors whose slot keeps a new tensor (not restored): what alias paths can no longer follow
-        self._abandoned: list[tuple[int, int, torch.Tensor]] = []  # (id(snapshot), slot index, captured)
+        # (snapshot, slot index, device, first address, end): captured memory left for a tensor no copy restored
+        self._abandoned: list[tuple[LayerSnapshot, int, str, int, int]] = []
         # (layer, path) -> (id, version counter, data_ptr) of what each untracked manifest path held at the start
         self._held_before: dict[tuple[str, str], tuple[int, int, int]] = {}
         self._gone: set[int] = set()  # sealed layers already reported as replaced or removed
@@ -1096,43 +1098,64 @@ class ReloadTransaction:
         del work
 
     def _doubt_abandoned(self, work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]]) -> None:
-        """An alias path (a walker path, or an untracked manifest path, reading a tracked slot's memory) follows
-        its slot: a copy into that memory gives it the slot's new values. Where the slot kept a new tensor
-        instead (respecified, moved and not restored), nothing brings them there: the alias path left on that
-        memory reads its old values, or whatever another path wrote into it, and so would a recapture:
-        ``stale``."""
+        """Memory a slot left for a new tensor no copy restored there (respecified, moved and kept, vanished, or
+        read another way) is *abandoned*: the slot's new values are not in it. A path left on it stays on old
+        values, and so would a recapture (``stale``):
+
+        * an alias path (a walker path, or an untracked manifest path, reading a tracked slot's memory) follows
+          its slot, so it is stale whatever its values;
+        * a watched slot (declared derived, or found by the walker) that nothing wrote is stale when its inputs,
+          or the abandoning slot's, changed (a tie to another layer's rebuilt tensor).
+        """
         abandoned = self._abandoned
         for snapshot, _ in work:
             layer = snapshot.layer
             for index, slot in enumerate(snapshot.slots):
                 captured = snapshot.captured[index]
-                if captured is None or slot.origin is Origin.ALIAS or slot.watch_only:
+                if captured is None or slot.origin is Origin.ALIAS or slot.watch_only or slot.wrapped:
                     continue
-                if not _reads(slot.get(layer), captured):
-                    abandoned.append((id(snapshot), index, captured))
+                if not reads_as_captured(slot.get(layer), captured):
+                    abandoned.append((snapshot, index, *address_range(captured)))
+            abandoned.extend((snapshot, *entry) for entry in snapshot.gone)
         if not abandoned:
             return
         for snapshot, _ in work:
             layer = snapshot.layer
             for index, slot in enumerate(snapshot.slots):
                 captured = snapshot.captured[index]
-                if slot.origin is not Origin.ALIAS or captured is None or slot.wrapped:
+                if captured is None or slot.wrapped or not reads_as_captured(slot.get(layer), captured):
                     continue
-                if not _reads(slot.get(layer), captured):
+                alias = slot.origin is Origin.ALIAS
+                if not alias and not (slot.tracks_freshness and index in snapshot.freshness):
                     continue
+                device, start, end = address_range(captured)
                 partners = [
-                    t for key, at, t in abandoned if (key, at) != (id(snapshot), index) and overlaps(t, captured)
+                    (owner, at)
+                    for owner, at, where, first, last in abandoned
+                    if (owner, at) != (snapshot, index) and where == device and first < end and start < last
                 ]
-                if partners:
-                    snapshot.findings.append(
-                        snapshot.sealed.finding(
-                            FindingKind.STALE,
-                            slot,
-                            detail="it reads the captured memory of a slot that now holds a new tensor no copy "
-                            "could restore there: it does not read that slot's new values, and neither would a "
-                            "recapture. Rebuild it in PWAL from that slot's new tensor",
-                        )
+                if not partners:
+                    continue
+                if alias:
+                    why = "it does not read that slot's new values, and neither would a recapture"
+                else:
+                    version = snapshot.versions[index] if index < len(snapshot.versions) else -1
+                    if version < 0 or captured._version != version:
+                        continue  # written by the reload: its own values
+                    changed = snapshot.changed_inputs(index)
+                    for owner, at in partners:
+                        changed = changed or owner.changed_inputs(at)
+                    if not changed:
+                        continue
+                    why = f"nothing wrote it although {', '.join(changed)} changed, and a recapture would read it"
+                snapshot.findings.append(
+                    snapshot.sealed.finding(
+                        FindingKind.STALE,
+                        slot,
+                        detail=f"it reads the captured memory of a slot that now holds a new tensor no copy could "
+                        f"restore there: {why}. Rebuild it in PWAL from that slot's new tensor",
                     )
+                )
 
     def _protect_pending(self, plan: RestorePlan, group: list[LayerSnapshot]) -> None:
         """Layers snapshotted but not restored yet (``before_layer`` ran, ``after_layer`` has not): a new tensor of
@@ -1199,6 +1222,9 @@ class ReloadTransaction:
                 slot = SealedSlot(SlotPath(path), fingerprint(tensor), weakref.ref(tensor), origin)
                 slot.unrecorded = contract._recorded
                 slot.watch_only = True
+                # Watched even as an alias path: the copy into its slot's memory (or its slot's own write) changes
+                # its values, so only a path nothing refreshed looks stale; its slot may be empty or gone.
+                slot.tracks_freshness = True
                 contract._manifest_slots[key] = slot
             extras.append(slot)
         return extras

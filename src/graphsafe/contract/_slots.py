@@ -445,6 +445,8 @@ class LayerSnapshot:
     #: Each captured tensor's version counter when the snapshot was taken (-1: none, or a view rebuilt from the
     #: storage, whose counter no write through the model's tensors moves).
     versions: list[int] = field(default_factory=list)
+    #: Watch-only slots whose path left their captured memory: ``(slot index, device, first address, end)``.
+    gone: list[tuple[int, str, int, int]] = field(default_factory=list)
 
     @classmethod
     def take(
@@ -612,9 +614,12 @@ class LayerSnapshot:
                             self._note_fresh(index, slot, current)
                     else:
                         self.kept.append(current)  # its new values: no copy may overwrite what it reads
+                        self.gone.append((index, *address_range(captured)))
                         # Let go of the captured tensor: where nothing else holds it, the manifest must see it freed.
                         captured_list[index] = None
-                        freshness.pop(index, None)
+                        before = freshness.get(index)
+                        if before is not None:  # keep what it is computed from (a partner's doubt asks), not it
+                            freshness[index] = (_NOTHING, *before[1:])
                 continue
             if current is _MISSING or not isinstance(current, tensor_type):
                 what = (
@@ -806,7 +811,8 @@ class LayerSnapshot:
         layer = self.layer
         for index, slot in enumerate(self.slots):
             captured = self.captured[index]
-            if captured is None or not slot.tracks_freshness or index not in self.freshness or slot.wrapped:
+            watched = slot.origin is Origin.ALIAS or (slot.tracks_freshness and index in self.freshness)
+            if captured is None or not watched or slot.wrapped:
                 continue
             version = self.versions[index] if index < len(self.versions) else -1
             if version < 0 or captured._version == version:
@@ -1000,6 +1006,30 @@ class _Reader:
     changed_inputs: Callable[[], list[str]] | None = None
     #: Whether the captured tensor's version counter moved during the reload (some write reached its memory).
     versioned: bool = False
+
+
+_NOTHING = torch.empty(0)  # stands in for a captured tensor the snapshot let go of
+
+
+def address_range(tensor: torch.Tensor) -> tuple[str, int, int]:
+    """``(device, first byte address, end address)`` of the memory a plain strided tensor spans."""
+    extent = sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True)) + 1 if tensor.numel() else 0
+    start = tensor.data_ptr()
+    return str(tensor.device), start, start + extent * tensor.element_size()
+
+
+def reads_as_captured(current: Any, captured: torch.Tensor) -> bool:
+    """Whether the value at a slot's path reads its captured memory exactly as captured: the object, or a view at
+    its pointer with its layout (another view of the same bytes, conjugate or negative, reads other values)."""
+    if current is captured:
+        return True
+    return (
+        isinstance(current, torch.Tensor)
+        and current.untyped_storage() is captured.untyped_storage()
+        and current.data_ptr() == captured.data_ptr()
+        and _view(current) == _view(captured)
+        and geometry_key(current) == geometry_key(captured)
+    )
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
