@@ -395,3 +395,32 @@ def test_an_alias_path_written_through_a_rotated_partner_is_stale() -> None:
         manifest=True,
     )
     _assert_honest(scenario)
+
+
+def test_a_skipped_view_of_a_replaced_weight_follows_it_or_is_stale() -> None:
+    """d0 (declared, ``weight.t()``) is skipped while the loader replaces the weight. Its fallback inputs dropped
+    every path to its own memory, the weight included, so nothing it reads seemed to change: it kept its old
+    bytes over the weight's copy and the recapture read them (found as ``weight_view:skip`` with ``load:rebind``)."""
+    slots = (
+        SlotSpec("d0", kind="weight_view", declare="graph_visible", mutation="skip"),
+        SlotSpec("d1", source="strides", declare="register_derived", mutation="skip"),
+        SlotSpec("d2", kind="alias", of=1),
+    )
+    scenario = Scenario(layers=(LayerSpec(rows=4, cols=4, slots=slots, loader="rebind"),), mode="recapture")
+    _assert_honest(scenario)
+
+
+def test_a_tie_left_on_memory_its_partner_abandoned_is_judged_by_what_pwal_wrote() -> None:
+    """Three layers share one undeclared tensor: layers.0 rebinds it (moved, not restored in recapture mode),
+    layers.1 (declared) rebinds to layers.0's new tensor, layers.2 skips. The copy of layers.1's new values into
+    the shared memory moved its version counter, so layers.2 passed for written by PWAL and kept old values."""
+    scenario = Scenario(
+        layers=(
+            LayerSpec(rows=4, cols=2, loader="stash", slots=(SlotSpec("d0", source="complex", factor=3),)),
+            LayerSpec(rows=2, cols=1, loader="keep", slots=(SlotSpec("d0", kind="tie", declare="graph_visible"),)),
+            LayerSpec(rows=3, cols=4, loader="keep", slots=(SlotSpec("d0", kind="tie", mutation="skip"),)),
+        ),
+        mode="recapture",
+        detect="sealed-paths",
+    )
+    _assert_honest(scenario)

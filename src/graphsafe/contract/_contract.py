@@ -1067,6 +1067,16 @@ class ReloadTransaction:
         foreign = [*kept, *(move.new for move in plan.moves)]
         for snapshot, _ in work:
             snapshot.doubt_foreign_writes(foreign)
+            # What PWAL wrote, and left on its captured memory, before the plan's own copies and rebinds (see
+            # _doubt_abandoned).
+            snapshot.written = [
+                captured is not None and 0 <= version != captured._version
+                for captured, version in zip(snapshot.captured, snapshot.versions, strict=False)
+            ]
+            snapshot.left = [
+                captured is not None and reads_as_captured(slot.get(snapshot.layer), captured)
+                for slot, captured in zip(snapshot.slots, snapshot.captured, strict=True)
+            ]
         try:
             if plan.moves:
                 plan.protect()
@@ -1139,9 +1149,10 @@ class ReloadTransaction:
                 if alias:
                     why = "it does not read that slot's new values, and neither would a recapture"
                 else:
-                    version = snapshot.versions[index] if index < len(snapshot.versions) else -1
-                    if version < 0 or captured._version != version:
-                        continue  # written by the reload: its own values
+                    if index >= len(snapshot.written) or snapshot.versions[index] < 0 or snapshot.written[index]:
+                        continue  # written by PWAL: its own values
+                    if not snapshot.left[index]:
+                        continue  # PWAL gave it a new tensor, which the restore copied: its new values
                     changed = snapshot.changed_inputs(index)
                     for owner, at in partners:
                         changed = changed or owner.changed_inputs(at)

@@ -365,6 +365,7 @@ class _Inputs:
     qualname: str
     inputs: dict[Any, _Input] = field(default_factory=dict)
     fallback: tuple[Any, ...] | None = None  # the keys of _layer_inputs, computed on first need
+    loaded: set[Any] = field(default_factory=set)  # the keys of those that are parameters or buffers
     #: The modules above the layer, nearest first, ``(qualified name, module)``: where a layer with no weights of
     #: its own (a child holding a cache) takes its fallback inputs from.
     outer: Callable[[], list[tuple[str, nn.Module]]] | None = None
@@ -403,11 +404,14 @@ class _Inputs:
         ):
             if self.fallback is None:
                 self.fallback = tuple(self._add(*entry) for entry in _layer_inputs(layer))
-            # An undeclared plain attribute is in the fallback, and so is any other path to its memory (an alias):
-            # none of them is its own input.
+                self.loaded = {(id(m), n) for _, m in layer.named_modules() for n in (*m._parameters, *m._buffers)}
+            # An undeclared plain attribute is in the fallback, and so is any other plain path to its memory (an
+            # alias): none of them is its own input. Loaded state is, even where it is a view of it (weight.t()).
             current = slot.get(layer)
             own = current.untyped_storage() if isinstance(current, torch.Tensor) else None
-            others = tuple(key for key in self.fallback if not _reads_storage(self.inputs[key][2], own))
+            others = tuple(
+                key for key in self.fallback if key in self.loaded or not _reads_storage(self.inputs[key][2], own)
+            )
             return others or self._outer_fallback()
         keys: list[Any] = []
         for ref in recorded or ():
@@ -447,6 +451,10 @@ class LayerSnapshot:
     versions: list[int] = field(default_factory=list)
     #: Watch-only slots whose path left their captured memory: ``(slot index, device, first address, end)``.
     gone: list[tuple[int, str, int, int]] = field(default_factory=list)
+    #: Per slot, whether the reload wrote its captured memory before the restore's copies (set at restore).
+    written: list[bool] = field(default_factory=list)
+    #: Per slot, whether PWAL left it reading its captured memory as captured (set at restore, before copies).
+    left: list[bool] = field(default_factory=list)
 
     @classmethod
     def take(
