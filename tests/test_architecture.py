@@ -45,11 +45,13 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     "tests/test_restore_plan.py": {"graphsafe.contract._access", "graphsafe.contract._copy"},
     # a copy that raises halfway is injected into the copy batch
     "tests/test_adversarial.py": {"graphsafe.contract._copy"},
-    # the hook installer's wrappers and markers, and the pack's attribute, are checked on the real vLLM
+    # the hook installer's wrappers and markers, and the pack's attribute, are checked on the real vLLM; the
+    # plugin's once-per-process "off" line is reset between tests
     "tests/vllm/test_vllm_adapter.py": {
         "graphsafe.adapters.vllm._guard",
         "graphsafe.adapters.vllm._hooks",
         "graphsafe.adapters.vllm._pack",
+        "graphsafe.adapters.vllm._plugin",
         "graphsafe.adapters.vllm._recapture",
     },
 }

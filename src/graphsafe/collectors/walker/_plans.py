@@ -209,6 +209,29 @@ def _base_kind(mro: tuple[type, ...]) -> int:
     return best[1] if best is not None else OBJECT
 
 
+#: Where compiled artifacts come from: torch.compile's wrappers, guards and caches (dynamo, AOT autograd, Inductor,
+#: FX graphs) and vLLM's compilation wrappers and backends. Their instances are opaque to the walker: the tensors
+#: a compiled callable runs on are the module's own, walked through the module; constants an artifact holds
+#: itself are the graph truth's to see (the captured graph's kernel arguments), not the walker's.
+COMPILED_ARTIFACT_MODULES: Final[tuple[str, ...]] = (
+    "torch._dynamo",
+    "torch._C._dynamo",
+    "torch._inductor",
+    "torch._functorch",
+    "torch._guards",
+    "torch.fx",
+    "vllm.compilation",
+)
+
+
+def _compiled_artifact(d: Any) -> bool:
+    """Whether the class whose dictionary is ``d`` was defined by a compiler (see COMPILED_ARTIFACT_MODULES)."""
+    module = d.get("__module__")
+    return type(module) is str and any(
+        module == prefix or module.startswith(prefix + ".") for prefix in COMPILED_ARTIFACT_MODULES
+    )
+
+
 def _python_owner(pairs: list[tuple[type, Any]], name: str) -> str | None:
     """The class that defines ``name`` (first along the MRO) when that definition is Python code, else None."""
     for klass, d in pairs:
@@ -278,6 +301,8 @@ class Plan:
         dicts = [TYPE_DICT(klass) for klass in mro]
         pairs = list(zip(mro, dicts, strict=True))
         kind = _base_kind(mro)
+        if kind == OBJECT and _compiled_artifact(dicts[0]):
+            kind = LEAF  # a compiled artifact: opaque (see COMPILED_ARTIFACT_MODULES)
 
         # First definition of every name along the MRO: what attribute lookup would find on the class.
         first: dict[str, Any] = {}
@@ -348,9 +373,7 @@ class Plan:
             f"a class attribute of {self.name}: assigning through an instance would shadow it, not restore it"
         )
         if kind in (OBJECT, MODULE):
-            self.class_dicts = tuple(
-                (TYPE_NAME(klass), _class_dict(d)) for klass, d in pairs if _user_class(klass, d)
-            )
+            self.class_dicts = tuple((TYPE_NAME(klass), _class_dict(d)) for klass, d in pairs if _user_class(klass, d))
 
 
 # The caches, by id(cls): hashing a class could run a metaclass's __hash__. KINDS is the hot loops' leaf test.
