@@ -3,6 +3,8 @@ contract decides when no captured graph replays the model."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from torch import nn
@@ -77,3 +79,21 @@ def test_with_no_graphs_a_reload_that_raised_still_fails() -> None:
     with pytest.raises(OSError), contract.reload():
         raise OSError("shard vanished")
     assert contract.last_outcome is not None and contract.last_outcome.status.value == "failed"
+
+
+class _Deep:
+    def __init__(self, depth: int) -> None:
+        self.next = _Deep(depth - 1) if depth else torch.zeros(2)
+
+    def hook(self) -> None: ...
+
+
+def test_a_hook_handle_is_opaque() -> None:
+    """vLLM's compiled model keeps dynamo's bytecode-hook handle, whose weak reference leads into dynamo's hook
+    registry: a handle is not walked (the hooks it removes are read where they are registered)."""
+    model = nn.Linear(2, 2)
+    registry = collections.OrderedDict({0: _Deep(12).hook})  # weakly referenced, as torch does
+    model._bytecode_hook_handle = torch.utils.hooks.RemovableHandle(registry)
+    result = walk(model, budget=WalkBudget(max_depth=6))
+    assert result.exhausted is None, result.exhausted
+    assert result.refs == ()

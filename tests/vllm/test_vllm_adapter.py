@@ -1232,3 +1232,27 @@ def test_the_serving_gate_on_model_runner_v2(
         reload_inplace(vllm_config, model, seed=30)
     eager = gated(manager, 4, 4, None, 0)
     assert eager.cg_mode is CUDAGraphMode.NONE and eager.num_tokens == 4 and eager.num_reqs == 4
+
+
+def test_a_model_loaded_before_the_plugin_gets_the_packs_declarations_at_seal(
+    vllm_config: VllmConfig, plugin: Callable[..., Any]
+) -> None:
+    """GRAPHSAFE_MODE set after the engine loaded: PWAL ran unwrapped, so the pack declares when the contract
+    seals (here vLLM's Attention KV cache, serving state the pack marks static)."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    from graphsafe.adapters.vllm import _hooks
+    from graphsafe.registry import declarations_of
+
+    gs_vllm.unregister()
+    model = build(vllm_config, seed=0)
+    attn = object.__new__(Attention)  # vLLM's class (no attention backend on this platform to build one with)
+    nn.Module.__init__(attn)
+    attn.kv_cache = torch.zeros(2, 4, KV_HEADS, HEAD)  # what vLLM binds after the load
+    model.attn = attn
+    assert not declarations_of(attn)
+    state = plugin("migrate")
+    _hooks._wrap_runner_load(state)(lambda self: None)(StubRunner(vllm_config, model))  # binds and seals
+    assert state.contracts[model].sealed
+    declared = {name: d.static for name, d in declarations_of(attn).items()}
+    assert declared == {"kv_cache": True}, declared

@@ -49,6 +49,10 @@ def ensure_contract(state: AdapterState, model: nn.Module) -> GraphContract:
 
     mode = state.config.mode
     assert mode != "off"
+    if state.pack is not None:
+        from graphsafe.adapters.vllm._pack import declare_loaded
+
+        declare_loaded(state.pack, model)  # a model loaded before the plugin was on: its PWAL ran undeclared
     contract = GraphContract(model, mode=mode, detect=state.config.detect)
     contract.on_recapture(recapture_callback(state, model))
     contract.graphless = graphless_reason(state, model)

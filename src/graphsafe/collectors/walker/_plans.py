@@ -157,6 +157,9 @@ _LEAF_BASES: Final[tuple[type, ...]] = (
             "torch._C.StorageBase",
             "torch._ops.OperatorBase",
             "torch._ops.OpOverloadPacket",
+            # A hook handle only removes its hook; the hooks are read where they are registered (a module's hook
+            # dicts). Through its weak references it reaches registries such as dynamo's bytecode hooks.
+            "torch.utils.hooks.RemovableHandle",
             "torch._ops._OpNamespace",
             "torch.SymInt",
             "torch.SymFloat",
