@@ -1021,6 +1021,7 @@ def test_the_sharded_rdt_bake_sequence_then_a_weight_update_commits(
     """vLLM 0.33's sharded RDT engine bakes its plan at init_transfer_engine: initialize, a load on meta, then its
     own restore of the kernel tensors, never a finalize. The first real weight update must go through."""
     from vllm.distributed.weight_transfer.sharded_rdt_engine import ShardedRDTWeightTransferEngine
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
     from vllm.v1.worker.gpu_worker import Worker
 
     plugin(mode)
@@ -1028,6 +1029,10 @@ def test_the_sharded_rdt_bake_sequence_then_a_weight_update_commits(
     before = addresses(model)
     weights = {name: t.clone() for name, t in derived(model).items()}
     layerwise.initialize_layerwise_reload(model)  # _bake: params to meta, kernel tensors saved
+    for module in model.modules():  # _bake stamps the original loaders, bypassing online_process_loader...
+        for tensor in get_layer_tensors(module).values():
+            tensor.weight_loader = layerwise._get_original_loader(tensor)
+    model.load_weights((name, t.to("meta")) for name, t in checkpoint(3).items())  # ...and loads on meta
     ShardedRDTWeightTransferEngine._restore_after_dry_run(None, model)  # vLLM's own restore (no self state read)
     assert addresses(model) == before
     for name, tensor in derived(model).items():
