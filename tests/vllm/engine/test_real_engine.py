@@ -192,3 +192,40 @@ def _nothing_in_flight(llm: Any, *, plugin_saw_the_start: bool) -> None:
     if plugin_saw_the_start:
         assert scheduler in state.schedulers, "the plugin saw vLLM's scheduler made"
         assert _recapture.in_flight(runner, list(state.schedulers)) == 0
+
+
+def _in_flight_here(worker: Any) -> int:
+    """Run in the engine core's process: the in-flight count graphsafe's recapture would see there."""
+    from graphsafe.adapters.vllm import _recapture, current_state
+
+    state = current_state()
+    assert state is not None, "graphsafe's plugin is registered in the engine core's process"
+    return _recapture.in_flight(worker.model_runner, list(state.schedulers))
+
+
+@pytest.mark.timeout(600)
+def test_a_multiprocess_engine_loads_the_plugin_and_counts_nothing_in_flight_after_generate(
+    checkpoints: dict[str, str], fresh: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine core in its own process (vLLM's default): the plugin comes in through vLLM's entry point, a
+    strict reload through the weights iterator commits there, and the recapture's in-flight check sees no
+    request after a generate finished."""
+    want = fresh("C", False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the test's callables cross to the engine core
+    monkeypatch.setenv("GRAPHSAFE_MODE", "strict")
+    gs_vllm.unregister()  # nothing of this process's plugin can help: the engine core is another process
+    llm = _engine(checkpoints["A"], compiled=False)
+    try:
+        _tokens(llm)
+        assert llm.collective_rpc(_in_flight_here) == [0]
+        path_c = checkpoints["C"]
+        llm.collective_rpc(lambda worker: worker.reload_weights(weights_iterator=_iterate(path_c)))
+        (outcome,) = llm.collective_rpc("graphsafe_last_outcome")
+        assert outcome is not None and outcome["status"] == "committed", outcome
+        assert _tokens(llm) == want
+        assert llm.collective_rpc(_in_flight_here) == [0]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
