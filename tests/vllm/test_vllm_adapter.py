@@ -247,12 +247,19 @@ def vllm_config() -> Iterator[VllmConfig]:
 
 @pytest.fixture
 def plugin(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Any]]:
-    """``plugin(mode=..., **env)`` registers graphsafe with that environment; unregistered after the test."""
+    """``plugin(mode=..., **env)`` registers graphsafe with that environment; unregistered after the test.
+
+    These tests stand for an engine that captures graphs (vLLM on a GPU), though they run on CPU: the adapter's
+    "no graphs here" rule answers "graphs may replay" unless the test passes ``graphs=False``, which leaves the
+    rule as it is (this CPU platform captures none).
+    """
     for name in GRAPHSAFE_ENV:
         monkeypatch.delenv(name, raising=False)
     gs_vllm.unregister()
 
-    def start(mode: str = "migrate", **env: str) -> Any:
+    def start(mode: str = "migrate", graphs: bool = True, **env: str) -> Any:
+        if graphs:
+            monkeypatch.setattr(_recapture, "no_graphs", lambda runner: None)
         monkeypatch.setenv("GRAPHSAFE_MODE", mode)
         for name, value in env.items():
             monkeypatch.setenv(f"GRAPHSAFE_{name.upper()}", value)
@@ -402,18 +409,20 @@ def test_without_plugin_plain_attributes_drift_and_nonpersistent_buffers_go_stal
 def test_migrate_keeps_every_address_and_matches_a_fresh_load(
     vllm_config: VllmConfig, plugin: Callable[..., Any], route: str
 ) -> None:
-    plugin("migrate", fix_nonpersistent="1")
+    plugin("migrate")
     model = build(vllm_config, seed=0)
     before = addresses(model)
     captured_w_t = model.qkv.w_t
+    old_norms = {name: t.clone() for name, t in derived(model).items() if name.endswith("row_norm")}
     ROUTES[route](vllm_config, model, 2)
     assert addresses(model) == before
     assert model.qkv.w_t is captured_w_t
     fresh = build(vllm_config, seed=2)
     for name, tensor in derived(fresh).items():
-        assert torch.equal(derived(model)[name], tensor), name
-    with torch.no_grad():
-        assert torch.allclose(model(x_input()), fresh(x_input()))
+        if name in old_norms:  # a derived non-persistent buffer: vLLM keeps the first load's, with or without us
+            assert torch.equal(derived(model)[name], old_norms[name]), name
+        else:
+            assert torch.equal(derived(model)[name], tensor), name
     state = gs_vllm.current_state()
     outcome = state.last_outcome
     assert outcome is not None and outcome.committed
@@ -443,18 +452,23 @@ def test_migrate_restores_layer_by_layer_before_finalize(vllm_config: VllmConfig
     assert report["layers_processed"] == 3 and report["deferred_to_finalize"] == []
 
 
-def test_nonpersistent_fix_is_opt_in(vllm_config: VllmConfig, plugin: Callable[..., Any]) -> None:
-    plugin("migrate")
+def test_the_nonpersistent_fix_is_removed_and_buffers_keep_what_vllm_keeps(
+    vllm_config: VllmConfig, plugin: Callable[..., Any]
+) -> None:
+    """The old opt-in copied memory no PWAL wrote (FoPE's inv_freq became 1.9e12, its cache NaN) and reported
+    it committed: it cannot tell which buffers PWAL rebuilt, so it is gone, and asking for it is an error."""
+    with pytest.raises(gs_vllm.ConfigError, match="GRAPHSAFE_FIX_NONPERSISTENT was removed"):
+        plugin("migrate", fix_nonpersistent="1")
+    plugin("migrate", fix_nonpersistent="0")
     model = build(vllm_config, seed=0)
     old = model.down.row_norm.clone()
-    reload_inplace(vllm_config, model, seed=4)
-    assert torch.equal(model.down.row_norm, old), "without GRAPHSAFE_FIX_NONPERSISTENT vLLM's behaviour stands"
-    plugin("migrate", fix_nonpersistent="1")
     address = model.down.row_norm.data_ptr()
-    reload_inplace(vllm_config, model, seed=5)
+    reload_inplace(vllm_config, model, seed=4)
     assert model.down.row_norm.data_ptr() == address
-    assert torch.equal(model.down.row_norm, build(vllm_config, seed=5).down.row_norm)
-    assert "RowParallelLinear.row_norm" in gs_vllm.current_state().last_report["nonpersistent_fixed"]
+    assert torch.equal(model.down.row_norm, old), "vLLM's own behaviour stands: nothing is written into it"
+    report = gs_vllm.current_state().last_report
+    assert report["outcome"]["status"] == "committed"
+    assert "nonpersistent_fixed" not in report
 
 
 def test_report_is_written_after_each_reload(
@@ -556,6 +570,9 @@ class SpyRunner(StubRunner):
         self.req_states = SimpleNamespace(req_id_to_index={})
         self.block_tables = SimpleNamespace(redirect_writes_to_null_block=False)
         self.kv_block_zeroer = None
+
+    def _remove_request(self, req_id: str) -> None:  # what vLLM's preserve_serving_state calls
+        self.req_states.req_id_to_index.pop(req_id, None)
 
     def capture_model(self) -> int:
         redirect = self.block_tables.redirect_writes_to_null_block
@@ -772,6 +789,7 @@ def _tp_rank(rank: int, folder: str) -> None:
         parallel_state.initialize_model_parallel(2, 1, backend="gloo")
         try:
             gs_vllm.register()
+            _recapture.no_graphs = lambda runner: None  # an engine that captures graphs (see plugin())
             model = build(config, seed=0, method=DerivedLinearMethod if rank == 1 else DeclaredLinearMethod)
             result["shard_rows"] = model.qkv.weight.shape[0]
             try:
@@ -886,12 +904,46 @@ def test_a_resigned_hook_makes_the_plugin_refuse(monkeypatch: pytest.MonkeyPatch
         gs_vllm.register()
 
 
-def test_another_vllm_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_another_vllm_version_is_refused_when_the_operator_asked_for_graphsafe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     gs_vllm.unregister()
     monkeypatch.setenv("GRAPHSAFE_MODE", "migrate")
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
-    with pytest.raises(gs_vllm.HookMismatchError, match=r"supports vLLM 0\.33\.x, but vLLM 0\.34\.0"):
+    with pytest.raises(gs_vllm.HookMismatchError, match=r"supports vLLM 0\.32\.x or 0\.33\.x, but vLLM 0\.34\.0"):
         gs_vllm.register()
+    assert gs_vllm.current_state() is None
+
+
+def test_an_unsupported_vllm_runs_without_graphsafe_when_no_mode_is_set(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Installing graphsafe must not stop a vLLM upgrade from serving: no GRAPHSAFE_MODE, no refusal (issue 15, 5)."""
+    from graphsafe.adapters.vllm import _plugin
+
+    gs_vllm.unregister()
+    for name in GRAPHSAFE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(_plugin, "_SAID_OFF", False)
+    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    with caplog.at_level("INFO", logger="graphsafe.vllm"):
+        assert gs_vllm.register() is None
+        assert gs_vllm.register() is None  # vLLM registers plugins in every process, more than once
+    lines = [r.getMessage() for r in caplog.records if r.name == "graphsafe.vllm"]
+    assert len(lines) == 1 and "GRAPHSAFE_MODE is unset" in lines[0] and "0.31.0" in lines[0], lines
+    assert gs_vllm.current_state() is None
+    assert not hasattr(layerwise._layerwise_process, ORIGINAL_ATTR)
+    monkeypatch.setattr(layerwise, "_layerwise_process", None)  # a hook gone in a newer vLLM: still off, no raise
+    monkeypatch.setattr(vllm, "__version__", "0.33.9")
+    assert gs_vllm.register() is None
+
+
+def test_the_hook_guard_knows_vllm_0_32_and_0_33() -> None:
+    for version in ("0.32.0", "0.32.1", "0.33.0", "0.33.2"):
+        _guard.check_version(version)
+    for version in ("0.31.9", "0.34.0", "1.0.0"):
+        with pytest.raises(gs_vllm.HookMismatchError):
+            _guard.check_version(version)
 
 
 def test_the_pack_matches_the_installed_vllm_and_reports_a_stale_entry() -> None:
@@ -933,3 +985,279 @@ def test_import_graphsafe_does_not_import_vllm() -> None:
     code = "import sys, graphsafe, graphsafe.adapters.vllm; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# -- issue 15: vLLM's real lifecycle ---------------------------------------------------------------------------------
+MODES = ("strict", "recapture", "migrate")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_second_initialize_settles_the_open_reload_by_what_is_true(
+    vllm_config: VllmConfig, plugin: Callable[..., Any], mode: str
+) -> None:
+    """vLLM processed and put back every layer, and nobody finalized: the next reload settles the open one by
+    verifying it, commits it, and goes on (the plugin used to fail it and refuse every later reload)."""
+    plugin(mode)
+    model = build(vllm_config, seed=0, method=DeclaredLinearMethod)
+    before = addresses(model)
+    vllm_reload.initialize_layerwise_reload(model)
+    model.load_weights(checkpoint(1).items())  # every layer complete: each processed and copied back at once
+    state = gs_vllm.current_state()
+    assert model in state.sessions, "the first reload is still open (no finalize)"
+    reload_inplace(vllm_config, model, seed=2)
+    contract = state.contracts[model]
+    assert contract.reloads == 2 and contract.serving_safe
+    assert state.last_outcome is not None and state.last_outcome.committed
+    assert addresses(model) == before
+    for name, tensor in derived(build(vllm_config, seed=2, method=DeclaredLinearMethod)).items():
+        if not name.endswith("row_norm"):
+            assert torch.equal(derived(model)[name], tensor), name
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_sharded_rdt_bake_sequence_then_a_weight_update_commits(
+    vllm_config: VllmConfig, plugin: Callable[..., Any], mode: str
+) -> None:
+    """vLLM 0.33's sharded RDT engine bakes its plan at init_transfer_engine: initialize, a load on meta, then its
+    own restore of the kernel tensors, never a finalize. The first real weight update must go through."""
+    from vllm.distributed.weight_transfer.sharded_rdt_engine import ShardedRDTWeightTransferEngine
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+    from vllm.v1.worker.gpu_worker import Worker
+
+    plugin(mode)
+    model = build(vllm_config, seed=0, method=DeclaredLinearMethod)
+    before = addresses(model)
+    weights = {name: t.clone() for name, t in derived(model).items()}
+    layerwise.initialize_layerwise_reload(model)  # _bake: params to meta, kernel tensors saved
+    for module in model.modules():  # _bake stamps the original loaders, bypassing online_process_loader...
+        for tensor in get_layer_tensors(module).values():
+            tensor.weight_loader = layerwise._get_original_loader(tensor)
+    model.load_weights((name, t.to("meta")) for name, t in checkpoint(3).items())  # ...and loads on meta
+    ShardedRDTWeightTransferEngine._restore_after_dry_run(None, model)  # vLLM's own restore (no self state read)
+    assert addresses(model) == before
+    for name, tensor in derived(model).items():
+        assert torch.equal(tensor, weights[name]), name
+    worker = stub_worker(vllm_config, model)
+    Worker.start_weight_update(worker)
+    model.load_weights(checkpoint(3).items())
+    Worker.finish_weight_update(worker)
+    state = gs_vllm.current_state()
+    assert state.last_outcome is not None and state.last_outcome.committed
+    assert state.contracts[model].serving_safe and addresses(model) == before
+    assert torch.equal(model.qkv.w_t, build(vllm_config, seed=3, method=DeclaredLinearMethod).qkv.w_t)
+
+
+class _Scheduler:
+    """What the in-flight check reads of vLLM's scheduler: the ids it finished since its last schedule()."""
+
+    def __init__(self, finished: set[str]) -> None:
+        self.finished_req_ids = finished
+
+
+@pytest.mark.parametrize("runner_version", ["v1", "v2"])
+def test_requests_the_scheduler_finished_are_not_in_flight(
+    vllm_config: VllmConfig, plugin: Callable[..., Any], workspace: list[str], runner_version: str
+) -> None:
+    """An engine in the caller's process stops stepping when nothing is unfinished, so its runner still lists
+    the finished requests: the recapture must not count them (and still refuses a request really in flight)."""
+    state = plugin("recapture")
+    model = build(vllm_config, seed=0)
+    runner = SpyRunner(vllm_config, model, workspace)
+    requests: dict[str, int] = {"done-0": 0, "done-1": 1}
+    if runner_version == "v1":
+        del runner.req_states
+        runner.requests = requests
+    else:
+        runner.req_states.req_id_to_index = requests
+    scheduler = _Scheduler({"done-0", "done-1"})
+    state.schedulers.add(scheduler)
+    gs_vllm.bind(model, runner)
+    reload_inplace(vllm_config, model, seed=24)
+    assert state.last_outcome.needs_recapture and state.contracts[model].serving_safe
+    assert any(call.startswith("capture") for call in workspace)
+    requests["live"] = 2
+    with pytest.raises(RecaptureError, match="1 request"):
+        reload_inplace(vllm_config, model, seed=25)
+
+
+def test_the_scheduler_hook_remembers_vllms_schedulers(plugin: Callable[..., Any]) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from graphsafe.adapters.vllm import _hooks
+
+    state = plugin("migrate")
+    assert hasattr(Scheduler.__init__, ORIGINAL_ATTR), "installed on vLLM's scheduler"
+    seen: list[tuple[Any, ...]] = []
+    init = _hooks._wrap_scheduler_init(state)(lambda self, *args: seen.append(args))
+    scheduler = object.__new__(Scheduler)
+    init(scheduler, "config")
+    assert seen == [("config",)] and scheduler in state.schedulers
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_with_no_graphs_a_drifting_reload_restores_and_commits(
+    vllm_config: VllmConfig,
+    plugin: Callable[..., Any],
+    workspace: list[str],
+    mode: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On this CPU platform no graph is captured: findings a recapture would fix read no wrong memory, so the
+    reload commits in every mode, runs no recapture, and strict says once that it has nothing to protect."""
+    plugin(mode, graphs=False)
+    model = build(vllm_config, seed=0)
+    runner = SpyRunner(vllm_config, model, workspace)
+    gs_vllm.bind(model, runner)
+    before = addresses(model)
+    with caplog.at_level("INFO", logger="graphsafe.vllm"):
+        reload_inplace(vllm_config, model, seed=26)
+        reload_runner_v2(vllm_config, model, seed=27)
+    state = gs_vllm.current_state()
+    assert state.last_outcome.committed and state.contracts[model].serving_safe
+    assert workspace == [], "nothing to recapture"
+    after = addresses(model)
+    assert {n: a for n, a in after.items() if n.endswith(("weight", "weight_scale"))} == {
+        n: a for n, a in before.items() if n.endswith(("weight", "weight_scale"))
+    }
+    if mode == "migrate":
+        assert after == before, "migrate restores undeclared tensors all the same"
+    assert torch.equal(model.qkv.w_t, build(vllm_config, seed=27).qkv.w_t)
+    said = [r.getMessage() for r in caplog.records if "nothing to protect" in r.getMessage()]
+    assert len(said) == (1 if mode == "strict" else 0), said
+
+
+def test_no_graphs_rule(vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False), vllm_config=vllm_config)
+    assert "captures no CUDA graphs" in (_recapture.no_graphs(runner) or "")  # this machine's CPU platform
+    monkeypatch.setattr(_recapture, "platform_has_graphs", lambda: True)
+    from vllm.config.compilation import CUDAGraphMode
+
+    monkeypatch.setattr(vllm_config.compilation_config, "cudagraph_mode", CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert _recapture.no_graphs(runner) is None
+    assert _recapture.no_graphs(None) is None
+    runner.model_config.enforce_eager = True
+    assert _recapture.no_graphs(runner) == "enforce_eager"
+    runner.model_config.enforce_eager = False
+    monkeypatch.setattr(vllm_config.compilation_config, "cudagraph_mode", CUDAGraphMode.NONE)
+    assert _recapture.no_graphs(runner) == "cudagraph_mode is NONE"
+    assert "no graphs" in (_recapture.no_graphs(SimpleNamespace(cudagraph_manager=None)) or "")
+
+
+class RejectingModel(TinyModel):
+    """Does what vLLM's expert substitution does on a layerwise reload: put the old weights back, then raise."""
+
+    def __init__(self, method: type[DerivedLinearMethod], config: VllmConfig) -> None:
+        super().__init__(method)
+        self.model_config = config.model_config
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self.qkv.weight.is_meta:
+            vllm_reload.finalize_layerwise_reload(self, self.model_config)
+            raise NotImplementedError("this model does not support layerwise weight reload")
+        return super().load_weights(weights)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_reload_vllm_rejects_is_failed_and_carries_vllms_error(
+    vllm_config: VllmConfig, plugin: Callable[..., Any], mode: str
+) -> None:
+    plugin(mode)
+    with set_current_vllm_config(vllm_config):
+        model = RejectingModel(DeclaredLinearMethod, vllm_config)
+        layerwise.record_metadata_for_reloading(model)
+        model.load_weights(checkpoint(0).items())
+        process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))
+    weights = {name: t.clone() for name, t in derived(model).items()}
+    with pytest.raises(NotImplementedError, match="layerwise weight reload") as info:
+        reload_inplace(vllm_config, model, seed=28)
+    state = gs_vllm.current_state()
+    outcome = state.contracts[model].last_outcome
+    assert outcome is state.last_outcome and outcome.status.value == "failed"
+    assert outcome.error is info.value
+    assert any(f.kind.value == "reload-error" and "NotImplementedError" in f.detail for f in outcome.findings)
+    assert state.last_report["outcome"]["status"] == "failed"
+    for name, tensor in derived(model).items():  # vLLM put the old weights back, and graphsafe verified them
+        assert torch.equal(tensor, weights[name]), name
+    assert state.contracts[model].serving_safe
+
+
+def _dispatcher(config: VllmConfig, monkeypatch: pytest.MonkeyPatch) -> Any:
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    compilation = config.compilation_config
+    monkeypatch.setattr(compilation, "cudagraph_mode", CUDAGraphMode.PIECEWISE)
+    monkeypatch.setattr(compilation, "cudagraph_capture_sizes", [1, 2, 4, 8])
+    monkeypatch.setattr(compilation, "max_cudagraph_capture_size", 8)
+    dispatcher = CudagraphDispatcher(config)
+    dispatcher.initialize_cudagraph_keys(CUDAGraphMode.PIECEWISE, 1)
+    return dispatcher
+
+
+def test_the_serving_gate_runs_eager_after_a_failed_reload_until_the_recapture(
+    vllm_config: VllmConfig, plugin: Callable[..., Any], workspace: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a failed reload, or while a NEEDS_RECAPTURE waits, vLLM's runner dispatches every batch eager: no
+    captured graph replays until the recapture succeeded."""
+    plugin("strict")
+    dispatcher = _dispatcher(vllm_config, monkeypatch)
+    assert dispatcher.dispatch(4)[0].name == "PIECEWISE"
+    model = build(vllm_config, seed=0)
+
+    class Extended(gs_vllm.GraphsafeWorkerExtension):
+        model_runner = SpyRunner(vllm_config, model, workspace)
+
+    assert dispatcher.dispatch(4)[0].name == "PIECEWISE", "serving-safe: graphs replay"
+    with pytest.raises(UndeclaredDriftError):
+        reload_inplace(vllm_config, model, seed=29)
+    mode, descriptor = dispatcher.dispatch(4)
+    assert mode.name == "NONE" and descriptor.num_tokens == 4
+    assert Extended().graphsafe_recapture()["serving_safe"]
+    assert dispatcher.dispatch(4)[0].name == "PIECEWISE"
+
+
+def test_the_serving_gate_on_model_runner_v2(
+    vllm_config: VllmConfig, plugin: Callable[..., Any], workspace: list[str]
+) -> None:
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor, CudaGraphManager
+
+    state = plugin("recapture")
+    full = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=4, num_reqs=4, num_active_loras=0)
+    manager = object.__new__(CudaGraphManager)
+    original = CudaGraphManager.dispatch.__graphsafe_original__
+    from graphsafe.adapters.vllm import _hooks
+
+    gated = _hooks._wrap_dispatch_v2(state)(lambda self, *a, **k: full)
+    assert gated(manager, 4, 4, None, 0) is full
+    assert CudaGraphManager.dispatch is not original, "installed on vLLM's manager"
+    model = build(vllm_config, seed=0)
+    gs_vllm.bind(model, StubRunner(vllm_config, model))  # no recapture possible: NEEDS_RECAPTURE stays open
+    with pytest.raises(RecaptureError):
+        reload_inplace(vllm_config, model, seed=30)
+    eager = gated(manager, 4, 4, None, 0)
+    assert eager.cg_mode is CUDAGraphMode.NONE and eager.num_tokens == 4 and eager.num_reqs == 4
+
+
+def test_a_model_loaded_before_the_plugin_gets_the_packs_declarations_at_seal(
+    vllm_config: VllmConfig, plugin: Callable[..., Any]
+) -> None:
+    """GRAPHSAFE_MODE set after the engine loaded: PWAL ran unwrapped, so the pack declares when the contract
+    seals (here vLLM's Attention KV cache, serving state the pack marks static)."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    from graphsafe.adapters.vllm import _hooks
+    from graphsafe.registry import declarations_of
+
+    gs_vllm.unregister()
+    model = build(vllm_config, seed=0)
+    attn = object.__new__(Attention)  # vLLM's class (no attention backend on this platform to build one with)
+    nn.Module.__init__(attn)
+    attn.kv_cache = torch.zeros(2, 4, KV_HEADS, HEAD)  # what vLLM binds after the load
+    model.attn = attn
+    assert not declarations_of(attn)
+    state = plugin("migrate")
+    _hooks._wrap_runner_load(state)(lambda self: None)(StubRunner(vllm_config, model))  # binds and seals
+    assert state.contracts[model].sealed
+    declared = {name: d.static for name, d in declarations_of(attn).items()}
+    assert declared == {"kv_cache": True}, declared

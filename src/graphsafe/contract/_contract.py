@@ -180,6 +180,11 @@ class GraphContract:
         # tracks, each as a walker-found slot kept across reloads (so a recording's lesson about it is kept)
         self._manifest_slots: dict[tuple[str, str], SealedSlot] = {}
         self._pending: Dataflow | None = None  # record_inputs() before seal(), consumed by seal()
+        #: Set by an engine adapter: why no captured graph replays this model (a platform without graphs, an eager
+        #: configuration), or ``None`` while graphs may replay. Asked when a reload decides: with no graph, findings
+        #: a recapture would fix read no wrong memory (every forward reads the model's tensors as they are now),
+        #: so such a reload commits; stale values and reload errors still fail.
+        self.graphless: Callable[[], str | None] | None = None
 
     # -- state -------------------------------------------------------------------------------------------------
     @property
@@ -605,6 +610,8 @@ class GraphContract:
             return Status.FAILED
         if not problems:
             return Status.COMMITTED
+        if all(f.kind.recapture_fixes for f in problems) and self.graphless is not None and self.graphless():
+            return Status.COMMITTED  # no captured graph replays: nothing reads the memory the findings name
         if self.mode == "strict" or any(not f.kind.recapture_fixes for f in problems):
             return Status.FAILED
         return Status.NEEDS_RECAPTURE

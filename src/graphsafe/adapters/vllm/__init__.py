@@ -2,8 +2,8 @@
 
 ``pip install graphsafe[vllm]`` registers the entry point; vLLM then calls :func:`register` in every process.
 Configuration is by environment (see ``docs/vllm.md``): ``GRAPHSAFE_MODE`` (``strict``, ``recapture``,
-``migrate`` (default) or ``off``), ``GRAPHSAFE_REPORT``, ``GRAPHSAFE_DETECT``, ``GRAPHSAFE_FIX_NONPERSISTENT``,
-``GRAPHSAFE_MANIFEST``. Importing this package does not import vLLM.
+``migrate`` (default) or ``off``), ``GRAPHSAFE_REPORT``, ``GRAPHSAFE_DETECT``, ``GRAPHSAFE_MANIFEST``.
+Importing this package does not import vLLM.
 """
 
 from graphsafe.adapters.vllm._guard import HOOK_POINTS, HookMismatchError, HookPoint

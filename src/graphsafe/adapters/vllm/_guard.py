@@ -1,8 +1,9 @@
-"""Version guard: the installed vLLM must be 0.33.x and have every hook point with the expected signature.
+"""Version guard: the installed vLLM must be 0.32.x or 0.33.x and have every hook point with the expected signature.
 
 The plugin wraps private functions of vLLM's layerwise reload. A vLLM that renamed or re-signed one of them
 would leave the plugin silently doing nothing (or wrapping the wrong thing), so a mismatch is an error that
-names the missing hook; ``GRAPHSAFE_MODE=off`` is the way to run such a vLLM without graphsafe.
+names the missing hook. What the plugin does with it depends on whether the operator asked for graphsafe: with
+``GRAPHSAFE_MODE`` set it refuses to start; unset, the plugin stays off and says why in one log line.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from graphsafe.errors import GraphSafeError
 
 __all__ = [
     "HOOK_POINTS",
-    "SUPPORTED_VERSION",
+    "SUPPORTED_VERSIONS",
     "HookMismatchError",
     "HookPoint",
     "ResolvedHook",
@@ -27,8 +28,9 @@ __all__ = [
     "vllm_module",
 ]
 
-#: The vLLM release series the hook points below were read from.
-SUPPORTED_VERSION = "0.33"
+#: The vLLM release series the hook points below were read from (each checked by :func:`resolve_all`).
+SUPPORTED_VERSIONS: tuple[str, ...] = ("0.32", "0.33")
+_SUPPORTED = " or ".join(f"{series}.x" for series in SUPPORTED_VERSIONS)
 
 LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 INPLACE = "vllm.model_executor.model_loader.reload.inplace"
@@ -38,6 +40,8 @@ WORKER = "vllm.v1.worker.gpu_worker"
 WORKSPACE = "vllm.v1.worker.workspace"
 EPLB_UTILS = "vllm.v1.worker.gpu.eplb_utils"
 CUDAGRAPH_UTILS = "vllm.v1.worker.gpu.cudagraph_utils"
+SCHEDULER = "vllm.v1.core.sched.scheduler"
+DISPATCHER = "vllm.v1.cudagraph_dispatcher"
 
 
 class HookMismatchError(GraphSafeError):
@@ -69,7 +73,6 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     HookPoint(LAYERWISE, "initialize_layerwise_reload", ("model",)),
     HookPoint(LAYERWISE, "restore_layer_on_meta", ("layer", "info")),
     HookPoint(LAYERWISE, "_layerwise_process", ("layer", "info")),
-    HookPoint(LAYERWISE, "_copy_and_restore_kernel_tensors", ("layer", "info")),
     HookPoint(LAYERWISE, "finalize_layerwise_processing", ("model", "model_config")),
     HookPoint(LAYERWISE, "get_layerwise_info", ("layer",)),
     HookPoint(
@@ -96,6 +99,9 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     HookPoint(WORKSPACE, "unlock_workspace", (), core=False),
     HookPoint(EPLB_UTILS, "preserve_serving_state", ("model_runner",), core=False),
     HookPoint(CUDAGRAPH_UTILS, "CudaGraphManager.release_graphs", ("self",), core=False),
+    HookPoint(CUDAGRAPH_UTILS, "CudaGraphManager.dispatch", ("self", "num_reqs", "num_tokens"), core=False),
+    HookPoint(SCHEDULER, "Scheduler.__init__", ("self", "vllm_config"), core=False),
+    HookPoint(DISPATCHER, "CudagraphDispatcher.dispatch", ("self", "num_tokens"), core=False),
 )
 
 
@@ -112,10 +118,10 @@ class ResolvedHook:
 def check_version(version: str) -> None:
     """Raise :class:`HookMismatchError` unless ``version`` is in the supported series."""
     parts = version.split(".")
-    if ".".join(parts[:2]) != SUPPORTED_VERSION:
+    if ".".join(parts[:2]) not in SUPPORTED_VERSIONS:
         raise HookMismatchError(
-            f"graphsafe's vLLM adapter supports vLLM {SUPPORTED_VERSION}.x, but vLLM {version} is installed. "
-            f"Install vllm=={SUPPORTED_VERSION}.* or set GRAPHSAFE_MODE=off to run without graphsafe."
+            f"graphsafe's vLLM adapter supports vLLM {_SUPPORTED}, but vLLM {version} is installed. Install a "
+            "supported vLLM, or set GRAPHSAFE_MODE=off to run without graphsafe."
         )
 
 
@@ -143,13 +149,13 @@ def resolve(point: HookPoint) -> ResolvedHook:
         if owner is None:
             raise HookMismatchError(
                 f"vLLM hook {point.name} is missing: {point.module} has no {step!r}. The installed vLLM does not "
-                f"match graphsafe's adapter for {SUPPORTED_VERSION}.x; set GRAPHSAFE_MODE=off to run without it."
+                f"match graphsafe's adapter for vLLM {_SUPPORTED}; set GRAPHSAFE_MODE=off to run without it."
             )
     value = getattr(owner, name, None)
     if value is None or not callable(value):
         raise HookMismatchError(
             f"vLLM hook {point.name} is missing (no callable {name!r}). The installed vLLM does not match "
-            f"graphsafe's adapter for {SUPPORTED_VERSION}.x; set GRAPHSAFE_MODE=off to run without it."
+            f"graphsafe's adapter for vLLM {_SUPPORTED}; set GRAPHSAFE_MODE=off to run without it."
         )
     try:
         params = _leading_params(value)
@@ -158,7 +164,7 @@ def resolve(point: HookPoint) -> ResolvedHook:
     if params[: len(point.params)] != point.params:
         raise HookMismatchError(
             f"vLLM hook {point.name} has parameters {params}, expected them to start with {point.params}. "
-            f"The installed vLLM does not match graphsafe's adapter for {SUPPORTED_VERSION}.x; set "
+            f"The installed vLLM does not match graphsafe's adapter for vLLM {_SUPPORTED}; set "
             "GRAPHSAFE_MODE=off to run without it."
         )
     return ResolvedHook(point, owner, name, value)

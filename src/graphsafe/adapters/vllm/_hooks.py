@@ -14,7 +14,6 @@ The wrappers map that onto one contract transaction per reload:
 * ``_layerwise_process`` restores and verifies the layer (``txn.after_layer``) right after its PWAL and vLLM's
   own copy-back, so the layer's new derived tensors can be freed before the next layer loads,
 * ``finalize_layerwise_processing`` finishes it (``txn.finish``): commit, recapture, or raise through vLLM,
-* ``_copy_and_restore_kernel_tensors`` optionally gives derived non-persistent buffers their new values,
 * any error on the way finishes the transaction as failed before it propagates.
 
 vLLM's model runner and worker are wrapped to bind a model to the runner that captures its graphs (for
@@ -24,6 +23,7 @@ recapture), to seal after load and reseal after capture.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import sys
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe.adapters.vllm._guard import ResolvedHook
-from graphsafe.adapters.vllm._session import abort, begin, bind, ensure_contract, finish
+from graphsafe.adapters.vllm._guard import ResolvedHook, vllm_module
+from graphsafe.adapters.vllm._session import abort, begin, bind, ensure_contract, finish, rejected
 from graphsafe.adapters.vllm._state import AdapterState, Session
 from graphsafe.contract import GraphContract
 
@@ -172,55 +172,6 @@ def _wrap_layerwise_process(state: AdapterState, get_info: Callable[[nn.Module],
     return make
 
 
-def _nonpersistent_targets(layer: nn.Module, info: Any) -> dict[str, torch.Tensor]:
-    """Derived non-persistent buffers vLLM will put back without copying: name -> the value PWAL just made."""
-    if info.kernel_tensors is None:
-        return {}
-    params, buffers = info.kernel_tensors
-    loaded = {name for name, _ in info.loaded_weights}
-    param_storages = {p.untyped_storage().data_ptr() for p in params.values() if not p.is_meta}
-    targets: dict[str, torch.Tensor] = {}
-    for name, kept in buffers.items():
-        if name not in info.kernel_non_persistent_buffers or name in loaded:
-            continue
-        new = layer._buffers.get(name)
-        if new is None or new is kept or kept.is_meta:
-            continue
-        if kept.untyped_storage().data_ptr() in param_storages:
-            continue  # an alias of a parameter: the parameter's copy-back already updated it
-        targets[name] = new
-    return targets
-
-
-def _wrap_copy_back(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
-    def make(original: Callable[..., Any]) -> Wrapper:
-        def _copy_and_restore_kernel_tensors(layer: nn.Module, info: Any, *args: Any, **kwargs: Any) -> Any:
-            if not state.config.fix_nonpersistent:
-                return original(layer, info, *args, **kwargs)
-            targets = _nonpersistent_targets(layer, info)
-            kept = dict(info.kernel_tensors[1]) if targets else {}
-            result = original(layer, info, *args, **kwargs)
-            session = state.layer_sessions.get(layer)
-            for name, new in targets.items():
-                old = kept[name]
-                where = f"{type(layer).__name__}.{name}"
-                if old.shape != new.shape or old.dtype != new.dtype:
-                    why = f"{where}: PWAL made {new.dtype}{list(new.shape)}, captured {old.dtype}{list(old.shape)}"
-                    log.warning("graphsafe: cannot refresh non-persistent buffer %s", why)
-                    if session is not None:
-                        session.nonpersistent_skipped.append(why)
-                    continue
-                with torch.no_grad():
-                    old.copy_(new)
-                if session is not None:
-                    session.nonpersistent_fixed.append(where)
-            return result
-
-        return _copy_and_restore_kernel_tensors
-
-    return make
-
-
 def _wrap_finalize(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
     def make(original: Callable[..., Any]) -> Wrapper:
         def finalize_layerwise_processing(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -243,17 +194,38 @@ def _wrap_finalize(state: AdapterState) -> Callable[[Callable[..., Any]], Wrappe
 def _wrap_reload_weights(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
     def make(original: Callable[..., Any]) -> Wrapper:
         def reload_weights(vllm_config: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            try:
+            with _failing_reloads(state, [model]):
                 return original(vllm_config, model, *args, **kwargs)
-            except BaseException as exc:
-                session = state.sessions.get(model)
-                if session is not None:  # raised between initialize and finalize (e.g. in load_weights)
-                    abort(state, session, exc)
-                raise
 
         return reload_weights
 
     return make
+
+
+@contextlib.contextmanager
+def _failing_reloads(state: AdapterState, models: list[nn.Module]) -> Iterator[None]:
+    """Around a vLLM call that reloads ``models``: an error it raises fails their reload, carrying that error.
+
+    An error while a reload is open aborts it. An error after the reload was finished, or before one opened
+    (vLLM rejecting the reload itself, as expert substitution does after putting the old weights back), replaces
+    the last outcome with ``FAILED`` carrying vLLM's error.
+    """
+    reloads = {id(model): _reloads(state, model) for model in models}
+    try:
+        yield
+    except BaseException as exc:
+        for model in models:
+            session = state.sessions.get(model)
+            if session is not None:  # raised between initialize and finalize (e.g. in load_weights)
+                abort(state, session, exc)
+            elif isinstance(exc, Exception):
+                rejected(state, model, exc, finished=_reloads(state, model) != reloads[id(model)])
+        raise
+
+
+def _reloads(state: AdapterState, model: nn.Module) -> int:
+    contract = state.contracts.get(model)
+    return contract.reloads if contract is not None else 0
 
 
 # -- runner and worker ---------------------------------------------------------------------------------------------
@@ -420,18 +392,66 @@ def _wrap_worker_abort_on_error(state: AdapterState) -> Callable[[Callable[..., 
 
     def make(original: Callable[..., Any]) -> Wrapper:
         def worker_call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            for model in _worker_models(self):
+            models = _worker_models(self)
+            for model in models:
                 bind(state, model, runner=getattr(self, "model_runner", None), worker=self)
-            try:
+            guarded = [model for model in models if model in state.contracts]
+            with _failing_reloads(state, guarded):
                 return original(self, *args, **kwargs)
-            except BaseException as exc:
-                for model in _worker_models(self):
-                    session = state.sessions.get(model)
-                    if session is not None:
-                        abort(state, session, exc)
-                raise
 
         return worker_call
+
+    return make
+
+
+def _wrap_scheduler_init(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
+    """Remember every vLLM scheduler of this process (the in-flight check asks which requests it finished)."""
+
+    def make(original: Callable[..., Any]) -> Wrapper:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            state.schedulers.add(self)
+
+        return __init__
+
+    return make
+
+
+def _gate_reason(state: AdapterState) -> str | None:
+    """Why the captured graphs must not replay now: a guarded model whose contract is not serving-safe."""
+    for model, contract in list(state.contracts.items()):
+        if contract.sealed and not contract.serving_safe:
+            return f"{type(model).__name__}: {contract.unsafe_reason}"
+    return None
+
+
+def _wrap_dispatch_v1(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
+    """The serving gate on model runner V1: while a reload is failed or waits for its recapture, run eager."""
+
+    def make(original: Callable[..., Any]) -> Wrapper:
+        def dispatch(self: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
+            mode, descriptor = original(self, num_tokens, *args, **kwargs)
+            if _gate_reason(state) is None or mode.name == "NONE":
+                return mode, descriptor
+            forward_context = vllm_module("vllm.forward_context")
+            return type(mode).NONE, forward_context.BatchDescriptor(num_tokens)
+
+        return dispatch
+
+    return make
+
+
+def _wrap_dispatch_v2(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
+    """The serving gate on model runner V2 (its graph manager's dispatch): the same rule as V1's."""
+
+    def make(original: Callable[..., Any]) -> Wrapper:
+        def dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
+            descriptor = original(self, *args, **kwargs)
+            if _gate_reason(state) is None or descriptor.cg_mode.name == "NONE":
+                return descriptor
+            return dataclasses.replace(descriptor, cg_mode=type(descriptor.cg_mode).NONE)
+
+        return dispatch
 
     return make
 
@@ -448,7 +468,6 @@ def install(state: AdapterState, resolved: dict[str, ResolvedHook]) -> HookSet:
         f"{layerwise}:initialize_layerwise_reload": _wrap_initialize(state),
         f"{layerwise}:restore_layer_on_meta": _wrap_restore_on_meta(state),
         f"{layerwise}:_layerwise_process": _wrap_layerwise_process(state, get_info),
-        f"{layerwise}:_copy_and_restore_kernel_tensors": _wrap_copy_back(state),
         f"{layerwise}:finalize_layerwise_processing": _wrap_finalize(state),
         f"{_guard.INPLACE}:reload_weights": _wrap_reload_weights(state),
     }
@@ -463,6 +482,9 @@ def install(state: AdapterState, resolved: dict[str, ResolvedHook]) -> HookSet:
         f"{_guard.WORKER}:Worker.reload_weights": _wrap_worker_abort_on_error(state),
         f"{_guard.WORKER}:Worker.update_weights": _wrap_worker_abort_on_error(state),
         f"{_guard.WORKER}:Worker.finish_weight_update": _wrap_worker_abort_on_error(state),
+        f"{_guard.SCHEDULER}:Scheduler.__init__": _wrap_scheduler_init(state),
+        f"{_guard.DISPATCHER}:CudagraphDispatcher.dispatch": _wrap_dispatch_v1(state),
+        f"{_guard.CUDAGRAPH_UTILS}:CudaGraphManager.dispatch": _wrap_dispatch_v2(state),
     }
     for name, make in methods.items():
         if name in resolved:

@@ -26,7 +26,7 @@ from torch import nn
 from graphsafe.paths import SlotPath
 from graphsafe.registry import GRAPH_VISIBLE_ATTR, GraphVisibleSpec, declare, layer_of_call
 
-__all__ = ["PACK", "PackEntry", "PackResult", "StaleEntry", "apply_pack", "validate_pack"]
+__all__ = ["PACK", "PackEntry", "PackResult", "StaleEntry", "apply_pack", "declare_loaded", "validate_pack"]
 
 PACK_ATTR = "__graphsafe_pack__"
 _PWAL = "process_weights_after_loading"
@@ -73,12 +73,17 @@ class PackEntry:
     paths: tuple[str, ...]
     site: str
     method: str = _PWAL
+    #: paths among ``paths`` declared ``static=True``: contents the weights do not determine (serving state such
+    #: as the KV cache), which a reload rightly leaves alone; their addresses are tracked like any slot's.
+    static: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if ":" not in self.target:
             raise ValueError(f"pack entry {self.target!r}: target must be 'module:Class'")
         for path in self.paths:
             SlotPath(path)  # a syntax error is a bug in the pack: fail at import
+        if not set(self.static) <= set(self.paths):
+            raise ValueError(f"pack entry {self.target!r}: static paths {self.static} must be among its paths")
 
     @property
     def name(self) -> str:
@@ -87,7 +92,13 @@ class PackEntry:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly rendering."""
-        return {"target": self.target, "method": self.method, "paths": list(self.paths), "site": self.site}
+        return {
+            "target": self.target,
+            "method": self.method,
+            "paths": list(self.paths),
+            "static": list(self.static),
+            "site": self.site,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,9 +174,17 @@ PACK: tuple[PackEntry, ...] = (
     ),
     PackEntry(
         "vllm.model_executor.layers.attention.mla_attention:MLAAttention",
-        ("W_UV", "W_UK_T", "W_UK_T_dcp_qrep", "W_K", "W_K_scale", "W_V", "W_V_scale"),
+        ("W_UV", "W_UK_T", "W_UK_T_dcp_qrep", "W_K", "W_K_scale", "W_V", "W_V_scale", "kv_cache"),
         "MLA absorbed projections split from kv_b_proj in PWAL (0.33 keeps them as parameters via "
-        "replace_parameter; declared so every reload verifies their addresses)",
+        "replace_parameter; declared so every reload verifies their addresses); its KV cache is serving state",
+        static=("kv_cache",),
+    ),
+    PackEntry(
+        "vllm.model_executor.layers.attention.attention:Attention",
+        ("kv_cache",),
+        "the KV cache bound to the layer is serving state written by forward passes, not computed from the "
+        "weights: a reload rightly leaves its contents alone (without this, freshness would call it stale)",
+        static=("kv_cache",),
     ),
 )
 
@@ -177,7 +196,7 @@ def _declare_resolved(
     for path in parsed:
         counts = usage.setdefault(path.text, [0, 0])
         if isinstance(path.resolve_or(layer, None), torch.Tensor):
-            declare(layer, path, source=source)
+            declare(layer, path, source=source, static=path.text in entry.static)
             counts[0] += 1
         else:
             counts[1] += 1
@@ -248,3 +267,24 @@ def apply_pack(entries: Sequence[PackEntry], patch: Callable[[Any, str, Any], No
         patch(cls, entry.method, _wrap(entry, current, usage))
         result.applied.append(entry)
     return result
+
+
+def declare_loaded(result: PackResult, model: nn.Module) -> int:
+    """Declare the pack's paths on every layer of ``model`` its applied entries cover; returns how many layers.
+
+    The pack declares after each PWAL; a model loaded before the plugin was turned on (``GRAPHSAFE_MODE`` set
+    after the engine started) had its PWAL run unwrapped. This applies the same declarations to it, before its
+    contract seals: a layer is covered when it is an instance of the entry's class, or its ``quant_method`` is.
+    """
+    covered = 0
+    for entry in result.applied:
+        cls, _ = _find(entry)
+        if cls is None:
+            continue
+        parsed = tuple(SlotPath(p) for p in entry.paths)
+        usage = result.usage.setdefault(entry.name, {})
+        for module in model.modules():
+            if isinstance(module, cls) or isinstance(getattr(module, "quant_method", None), cls):
+                _declare_resolved(entry, parsed, module, usage)
+                covered += 1
+    return covered

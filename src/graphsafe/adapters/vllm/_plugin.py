@@ -24,6 +24,15 @@ log = logging.getLogger("graphsafe.vllm")
 _LOCK = threading.Lock()
 _STATE: AdapterState | None = None
 _HOOKS: HookSet | None = None
+_SAID_OFF = False
+
+
+def _say_off_once(line: str) -> None:
+    """Log why the plugin stays off, once per process (vLLM calls ``register()`` several times)."""
+    global _SAID_OFF
+    if not _SAID_OFF:
+        _SAID_OFF = True
+        log.warning("%s", line)
 
 
 def current_state() -> AdapterState | None:
@@ -34,9 +43,10 @@ def current_state() -> AdapterState | None:
 def register() -> AdapterState | None:
     """Install graphsafe into the running vLLM according to ``GRAPHSAFE_*``; returns the state (``None`` if off).
 
-    Raises :class:`~graphsafe.adapters.vllm.HookMismatchError` if the installed vLLM is not 0.33.x or lacks a
-    hook point (unless ``GRAPHSAFE_MODE=off``), and :class:`~graphsafe.adapters.vllm.ConfigError` for a bad
-    variable.
+    An installed vLLM that is not 0.32.x or 0.33.x, or lacks a hook point: with ``GRAPHSAFE_MODE`` unset the
+    plugin stays off (one log line says why) and vLLM serves as it would without graphsafe; with a mode set,
+    :class:`~graphsafe.adapters.vllm.HookMismatchError` (the operator asked for graphsafe). Raises
+    :class:`~graphsafe.adapters.vllm.ConfigError` for a bad variable.
     """
     global _STATE, _HOOKS
     config = AdapterConfig.from_env()
@@ -56,8 +66,14 @@ def register() -> AdapterState | None:
         from graphsafe.adapters.vllm._hooks import install
 
         version = str(_guard.vllm_module("vllm").__version__)
-        _guard.check_version(version)
-        resolved, unavailable = _guard.resolve_all()
+        try:
+            _guard.check_version(version)
+            resolved, unavailable = _guard.resolve_all()
+        except _guard.HookMismatchError as exc:
+            if config.explicit:
+                raise  # the operator asked for graphsafe: refuse to serve without it
+            _say_off_once(f"graphsafe: off, GRAPHSAFE_MODE is unset and this vLLM is not supported: {exc}")
+            return None
         state = _STATE if _STATE is not None else AdapterState(config)
         state.config = config
         hooks = install(state, resolved)

@@ -13,7 +13,7 @@ import contextlib
 import gc
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -24,7 +24,15 @@ from graphsafe.adapters.vllm._state import AdapterState
 from graphsafe.errors import GraphSafeError
 from graphsafe.outcome import ReloadOutcome
 
-__all__ = ["recapture_callback", "recapture_runner", "release_graphs"]
+__all__ = [
+    "graphless_reason",
+    "in_flight",
+    "no_graphs",
+    "platform_has_graphs",
+    "recapture_callback",
+    "recapture_runner",
+    "release_graphs",
+]
 
 log = logging.getLogger("graphsafe.vllm")
 
@@ -49,12 +57,54 @@ def release_graphs(runner: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def _in_flight(runner: Any) -> int:
-    states = getattr(runner, "req_states", None)
+def platform_has_graphs() -> bool:
+    """Whether vLLM's current platform captures CUDA graphs at all (the CPU platform, say, captures none)."""
+    return bool(vllm_module("vllm.platforms").current_platform.is_cuda_alike())
+
+
+def no_graphs(runner: Any) -> str | None:
+    """Why no captured graph replays ``runner``'s model, or ``None`` when graphs may replay.
+
+    The one rule for "nothing to recapture": a platform without CUDA graphs, ``enforce_eager``, a cudagraph mode
+    of none, or a model runner V2 with no graph manager (no KV cache yet). ``runner`` may be ``None`` (a model no
+    runner is bound to): only the platform can answer then.
+    """
+    if not platform_has_graphs():
+        platform = vllm_module("vllm.platforms").current_platform
+        return f"vLLM's {type(platform).__name__} captures no CUDA graphs"
+    if runner is None:
+        return None
+    if "cudagraph_manager" in vars(runner) and runner.cudagraph_manager is None:
+        return "the runner captured no graphs (eager mode or no KV cache yet)"
+    if getattr(getattr(runner, "model_config", None), "enforce_eager", False):
+        return "enforce_eager"
+    compilation = getattr(getattr(runner, "vllm_config", None), "compilation_config", None)
+    if getattr(getattr(compilation, "cudagraph_mode", None), "name", None) == "NONE":
+        return "cudagraph_mode is NONE"
+    return None
+
+
+def _request_ids(runner: Any) -> list[Any]:
+    states = getattr(runner, "req_states", None)  # model runner V2
     requests = getattr(states, "req_id_to_index", None)
     if requests is None:
-        requests = getattr(getattr(runner, "requests", None), "keys", lambda: ())()
-    return len(requests)
+        requests = getattr(runner, "requests", None)  # model runner V1
+    return list(requests.keys()) if requests is not None else []
+
+
+def in_flight(runner: Any, schedulers: Iterable[Any] = ()) -> int:
+    """How many requests ``runner`` is really serving now.
+
+    The runner forgets a finished request only at the next step, whose scheduler output lists it as finished. An
+    engine run in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as colocated RL runs it) stops
+    stepping when no request is unfinished, so that step never comes: requests the scheduler already finished are
+    not counted. ``schedulers`` are the vLLM schedulers alive in this process (a worker of a multiprocess engine
+    has none, and its engine core's busy loop runs that step).
+    """
+    finished: set[Any] = set()
+    for scheduler in schedulers:
+        finished.update(getattr(scheduler, "finished_req_ids", ()))
+    return sum(1 for request in _request_ids(runner) if request not in finished)
 
 
 @contextlib.contextmanager
@@ -78,14 +128,13 @@ def recapture_runner(runner: Any, *, worker: Any = None, state: AdapterState | N
     Refuses (:class:`~graphsafe.GraphSafeError`) while requests are in flight: vLLM's capture runs dummy batches,
     so a reload that needs a recapture must happen with generation paused (as RL frameworks do between steps).
     """
-    if "cudagraph_manager" in vars(runner) and runner.cudagraph_manager is None:
-        return "nothing to recapture: the runner captured no graphs (eager mode or no KV cache yet)"
-    if getattr(getattr(runner, "model_config", None), "enforce_eager", False):
-        return "nothing to recapture: enforce_eager"
-    in_flight = _in_flight(runner)
-    if in_flight:
+    why = no_graphs(runner)
+    if why is not None:
+        return f"nothing to recapture: {why}"
+    serving = in_flight(runner, list(state.schedulers) if state is not None else ())
+    if serving:
         raise GraphSafeError(
-            f"cannot recapture vLLM's graphs with {in_flight} request(s) in flight; pause generation before "
+            f"cannot recapture vLLM's graphs with {serving} request(s) in flight; pause generation before "
             "reloading weights (the captured graphs are not safe to replay until they are captured again)"
         )
     workspace = vllm_module("vllm.v1.worker.workspace")
@@ -121,3 +170,25 @@ def recapture_callback(state: AdapterState, model: nn.Module) -> Callable[[Reloa
         log.info("graphsafe: %s (%d finding(s) needed it)", done, len(outcome.problems))
 
     return recapture
+
+
+def graphless_reason(state: AdapterState, model: nn.Module) -> Callable[[], str | None]:
+    """The contract's ``graphless`` hook for ``model``: :func:`no_graphs` of the runner bound to it, asked when a
+    reload decides. In strict mode it says once, per model, that there is nothing to protect."""
+    model_ref = weakref.ref(model)
+    said = False
+
+    def graphless() -> str | None:
+        nonlocal said
+        target = model_ref()
+        why = no_graphs(state.runner_of(target) if target is not None else None)
+        if why is not None and not said and state.config.mode == "strict":
+            said = True
+            log.warning(
+                "graphsafe: strict mode has nothing to protect on %s: %s; reloads are restored and committed",
+                type(target).__name__,
+                why,
+            )
+        return why
+
+    return graphless

@@ -47,8 +47,6 @@ def build_report(state: AdapterState, session: Session, outcome: ReloadOutcome) 
         "unsafe_reason": session.contract.unsafe_reason,
         "layers_processed": session.layers_processed,
         "deferred_to_finalize": list(session.deferred),
-        "nonpersistent_fixed": list(session.nonpersistent_fixed),
-        "nonpersistent_skipped": list(session.nonpersistent_skipped),
         "pack_stale": [entry.to_dict() for entry in pack.stale] if pack is not None else [],
     }
 

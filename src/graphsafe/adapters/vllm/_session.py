@@ -6,6 +6,7 @@ which vLLM function it is called from.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from typing import Any
@@ -17,9 +18,9 @@ from graphsafe.adapters.vllm._guard import vllm_module
 from graphsafe.adapters.vllm._state import AdapterState, Session
 from graphsafe.contract import GraphContract
 from graphsafe.errors import ContractViolation, GraphSafeError
-from graphsafe.outcome import ReloadOutcome
+from graphsafe.outcome import Finding, FindingKind, ReloadOutcome, Status
 
-__all__ = ["abort", "begin", "bind", "ensure_contract", "finish"]
+__all__ = ["abort", "begin", "bind", "ensure_contract", "finish", "rejected"]
 
 log = logging.getLogger("graphsafe.vllm")
 
@@ -44,12 +45,17 @@ def ensure_contract(state: AdapterState, model: nn.Module) -> GraphContract:
     contract = state.contracts.get(model)
     if contract is not None:
         return contract
-    from graphsafe.adapters.vllm._recapture import recapture_callback
+    from graphsafe.adapters.vllm._recapture import graphless_reason, recapture_callback
 
     mode = state.config.mode
     assert mode != "off"
+    if state.pack is not None:
+        from graphsafe.adapters.vllm._pack import declare_loaded
+
+        declare_loaded(state.pack, model)  # a model loaded before the plugin was on: its PWAL ran undeclared
     contract = GraphContract(model, mode=mode, detect=state.config.detect)
     contract.on_recapture(recapture_callback(state, model))
+    contract.graphless = graphless_reason(state, model)
     contract.seal()
     state.contracts[model] = contract
     log.info("graphsafe: sealed %s (%d slots, mode=%s)", type(model).__name__, sum(1 for _ in contract.slots()), mode)
@@ -57,14 +63,21 @@ def ensure_contract(state: AdapterState, model: nn.Module) -> GraphContract:
 
 
 def begin(state: AdapterState, model: nn.Module) -> Session:
-    """Open the reload transaction of ``model`` (closing a stale one, which fails it)."""
+    """Open the reload transaction of ``model``, settling first one that was opened and never finalized.
+
+    vLLM may initialize a reload and put the layers back itself, with no finalize: the sharded RDT weight-transfer
+    engine bakes its plan that way, and a caller may drop an initialize whose layers were all processed. The open
+    transaction is then settled by what is true: :func:`finish` restores and verifies every layer as it is now,
+    so layers vLLM processed or put back commit, and only what really drifted fails (and, failing, refuses this
+    reload as any failed reload does).
+    """
     stale = state.sessions.get(model)
     if stale is not None:
-        abort(
-            state,
-            stale,
-            GraphSafeError("a new reload began before the previous one was finalized (it was abandoned midway)"),
+        log.info(
+            "graphsafe: a reload of %s began before the previous one was finalized; settling it", type(model).__name__
         )
+        with contextlib.suppress(ContractViolation):  # recorded by finish(); the begin() below then refuses
+            finish(state, stale)
     contract = ensure_contract(state, model)
     group = _tp_group()
     txn = contract.reload(layerwise=True, agreement=agreement(group) if group is not None else None)
@@ -108,6 +121,45 @@ def finish(state: AdapterState, session: Session) -> ReloadOutcome:
         raise
     _record(state, session, outcome)
     return outcome
+
+
+def rejected(state: AdapterState, model: nn.Module, error: Exception, *, finished: bool) -> None:
+    """vLLM raised ``error`` out of a reload of ``model`` that graphsafe had no open transaction for: the reload
+    is ``FAILED``, carrying vLLM's error.
+
+    ``finished``: a transaction ended during the call (vLLM finalized, then rejected the reload, as expert
+    substitution does after putting the old weights back). Its verification stands: the contract stays as that
+    transaction left it (serving-safe when every slot was verified), and only the outcome changes. With none
+    finished, vLLM refused before the model was touched. graphsafe's own errors (a refusal, a strict violation)
+    already carry their outcome.
+    """
+    contract = state.contracts.get(model)
+    if contract is None or isinstance(error, GraphSafeError):
+        return
+    last = contract.last_outcome
+    if last is not None and last.error is error:
+        return  # recorded already, by the wrapper of an inner call
+    findings = tuple(last.findings) if finished and last is not None else ()
+    failure = Finding(
+        FindingKind.RELOAD_ERROR,
+        layer="",
+        layer_class=type(model).__name__,
+        path="",
+        declared=True,
+        detail=f"vLLM rejected the reload: {error!r}",
+    )
+    outcome = ReloadOutcome(
+        Status.FAILED,
+        contract.mode,
+        findings=(*findings, failure),
+        slots_restored=last.slots_restored if finished and last is not None else 0,
+        bytes_copied=last.bytes_copied if finished and last is not None else 0,
+        layers=last.layers if finished and last is not None else 0,
+        error=error,
+    )
+    contract.last_outcome = outcome
+    session = Session(weakref.ref(model), contract, contract.reload(layerwise=True, agreement=None))
+    _record(state, session, outcome)
 
 
 def _record(state: AdapterState, session: Session, outcome: ReloadOutcome) -> None:

@@ -61,22 +61,24 @@ def _flag(environ: Mapping[str, str], name: str) -> bool:
 class AdapterConfig:
     """How the plugin behaves in this process; read from the environment by :meth:`from_env`.
 
-    ``mode`` is the contract mode (``off`` installs nothing), ``report_path`` where the JSON report of each reload
-    goes (``{rank}`` is replaced by the global rank), ``detect`` the collector policy, ``fix_nonpersistent``
-    whether derived non-persistent buffers get their new values (vLLM 0.33 keeps the old ones by design), and
-    ``record_manifest`` whether vLLM's graph captures are recorded into the contract's manifest.
+    ``mode`` is the contract mode (``off`` installs nothing), ``explicit`` whether the operator set
+    ``GRAPHSAFE_MODE`` (an unsupported vLLM then refuses to start instead of running without graphsafe),
+    ``report_path`` where the JSON report of each reload goes (``{rank}`` is replaced by the global rank),
+    ``detect`` the collector policy, and ``record_manifest`` whether vLLM's graph captures are recorded into the
+    contract's manifest.
     """
 
     mode: AdapterMode = "migrate"
     report_path: str | None = None
     detect: Detect = "every-reload"
-    fix_nonpersistent: bool = False
     record_manifest: bool = False
+    explicit: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> AdapterConfig:
         """The configuration the ``GRAPHSAFE_*`` variables describe; :class:`ConfigError` names a bad one."""
         env = os.environ if environ is None else environ
+        explicit = bool(env.get(ENV_MODE, "").strip())
         mode = env.get(ENV_MODE, "migrate").strip().lower() or "migrate"
         if mode not in MODES:
             raise ConfigError(f"{ENV_MODE}={env[ENV_MODE]!r}: choose one of {', '.join(MODES)}")
@@ -84,12 +86,18 @@ class AdapterConfig:
         if detect not in DETECT_POLICIES:
             raise ConfigError(f"{ENV_DETECT}={env[ENV_DETECT]!r}: choose one of {', '.join(DETECT_POLICIES)}")
         report = env.get(ENV_REPORT, "").strip() or None
+        if _flag(env, ENV_FIX_NONPERSISTENT):
+            raise ConfigError(
+                f"{ENV_FIX_NONPERSISTENT} was removed: it copied into non-persistent buffers memory that vLLM's "
+                "post-load step never wrote (garbage reported as committed); unset it. vLLM keeps those buffers "
+                "as they were computed at the first load."
+            )
         return cls(
             mode=cast(AdapterMode, mode),
             report_path=report,
             detect=cast(Detect, detect),
-            fix_nonpersistent=_flag(env, ENV_FIX_NONPERSISTENT),
             record_manifest=_flag(env, ENV_MANIFEST),
+            explicit=explicit,
         )
 
     @property
@@ -109,10 +117,6 @@ class Session:
     seen: set[int] = field(default_factory=set)
     #: layers whose restore waits for finalize, because a module under them was still loading.
     deferred: list[str] = field(default_factory=list)
-    #: ``layer.qualname:buffer`` of non-persistent buffers given their new values (opt-in fix).
-    nonpersistent_fixed: list[str] = field(default_factory=list)
-    #: non-persistent buffers the fix could not update (shape or dtype changed), with why.
-    nonpersistent_skipped: list[str] = field(default_factory=list)
     layers_processed: int = 0
 
 
@@ -141,6 +145,8 @@ class AdapterState:
         self.unavailable: dict[str, str] = {}
         #: the declarations pack's validation (filled by ``register()``).
         self.pack: Any = None
+        #: vLLM schedulers alive in this process (an engine core's), for the in-flight check of a recapture.
+        self.schedulers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def runner_of(self, model: nn.Module) -> Any:
         """The model runner bound to ``model``, or ``None``."""

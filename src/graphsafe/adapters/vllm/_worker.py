@@ -51,7 +51,6 @@ class GraphsafeWorkerExtension:
             "registered": True,
             "mode": state.config.mode,
             "detect": state.config.detect,
-            "fix_nonpersistent": state.config.fix_nonpersistent,
             "sealed": contract.sealed if contract is not None else False,
             "serving_safe": contract.serving_safe if contract is not None else None,
             "unsafe_reason": contract.unsafe_reason if contract is not None else None,

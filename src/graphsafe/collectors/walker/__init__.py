@@ -10,7 +10,12 @@ buffers and child modules are someone else's business), then, recursively, plain
 (``func``, ``args``, ``keywords``), functions (closure cells, ``__defaults__``, ``__kwdefaults__``), bound
 methods (``__func__``, and ``__self__`` unless it is a module), builtin methods (``__self__``) and
 mappingproxies. Never entered: child modules (each is its own reload unit), classes, Python modules, enums,
-streams/events/graphs, dtypes, devices, scalars, strings, weak references, generators and files.
+streams/events/graphs, dtypes, devices, scalars, strings, weak references, generators and files, nor
+compiled artifacts: instances of classes defined by torch.compile (``torch._dynamo``, ``torch._inductor``,
+``torch._functorch``, ``torch._guards``, ``torch.fx``) or by ``vllm.compilation``. A compiled callable runs on
+the module's own tensors, which the walk reaches through the module; constants an artifact keeps itself are for
+the graph truth (the captured kernels' arguments) to see. Nor torch's hook handles
+(``torch.utils.hooks.RemovableHandle``): the hooks they remove are read where they are registered.
 
 The walker never runs user code: attributes are read through the C-level ``__dict__``/slot descriptors found in
 the class dictionaries, containers through the builtin methods of ``dict``/``list``/``tuple``/``set``, type

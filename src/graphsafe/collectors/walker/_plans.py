@@ -157,6 +157,9 @@ _LEAF_BASES: Final[tuple[type, ...]] = (
             "torch._C.StorageBase",
             "torch._ops.OperatorBase",
             "torch._ops.OpOverloadPacket",
+            # A hook handle only removes its hook; the hooks are read where they are registered (a module's hook
+            # dicts). Through its weak references it reaches registries such as dynamo's bytecode hooks.
+            "torch.utils.hooks.RemovableHandle",
             "torch._ops._OpNamespace",
             "torch.SymInt",
             "torch.SymFloat",
@@ -207,6 +210,29 @@ def _base_kind(mro: tuple[type, ...]) -> int:
         if order is not None and (best is None or order < best[0]):
             best = (order, _KIND_BY_ID[id(klass)])
     return best[1] if best is not None else OBJECT
+
+
+#: Where compiled artifacts come from: torch.compile's wrappers, guards and caches (dynamo, AOT autograd, Inductor,
+#: FX graphs) and vLLM's compilation wrappers and backends. Their instances are opaque to the walker: the tensors
+#: a compiled callable runs on are the module's own, walked through the module; constants an artifact holds
+#: itself are the graph truth's to see (the captured graph's kernel arguments), not the walker's.
+COMPILED_ARTIFACT_MODULES: Final[tuple[str, ...]] = (
+    "torch._dynamo",
+    "torch._C._dynamo",
+    "torch._inductor",
+    "torch._functorch",
+    "torch._guards",
+    "torch.fx",
+    "vllm.compilation",
+)
+
+
+def _compiled_artifact(d: Any) -> bool:
+    """Whether the class whose dictionary is ``d`` was defined by a compiler (see COMPILED_ARTIFACT_MODULES)."""
+    module = d.get("__module__")
+    return type(module) is str and any(
+        module == prefix or module.startswith(prefix + ".") for prefix in COMPILED_ARTIFACT_MODULES
+    )
 
 
 def _python_owner(pairs: list[tuple[type, Any]], name: str) -> str | None:
@@ -278,6 +304,8 @@ class Plan:
         dicts = [TYPE_DICT(klass) for klass in mro]
         pairs = list(zip(mro, dicts, strict=True))
         kind = _base_kind(mro)
+        if kind == OBJECT and _compiled_artifact(dicts[0]):
+            kind = LEAF  # a compiled artifact: opaque (see COMPILED_ARTIFACT_MODULES)
 
         # First definition of every name along the MRO: what attribute lookup would find on the class.
         first: dict[str, Any] = {}
