@@ -516,15 +516,7 @@ def _compile_tokens(tokens: tuple[Token, ...]) -> Getter:
         return lambda root: root
     if all(isinstance(t, Attr) for t in tokens):
         if len(tokens) == 1:
-            name = tokens[0].name  # type: ignore[union-attr]
-
-            def one(root: Any) -> Any:
-                try:
-                    return getattr(root, name, MISSING)
-                except Exception:  # user code on the path raised (or recursed): the path does not resolve
-                    return MISSING
-
-            return one
+            return _compiled_step(tokens[0])
         names = [t.name for t in tokens]  # type: ignore[union-attr]
         if not any("." in n for n in names):
             # attrgetter raises AttributeError exactly where getattr(obj, name, default) returns the default

@@ -49,6 +49,7 @@ def _schema_access(func: Any) -> tuple[dict[int, int], dict[str, int]]:
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Tensors in an op argument or result: a tensor, or a (one level) list/tuple of optional tensors."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, list | tuple):

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphsafe.collectors import _kernelscan as kscan
 from graphsafe.collectors._classify import classify
+from graphsafe.collectors._dataflow import _VIEW, _WRITE, _schema_access, _tensors
 from graphsafe.errors import GraphSafeError
 from graphsafe.outcome import (
     Finding,
@@ -141,8 +142,9 @@ class CapturedStorage:
 
 # torch.tensor(data) inside a capture reaches the dispatcher as lift_fresh of a tensor made on the spot.
 _FRESH_OPS: frozenset[Any] = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
-# How an op uses an argument, from its schema: a view only aliases it (reads no bytes), a write may not read it.
-_READ, _WRITE, _VIEW = 0, 1, 2
+# How an op uses an argument (collectors._dataflow reads it from the schema): a view only aliases it (reads no
+# bytes), a write may not read it; anything else reads it.
+_READ = 0
 _ACCESS: dict[Any, tuple[dict[int, int], dict[str, int], str]] = {}
 
 
@@ -150,28 +152,19 @@ def _access(func: Any) -> tuple[dict[int, int], dict[str, int], str]:
     """Non-read uses of ``func``'s arguments by position and by name, and its name (cached per overload)."""
     cached = _ACCESS.get(func)
     if cached is None:
-        positions: dict[int, int] = {}
-        names: dict[str, int] = {}
-        schema = getattr(func, "_schema", None)
-        for index, argument in enumerate(schema.arguments if schema is not None else ()):
-            alias = argument.alias_info
-            if alias is not None:
-                kind = _WRITE if alias.is_write else _VIEW
-                positions[index] = kind
-                names[argument.name] = kind
-        cached = (positions, names, str(func))
-        _ACCESS[func] = cached
+        positions, names = _schema_access(func)
+        cached = _ACCESS[func] = (positions, names, str(func))
     return cached
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Tensors in an op argument or result: a tensor, or a (one level) list/tuple of optional tensors."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, list | tuple):
-        for item in value:
-            if isinstance(item, torch.Tensor):
-                yield item
+def _contract_manifest(contract: SealedModel | None) -> Manifest:
+    """The manifest a capture records into when none is passed: the contract's, else a new one."""
+    existing = contract.manifest if contract is not None else None
+    if existing is not None and not isinstance(existing, Manifest):
+        raise GraphSafeError(
+            f"the contract already has a manifest of type {type(existing).__name__}; pass manifest= explicitly"
+        )
+    return existing if existing is not None else Manifest()
 
 
 def _touched_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -358,12 +351,7 @@ def record_capture(
         The manifest; the new capture's storages are in it once the block exits without an exception.
     """
     if manifest is None:
-        existing = contract.manifest if contract is not None else None
-        if existing is not None and not isinstance(existing, Manifest):
-            raise GraphSafeError(
-                f"the contract already has a manifest of type {type(existing).__name__}; pass manifest= explicitly"
-            )
-        manifest = existing if existing is not None else Manifest()
+        manifest = _contract_manifest(contract)
     capture = name if name is not None else f"capture-{next(_NAMES)}"
     ignore = list(ignore)
     if _kernel_backend(capture, graph, backend, manifest):
@@ -417,12 +405,7 @@ def record_scan(
     be scanned (no ``keep_graph``, no cuda-bindings).
     """
     if manifest is None:
-        existing = contract.manifest if contract is not None else None
-        if existing is not None and not isinstance(existing, Manifest):
-            raise GraphSafeError(
-                f"the contract already has a manifest of type {type(existing).__name__}; pass manifest= explicitly"
-            )
-        manifest = existing if existing is not None else Manifest()
+        manifest = _contract_manifest(contract)
     try:
         kscan.driver()
     except kscan.ScanUnavailable as exc:

@@ -575,6 +575,18 @@ class LayerSnapshot:
                 return False
         return True
 
+    def _respecified(self, slot: SealedSlot, current: torch.Tensor, prefix: str, suffix: str = "") -> None:
+        """A new tensor at the slot's path that no copy can restore: a finding, and the tensor stays (kept)."""
+        self.kept.append(current)
+        self.findings.append(
+            self.sealed.finding(
+                FindingKind.RESPECIFIED,
+                slot,
+                after=fingerprint(current),
+                detail=prefix + _describe_geometry_change(slot, current) + suffix,
+            )
+        )
+
     def restore(self, *, auto_restore: bool, plan: RestorePlan) -> list[tuple[int, torch.Tensor]]:
         """Plan this layer's copies into ``plan`` (nothing is copied yet) and return the rebinds ``(slot index,
         captured)``.
@@ -607,17 +619,8 @@ class LayerSnapshot:
                     ):
                         if _view(current) != _view(captured) or geometry_key(current) != geometry_key(captured):
                             # The captured memory read another way (conj, neg, dtype, stride): the graph reads
-                            # the raw bytes as captured.
-                            self.findings.append(
-                                sealed.finding(
-                                    FindingKind.RESPECIFIED,
-                                    slot,
-                                    after=fingerprint(current),
-                                    detail="same storage seen through another view: "
-                                    + _describe_geometry_change(slot, current),
-                                )
-                            )
-                            self.kept.append(current)  # it wrote that memory as it reads it
+                            # the raw bytes as captured. Kept: it wrote that memory as it reads it.
+                            self._respecified(slot, current, "same storage seen through another view: ")
                         elif index in freshness:
                             self._note_fresh(index, slot, current)
                     else:
@@ -656,15 +659,7 @@ class LayerSnapshot:
                     if index in freshness:
                         self._note_fresh(index, slot, current)
                     continue  # in place, through another Python object
-                self.kept.append(current)
-                self.findings.append(
-                    sealed.finding(
-                        FindingKind.RESPECIFIED,
-                        slot,
-                        after=fingerprint(current),
-                        detail="same storage seen through another view: " + _describe_geometry_change(slot, current),
-                    )
-                )
+                self._respecified(slot, current, "same storage seen through another view: ")
                 continue
             else:
                 # Cheap fields first: both tensors exactly as sealed (the common case) settles it; anything else
@@ -683,16 +678,7 @@ class LayerSnapshot:
                     or current.storage_offset() != slot.fp.storage_offset
                 )
             ):
-                self.kept.append(current)
-                self.findings.append(
-                    sealed.finding(
-                        FindingKind.RESPECIFIED,
-                        slot,
-                        after=fingerprint(current),
-                        detail=_describe_geometry_change(slot, current)
-                        + "; a copy cannot keep the captured layout: recapture",
-                    )
-                )
+                self._respecified(slot, current, "", "; a copy cannot keep the captured layout: recapture")
                 continue
             if slot.origin is Origin.WALKER:
                 if not auto_restore or not slot.restorable:
