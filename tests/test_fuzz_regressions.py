@@ -424,3 +424,27 @@ def test_a_tie_left_on_memory_its_partner_abandoned_is_judged_by_what_pwal_wrote
         detect="sealed-paths",
     )
     _assert_honest(scenario)
+
+
+def test_an_alias_path_of_a_freed_empty_tail_is_stale() -> None:
+    """d1 (declared) is an empty tail of the undeclared d0, which the walker therefore seals as d1's alias path;
+    PWAL frees d1 and skips d0. The empty tail's memory has no bytes (its data_ptr() is 0), so no alias path
+    seemed to read it, and the recapture read d0's old values (found as ``tail:free`` with ``skip``)."""
+    slots = (
+        SlotSpec("d0", source="sum", mutation="skip"),
+        SlotSpec("d1", kind="tail", of=0, declare="register_derived", mutation="free"),
+    )
+    layer = LayerSpec(rows=1, cols=3, slots=slots, loader="rebind")
+    _assert_honest(Scenario(layers=(layer,), mode="migrate", detect="sealed-paths"))
+
+
+def test_an_alias_path_of_a_slot_whose_object_moved_is_stale() -> None:
+    """The declared d0 is given new memory under the same Python object (``d0.data = new``); its undeclared tail d1
+    is skipped. The captured object no longer reads the captured memory, but it was compared with itself, so the
+    memory did not count as abandoned and the recapture read d1's old values (found as ``set_data``)."""
+    slots = (
+        SlotSpec("d0", source="complex", factor=2, declare="graph_visible", mutation="set_data"),
+        SlotSpec("d1", kind="tail", of=0, mutation="skip"),
+    )
+    layer = LayerSpec(rows=1, cols=2, slots=slots, loader="data_copy")
+    _assert_honest(Scenario(layers=(layer,), mode="recapture"))

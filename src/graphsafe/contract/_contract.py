@@ -1131,7 +1131,10 @@ class ReloadTransaction:
                 captured = snapshot.captured[index]
                 if captured is None or slot.origin is Origin.ALIAS or slot.watch_only or slot.wrapped:
                     continue
-                if not reads_as_captured(slot.get(layer), captured):
+                fp = slot.fp
+                if captured.data_ptr() != fp.data_ptr:  # the captured object itself moved (.data =, set_)
+                    abandoned.append((snapshot, index, str(fp.device), fp.data_ptr, fp.data_ptr + fp.nbytes))
+                elif not reads_as_captured(slot.get(layer), captured):
                     abandoned.append((snapshot, index, *address_range(captured)))
             abandoned.extend((snapshot, *entry) for entry in snapshot.gone)
         if not abandoned:
@@ -1149,7 +1152,10 @@ class ReloadTransaction:
                 partners = [
                     (owner, at)
                     for owner, at, where, first, last in abandoned
-                    if (owner, at) != (snapshot, index) and where == device and first < end and start < last
+                    if (owner, at) != (snapshot, index)
+                    and where == device
+                    # an empty span (a tail of nothing) still marks where its slot's memory was
+                    and ((first < end and start < last) or (first == last and start <= first <= end))
                 ]
                 if not partners:
                     continue

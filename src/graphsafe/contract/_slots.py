@@ -1008,8 +1008,9 @@ _NOTHING = torch.empty(0)  # stands in for a captured tensor the snapshot let go
 def address_range(tensor: torch.Tensor) -> tuple[str, int, int]:
     """``(device, first byte address, end address)`` of the memory a plain strided tensor spans."""
     extent = sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True)) + 1 if tensor.numel() else 0
-    start = tensor.data_ptr()
-    return str(tensor.device), start, start + extent * tensor.element_size()
+    # From the storage: an empty tensor's data_ptr() is 0, but it still marks a place in its storage.
+    start = tensor.untyped_storage().data_ptr() + int(tensor.storage_offset()) * tensor.element_size()
+    return str(tensor.device), start, start + int(extent) * tensor.element_size()
 
 
 def reads_as_captured(current: Any, captured: torch.Tensor) -> bool:
