@@ -10,7 +10,8 @@ buffers and child modules are someone else's business), then, recursively, plain
 (``func``, ``args``, ``keywords``), functions (closure cells, ``__defaults__``, ``__kwdefaults__``), bound
 methods (``__func__``, and ``__self__`` unless it is a module), builtin methods (``__self__``) and
 mappingproxies. Never entered: child modules (each is its own reload unit), classes, Python modules, enums,
-streams/events/graphs, dtypes, devices, scalars, strings, weak references, generators and files, nor
+streams/events/graphs, dtypes, devices, scalars, strings, generators and files (a weak reference's referent is
+followed, but it is untrackable: no slot path can name it), nor
 compiled artifacts: instances of classes defined by torch.compile (``torch._dynamo``, ``torch._inductor``,
 ``torch._functorch``, ``torch._guards``, ``torch.fx``) or by ``vllm.compilation``. A compiled callable runs on
 the module's own tensors, which the walk reaches through the module; constants an artifact keeps itself are for
