@@ -448,3 +448,15 @@ def test_an_alias_path_of_a_slot_whose_object_moved_is_stale() -> None:
     )
     layer = LayerSpec(rows=1, cols=2, slots=slots, loader="data_copy")
     _assert_honest(Scenario(layers=(layer,), mode="recapture"))
+
+
+def test_two_skipped_tensors_of_a_weightless_child_are_stale() -> None:
+    """Two undeclared tensors live in a child module with no weights; PWAL skips both while the parent's weight
+    changes. Each was the other's fallback input (a plain tensor of its module), unchanged, so neither looked stale
+    and the reload committed (found as ``skip`` at ``@child``, twice)."""
+    slots = (
+        SlotSpec("d0", source="sum", holder="child", mutation="skip"),
+        SlotSpec("d1", source="sum", holder="child", mutation="skip"),
+    )
+    layer = LayerSpec(rows=4, cols=3, slots=slots)
+    _assert_honest(Scenario(layers=(layer,), mode="recapture", detect="sealed-paths"))

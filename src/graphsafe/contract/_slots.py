@@ -376,11 +376,11 @@ class _Inputs:
         return key
 
     def _outer_fallback(self) -> tuple[Any, ...]:
-        """A layer without weights of its own would have no inputs and never be stale: its tensors are computed
-        from the weights of a module above it, the nearest one with any."""
+        """The fallback inputs of the nearest module above the layer that holds loaded state (parameters or
+        buffers): a layer without weights of its own would otherwise never be stale."""
         for name, module in self.outer() if self.outer is not None else ():
             entries = _layer_inputs(module)
-            if entries:
+            if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
                 return tuple(
                     self._add(key, f"{name}:{label}" if name else label, resolve) for key, label, resolve in entries
                 )
@@ -412,7 +412,11 @@ class _Inputs:
             others = tuple(
                 key for key in self.fallback if key in self.loaded or not _reads_storage(self.inputs[key][2], own)
             )
-            return others or self._outer_fallback()
+            if any(key in self.loaded for key in others):
+                return others
+            # No loaded state in the layer (a child holding derived tensors): its tensors are computed from the
+            # weights of a module above it; its plain tensors stay inputs too.
+            return tuple(dict.fromkeys((*others, *self._outer_fallback())))
         keys: list[Any] = []
         for ref in recorded or ():
             keys.append(self._add((id(ref.module_ref()), ref.path.text), ref.label(self.qualname), ref.resolve))
