@@ -460,3 +460,20 @@ def test_two_skipped_tensors_of_a_weightless_child_are_stale() -> None:
     )
     layer = LayerSpec(rows=4, cols=3, slots=slots)
     _assert_honest(Scenario(layers=(layer,), mode="recapture", detect="sealed-paths"))
+
+
+def test_a_tie_to_an_untracked_tensor_pwal_freed_is_stale() -> None:
+    """Under ``declared-only`` layers.0's undeclared d0 is freed by PWAL (its path holds nothing) and layers.1's
+    undeclared tie to it is skipped. A watch-only path that held no tensor any more did not count as having left
+    its memory, so the tie was not doubted: the manifest said orphaned (NEEDS_RECAPTURE) and the recapture read the
+    tie's old values (found as ``free`` with ``tie:skip``)."""
+    scenario = Scenario(
+        layers=(
+            LayerSpec(rows=4, cols=3, loader="stash", slots=(SlotSpec("d0", source="fp8", factor=3, mutation="free"),)),
+            LayerSpec(rows=1, cols=1, loader="keep", slots=(SlotSpec("d0", kind="tie", mutation="skip"),)),
+        ),
+        mode="migrate",
+        detect="declared-only",
+        manifest=True,
+    )
+    _assert_honest(scenario)

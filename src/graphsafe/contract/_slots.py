@@ -616,25 +616,27 @@ class LayerSnapshot:
                     self._note_fresh(index, slot, current)
                 continue  # in place
             if slot.watch_only:
+                if (
+                    isinstance(current, tensor_type)
+                    and current.untyped_storage() is captured.untyped_storage()
+                    and current.data_ptr() == captured.data_ptr()
+                ):
+                    if _view(current) != _view(captured) or geometry_key(current) != geometry_key(captured):
+                        # The captured memory read another way (conj, neg, dtype, stride): the graph reads the
+                        # raw bytes as captured. Kept: it wrote that memory as it reads it.
+                        self._respecified(slot, current, "same storage seen through another view: ")
+                    elif index in freshness:
+                        self._note_fresh(index, slot, current)
+                    continue
                 if isinstance(current, tensor_type):
-                    if (
-                        current.untyped_storage() is captured.untyped_storage()
-                        and current.data_ptr() == captured.data_ptr()
-                    ):
-                        if _view(current) != _view(captured) or geometry_key(current) != geometry_key(captured):
-                            # The captured memory read another way (conj, neg, dtype, stride): the graph reads
-                            # the raw bytes as captured. Kept: it wrote that memory as it reads it.
-                            self._respecified(slot, current, "same storage seen through another view: ")
-                        elif index in freshness:
-                            self._note_fresh(index, slot, current)
-                    else:
-                        self.kept.append(current)  # its new values: no copy may overwrite what it reads
-                        self.gone.append((index, *address_range(captured)))
-                        # Let go of the captured tensor: where nothing else holds it, the manifest must see it freed.
-                        captured_list[index] = None
-                        before = freshness.get(index)
-                        if before is not None:  # keep what it is computed from (a partner's doubt asks), not it
-                            freshness[index] = (_NOTHING, *before[1:])
+                    self.kept.append(current)  # its new values: no copy may overwrite what it reads
+                # Moved or gone: its memory is abandoned (see the contract's _doubt_abandoned). Let go of the
+                # captured tensor: where nothing else holds it, the manifest must see it freed.
+                self.gone.append((index, *address_range(captured)))
+                captured_list[index] = None
+                before = freshness.get(index)
+                if before is not None:  # keep what it is computed from (a partner's doubt asks), not it
+                    freshness[index] = (_NOTHING, *before[1:])
                 continue
             if current is _MISSING or not isinstance(current, tensor_type):
                 what = (
