@@ -85,15 +85,6 @@ def _listen(
     return RemovableHandle(remove, lambda: fn in registry, f"{kind}({fn!r})")
 
 
-def _reads(current: Any, captured: torch.Tensor) -> bool:
-    """Whether the value now at a slot's path reads its captured memory (the object, or a view at its pointer)."""
-    return current is captured or (
-        isinstance(current, torch.Tensor)
-        and current.untyped_storage() is captured.untyped_storage()
-        and current.data_ptr() == captured.data_ptr()
-    )
-
-
 def _sealed_slot(entry: Classified) -> SealedSlot:
     return SealedSlot(
         entry.path,

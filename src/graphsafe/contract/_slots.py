@@ -1033,11 +1033,6 @@ def reads_as_captured(current: Any, captured: torch.Tensor) -> bool:
     )
 
 
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` (any tensor; a wrapper subclass reads its inner tensors) reads bytes of ``b``'s memory."""
-    return any(_overlap(a, part) for part in memory_tensors(b))
-
-
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` (any tensor; a wrapper subclass reads its inner tensors) reads bytes of the plain tensor ``b``."""
     storage, span = b.untyped_storage(), byte_span(b)
