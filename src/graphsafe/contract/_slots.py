@@ -240,10 +240,19 @@ class InputRef:
     module_ref: weakref.ReferenceType[nn.Module]
     path: SlotPath
     ref: SlotRef  # the module's qualified name and the path: how the input is named to users
+    _get: Getter = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_get", _getter(self.path))  # compiled once, read on every reload
 
     def resolve(self) -> Any:
         module = self.module_ref()
-        return _MISSING if module is None else _getter(self.path)(module)
+        return _MISSING if module is None else self._get(module)
+
+    @property
+    def key(self) -> tuple[int, str]:
+        """How a snapshot's inputs know this one: the module's identity and the path."""
+        return id(self.module_ref()), self.path.text
 
     def label(self, layer: str) -> str:
         """The input's name relative to ``layer`` where it lies under it (``inner.weight``), else ``owner:path``."""
@@ -270,10 +279,24 @@ _SIGNATURE_ELEMENTS = 256
 _SLOT_SIGNATURE_ELEMENTS = 4096
 
 
+_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+
+
 def _signature(tensor: torch.Tensor, elements: int = _SIGNATURE_ELEMENTS) -> torch.Tensor:
     # A strided sample of the values: loaders commonly write through ``param.data.copy_``, which does not move the
     # parameter's version counter, so the values themselves are the only witness. Sampling keeps this a tiny
     # kernel; a change confined to unsampled elements can escape it (documented in docs/fault-matrix.md).
+    if (
+        type(tensor) in _PLAIN_TYPES
+        and tensor.layout is torch.strided
+        and tensor.numel() <= elements
+        and tensor.dim()
+        and tensor.stride(-1) == 1
+        and tensor.is_contiguous()
+        and not (tensor.is_conj() or tensor.is_neg())
+    ):
+        # Small and dense (most derived slots, scales, stride tables): the sample is all of it, one clone.
+        return (tensor.detach() if tensor.requires_grad else tensor).clone().view(torch.uint8)
     parts = memory_tensors(tensor)
     if parts[0] is not tensor:  # a wrapper subclass: the values are its inner tensors'
         return torch.cat([_signature(part, elements) for part in parts])
@@ -396,6 +419,21 @@ class _Inputs:
         layer = self.layer
         sources = slot.declaration.derived_from if slot.declaration is not None else None
         recorded = slot.inputs
+        if recorded is not None and not sources:
+            # The common case after a recording: plain loops (no generator frames), each input resolved once.
+            inputs = self.inputs
+            keys: list[Any] = []
+            for ref in recorded:
+                if not isinstance(ref.resolve(), torch.Tensor):
+                    break
+                key = ref.key
+                if key not in inputs:
+                    self._add(key, ref.label(self.qualname), ref.resolve)
+                if key not in keys:
+                    keys.append(key)
+            else:
+                return tuple(keys)
+            recorded = None
         if recorded is not None and not all(isinstance(ref.resolve(), torch.Tensor) for ref in recorded):
             recorded = None
         paths = [_path(source) for source in sources or ()]
@@ -417,9 +455,13 @@ class _Inputs:
             # No loaded state in the layer (a child holding derived tensors): its tensors are computed from the
             # weights of a module above it; its plain tensors stay inputs too.
             return tuple(dict.fromkeys((*others, *self._outer_fallback())))
-        keys: list[Any] = []
+        keys = []
+        inputs = self.inputs
         for ref in recorded or ():
-            keys.append(self._add((id(ref.module_ref()), ref.path.text), ref.label(self.qualname), ref.resolve))
+            key = ref.key
+            if key not in inputs:  # resolved and sampled once per layer and reload; named only then
+                self._add(key, ref.label(self.qualname), ref.resolve)
+            keys.append(key)
         for path in paths:
             keys.append(self._add((id(layer), path.text), path.text, functools.partial(_getter(path), layer)))
         return tuple(dict.fromkeys(keys))
