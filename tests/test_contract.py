@@ -879,3 +879,27 @@ def test_a_listener_that_raises_does_not_change_the_outcome(tiny: Tiny) -> None:
     assert heard == [Status.COMMITTED]
     assert txn.outcome is not None and txn.outcome.committed
     assert contract.serving_safe  # the reload itself committed
+
+
+@pytest.mark.parametrize("detect", ["declared-only", "sealed-paths", "every-reload"])
+def test_a_declaration_made_after_the_seal_is_reported_once_per_path(detect: str) -> None:
+    """A scratch declared by a forward after the seal (``stable_empty``) joins the seal as declared; a legacy PWAL
+    that then drops it is one ``vanished`` finding, not also a walker copy of it ("alias of tracked slot")."""
+    from graphsafe.testing.zoo.lazy_scratch import MigratedPermuteMoE
+
+    class DropsScratch(MigratedPermuteMoE):
+        def process_weights_after_loading(self) -> None:
+            self._relayout()
+            self._permute_scratch = None
+
+    layer = DropsScratch(torch.device("cpu"))
+    layer.process_weights_after_loading()
+    contract = GraphContract(layer, "migrate", detect=detect).seal()  # type: ignore[arg-type]
+    layer(torch.randn(3, layer.w.shape[1]))  # declares the scratch after the seal
+    with torch.no_grad(), contract.reload() as txn:
+        layer.w.copy_(torch.randn_like(layer.w))
+        layer.process_weights_after_loading()
+    outcome = txn.outcome
+    assert outcome is not None
+    vanished = [f for f in outcome.findings if f.kind is FindingKind.VANISHED]
+    assert [(f.path, f.declared) for f in vanished] == [("_permute_scratch", True)]

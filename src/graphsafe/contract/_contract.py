@@ -555,6 +555,7 @@ class GraphContract:
             else:
                 sealed.slots.append(slot)
         sealed.declared_generation = generation
+        sealed.slots_changed()  # the walker must now skip the new paths; a new slot may share a storage
         self._index_layers()  # a new slot may read a storage other slots read
 
     def _outer(self, qualname: str) -> list[tuple[str, nn.Module]]:

@@ -154,6 +154,10 @@ class SealedLayer:
 
     def __post_init__(self) -> None:
         self.atoms = tuple(self.qualname.split(".")) if self.qualname else ()
+        self.slots_changed()
+
+    def slots_changed(self) -> None:
+        """Recompute what is derived from :attr:`slots`; call after adding or replacing one (a late declaration)."""
         memory = [part for slot in self.slots for part in slot.fp.memory()]
         storages = {id(part.storage_ref()) for part in memory}  # all alive at seal: ids are distinct
         self.shares_storage = len(storages) < len(memory)
