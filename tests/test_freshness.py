@@ -998,3 +998,45 @@ def test_a_first_reload_whose_pwal_ran_in_another_thread_learns_nothing_and_stay
     model.layers[1].policy = "skip"
     outcome = reload_kept(contract, model, 2)
     assert outcome.status is Status.FAILED and stale(outcome) == {("layers.1", "w_t")}
+
+
+# -- the value sample: its fast path reads the same elements as the plain definition ----------------------------
+
+
+def _reference_sample(tensor: torch.Tensor, elements: int) -> torch.Tensor:
+    """The sample by its definition: every ``step``-th element of the flattened values (all of a small tensor),
+    or a grid of about ``elements`` points of a strided one, as bytes."""
+    value = tensor.detach()
+    if value.is_contiguous():
+        flat = value.reshape(-1)
+        step = max(1, flat.numel() // elements)
+        sample = flat[::step][:elements]
+    else:
+        per_dim = max(1, int(elements ** (1 / max(1, value.dim()))))
+        sample = value[tuple(slice(None, None, max(1, n // per_dim)) for n in value.shape)].reshape(-1)
+    return sample.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shape=st.lists(st.sampled_from([1, 2, 3, 7, 64, 129]), max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.int8, torch.bool]),
+    view=st.sampled_from(["whole", "tail", "transposed", "parameter"]),
+    elements=st.sampled_from([1, 4, 16, 256, 4096]),
+)
+def test_the_value_sample_is_the_defined_elements_whatever_the_layout(
+    shape: list[int], dtype: torch.dtype, view: str, elements: int
+) -> None:
+    from graphsafe.contract._slots import _signature
+
+    tensor = (torch.randn(*shape) * 10).to(dtype) if shape else torch.tensor(3.0).to(dtype)
+    if view == "tail" and tensor.dim() and tensor.shape[0] > 1:
+        tensor = tensor[1:]  # a storage offset
+    elif view == "transposed" and tensor.dim() >= 2:
+        tensor = tensor.transpose(0, 1)
+    elif view == "parameter" and dtype.is_floating_point:
+        tensor = nn.Parameter(tensor, requires_grad=True)
+    sample = _signature(tensor, elements)
+    expected = _reference_sample(tensor, elements)
+    assert sample.dim() == 1 and sample.shape == expected.shape and torch.equal(sample, expected)
+    assert not sample.requires_grad

@@ -293,14 +293,15 @@ def _signature(tensor: torch.Tensor, elements: int = _SIGNATURE_ELEMENTS) -> tor
     if (
         type(tensor) in _PLAIN_TYPES
         and tensor.layout is torch.strided
-        and tensor.numel() <= elements
-        and tensor.dim()
-        and tensor.stride(-1) == 1
-        and tensor.is_contiguous()
         and not (tensor.is_conj() or tensor.is_neg())
+        and tensor.is_contiguous()
     ):
-        # Small and dense (most derived slots, scales, stride tables): the sample is all of it, one clone.
-        return (tensor.detach() if tensor.requires_grad else tensor).clone().view(torch.uint8)
+        # The common case in as few tensor ops as possible (each is a launch on CUDA); the same sample as the
+        # general path below: every element of a small tensor, every ``step``-th of a large one.
+        value = tensor.detach() if tensor.requires_grad else tensor
+        numel = value.numel()
+        sample = value.reshape(-1) if numel <= elements else value.as_strided((elements,), (numel // elements,))
+        return sample.clone(memory_format=torch.contiguous_format).view(torch.uint8)
     parts = memory_tensors(tensor)
     if parts[0] is not tensor:  # a wrapper subclass: the values are its inner tensors'
         return torch.cat([_signature(part, elements) for part in parts])
