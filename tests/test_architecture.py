@@ -50,6 +50,10 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     "tests/gpu/test_kernel_scan.py": {"graphsafe.collectors._kernelscan"},
     # a copy that raises halfway is injected into the copy batch
     "tests/test_adversarial.py": {"graphsafe.contract._copy"},
+    # the snapshot's per-layer steps are wrapped to see that no collection runs inside them
+    "tests/test_contract.py": {"graphsafe.contract._slots"},
+    # the value sample's fast path against its definition (a reference implementation in the test)
+    "tests/test_freshness.py": {"graphsafe.contract._slots"},
     # the hook installer's wrappers and markers, and the pack's attribute, are checked on the real vLLM; the
     # plugin's once-per-process "off" line is reset between tests
     "tests/vllm/test_vllm_adapter.py": {

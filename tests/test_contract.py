@@ -903,3 +903,89 @@ def test_a_declaration_made_after_the_seal_is_reported_once_per_path(detect: str
     assert outcome is not None
     vanished = [f for f in outcome.findings if f.kind is FindingKind.VANISHED]
     assert [(f.path, f.declared) for f in vanished] == [("_permute_scratch", True)]
+
+
+# -- the cyclic garbage collector: paused in the contract's own code only -----------------------------------------
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_no_collection_runs_inside_the_contracts_own_code_and_the_collector_runs_elsewhere(
+    tiny: Tiny, monkeypatch: pytest.MonkeyPatch, layerwise: bool
+) -> None:
+    """The contract's transient allocations must not trigger collections (they promote those objects, and the
+    promotions trigger full collections over the whole heap); the loader, PWAL and listeners run with the
+    collector as the caller had it, and it is back on after the reload."""
+    from graphsafe.contract._slots import LayerSnapshot
+
+    model = tiny.build(0, n_layers=3)
+    contract = _contract(model)
+    where = {"inside": False}
+    inside_runs: list[int] = []
+
+    def on_collection(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and where["inside"]:
+            inside_runs.append(info["generation"])
+
+    for name in ("take", "restore", "verify"):
+        original = LayerSnapshot.__dict__[name]
+        func = original.__func__ if isinstance(original, classmethod) else original
+
+        def inside(*args: Any, _f: Any = func, **kwargs: Any) -> Any:
+            where["inside"] = True
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                where["inside"] = False
+
+        monkeypatch.setattr(LayerSnapshot, name, classmethod(inside) if isinstance(original, classmethod) else inside)
+    enabled_in_pwal: list[bool] = []
+    enabled_in_listener: list[bool] = []
+    contract.on_outcome(lambda outcome: enabled_in_listener.append(gc.isenabled()))
+    threshold = gc.get_threshold()
+    gc.callbacks.append(on_collection)
+    gc.set_threshold(1)  # a collection at every allocation: any left on inside the contract would run there
+    try:
+        txn = contract.reload(layerwise=layerwise)
+        txn.begin()
+        if layerwise:
+            for layer in model.layers:
+                txn.before_layer(layer)
+        enabled_in_pwal.append(gc.isenabled())
+        tiny.reload(model, 1)
+        if layerwise:
+            for layer in model.layers:
+                txn.after_layer(layer)
+        outcome = txn.finish()
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(on_collection)
+    assert outcome.status is Status.COMMITTED
+    assert inside_runs == []
+    assert enabled_in_pwal == [True] and enabled_in_listener == [True] and gc.isenabled()
+
+
+def test_a_restore_that_raises_leaves_the_collector_on_and_one_the_caller_disabled_stays_off(
+    tiny: Tiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from graphsafe.contract._slots import LayerSnapshot
+
+    model = tiny.build(0)
+    contract = _contract(model)
+
+    def broken(self: Any) -> None:
+        raise RuntimeError("a copy failed")
+
+    monkeypatch.setattr(LayerSnapshot, "verify", broken)
+    with pytest.raises(RuntimeError, match="a copy failed"), contract.reload():
+        tiny.reload(model, 1)
+    assert gc.isenabled()
+    monkeypatch.undo()
+    contract.reseal(recaptured=True)  # the test has no graphs: say they were captured again
+    gc.disable()
+    try:
+        with contract.reload():
+            tiny.reload(model, 2)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert contract.last_outcome is not None and contract.last_outcome.committed

@@ -23,6 +23,7 @@ from graphsafe.collectors import UNTRACKABLE_ADVICE, Classified, Dataflow, class
 from graphsafe.contract._access import submodule_is
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._copy import CopyBatch
+from graphsafe.contract._gcpause import collections_paused
 from graphsafe.contract._slots import (
     InputRef,
     LayerSnapshot,
@@ -778,8 +779,9 @@ class ReloadTransaction:
             self._begun = True
             if not self.layerwise:
                 start = time.perf_counter()
-                for sealed in contract._layers:
-                    self._snapshot(sealed)
+                with collections_paused():
+                    for sealed in contract._layers:
+                        self._snapshot(sealed)
                 self._seconds += time.perf_counter() - start
         except BaseException:
             # Nothing was loaded yet: leave the contract as it was, not stuck with an open transaction.
@@ -846,8 +848,9 @@ class ReloadTransaction:
         if self._dataflow is not None:
             self._dataflow.paused = True  # the snapshot's own reads are not PWAL's
         try:
-            for sealed in self.contract._layer_entries(layer):
-                self._snapshot(sealed)
+            with collections_paused():
+                for sealed in self.contract._layer_entries(layer):
+                    self._snapshot(sealed)
         finally:
             if self._dataflow is not None:
                 self._dataflow.paused = False
@@ -884,9 +887,10 @@ class ReloadTransaction:
                         )
                 if snapshot is not None and not snapshot.done and not sealed.shared_across_layers:
                     group.append(snapshot)
-            if dataflow is not None:  # layers restored at finish() learn there, once
-                self._learn_inputs(dataflow, group)
-            self._restore_group(group)
+            with collections_paused():
+                if dataflow is not None:  # layers restored at finish() learn there, once
+                    self._learn_inputs(dataflow, group)
+                self._restore_group(group)
         finally:
             if dataflow is not None:
                 dataflow.paused = False
@@ -908,6 +912,26 @@ class ReloadTransaction:
             self.contract._lock.release()
 
     def _finish(self, error: BaseException | None) -> ReloadOutcome:
+        with collections_paused():  # the contract's own work; the agreement, listeners and callbacks are not
+            outcome = self._settle(error)
+        contract = self.contract
+        if self.agreement is not None:
+            try:
+                outcome = self.agreement(outcome)
+            except BaseException as exc:
+                contract.mark_unsafe(f"rank agreement raised {exc!r}; the group's outcome is unknown")
+                raise
+        self.outcome = outcome
+        listener_error = contract._notify(outcome)
+        contract._apply(outcome, error)
+        if self._unloaded:  # a note, after the contract acted (a warnings filter may turn it into an error)
+            warnings.warn(_unloaded_warning(self._unloaded), stacklevel=3)
+        if listener_error is not None:
+            raise listener_error
+        return outcome
+
+    def _settle(self, error: BaseException | None) -> ReloadOutcome:
+        """Restore what is left, verify, and decide this rank's outcome (nothing outside the contract runs)."""
         contract = self.contract
         start = time.perf_counter()
         try:
@@ -957,7 +981,7 @@ class ReloadTransaction:
         status = contract._decide(self._findings, error)
         unread = getattr(contract.manifest, "unread", None)  # the kernel scan's: slots no graph reads
         unread_slots = unread(contract) if callable(unread) and error is None else None
-        outcome = ReloadOutcome(
+        return ReloadOutcome(
             status=status,
             mode=contract.mode,
             findings=tuple(self._findings),
@@ -968,20 +992,6 @@ class ReloadTransaction:
             error=error,
             slots_unread=None if unread_slots is None else len(unread_slots),
         )
-        if self.agreement is not None:
-            try:
-                outcome = self.agreement(outcome)
-            except BaseException as exc:
-                contract.mark_unsafe(f"rank agreement raised {exc!r}; the group's outcome is unknown")
-                raise
-        self.outcome = outcome
-        listener_error = contract._notify(outcome)
-        contract._apply(outcome, error)
-        if self._unloaded:  # a note, after the contract acted (a warnings filter may turn it into an error)
-            warnings.warn(_unloaded_warning(self._unloaded), stacklevel=3)
-        if listener_error is not None:
-            raise listener_error
-        return outcome
 
     # -- per layer ---------------------------------------------------------------------------------------------
     def _snapshot(self, sealed: SealedLayer) -> LayerSnapshot | None:
