@@ -40,9 +40,13 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     "tests/test_soak.py": {"graphsafe.collectors.walker._plans", "graphsafe.registry._store"},
     # the manifest's per-reload check must not walk: the walk is replaced by a tripwire
     "tests/test_manifest.py": {"graphsafe.collectors._classify"},
-    # white-box tests of the restore plan: the "layer still in the model" fast path against get_submodule, and
-    # the copy batch's grouping
-    "tests/test_restore_plan.py": {"graphsafe.contract._access", "graphsafe.contract._copy"},
+    # white-box tests of the restore plan: the "layer still in the model" fast path against get_submodule, the
+    # copy batch's grouping, and the span sealed for each slot against the span of the tensor
+    "tests/test_restore_plan.py": {
+        "graphsafe.contract._access",
+        "graphsafe.contract._copy",
+        "graphsafe.contract._slots",
+    },
     # the kernel scan's driver, allocator view and live-tensor source are replaced by recorded tables (no GPU)
     # (and the vLLM hook's recording step runs on a fake runner, without vLLM)
     "tests/test_kernelscan.py": {"graphsafe.collectors._kernelscan", "graphsafe.adapters.vllm._hooks"},

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from graphsafe.collectors import walk
@@ -208,3 +210,27 @@ def test_walker_skip_paths_only_drops_the_named_refs() -> None:
     assert [r.path for r in skipped.refs] == ["cache['ws']"]  # the alias of a skipped path is still reported
     assert skipped.refs[0].tensor is shared
     assert skipped.objects_visited == full.objects_visited
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shape=st.lists(st.sampled_from([0, 1, 2, 5, 17]), max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.int8, torch.bfloat16, torch.int64]),
+    transposed=st.booleans(),
+    offset=st.booleans(),
+)
+def test_the_sealed_span_is_the_span_of_the_tensor_as_sealed(
+    shape: list[int], dtype: torch.dtype, transposed: bool, offset: bool
+) -> None:
+    """The restore plan uses the span computed at seal for a captured tensor still laid out as sealed: it must be
+    the bytes the tensor spans (the overlap checks that order copies rely on it)."""
+    from graphsafe.contract._copy import byte_span
+    from graphsafe.contract._slots import _sealed_span
+    from graphsafe.outcome import fingerprint
+
+    tensor = torch.zeros(*shape, dtype=dtype) if shape else torch.zeros((), dtype=dtype)
+    if transposed and tensor.dim() >= 2:
+        tensor = tensor.transpose(0, 1)
+    if offset and tensor.dim() and tensor.shape[0] > 1:
+        tensor = tensor[1:]
+    assert _sealed_span(fingerprint(tensor)) == byte_span(tensor)

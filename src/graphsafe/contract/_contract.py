@@ -1076,15 +1076,11 @@ class ReloadTransaction:
         foreign = [*kept, *(move.new for move in plan.moves)]
         for snapshot, _ in work:
             snapshot.doubt_foreign_writes(foreign)
-            # What PWAL wrote, and left on its captured memory, before the plan's own copies and rebinds (see
-            # _doubt_abandoned).
+            # What PWAL wrote before the plan's own copies and rebinds (see _doubt_abandoned; restore() noted
+            # what it left on its captured memory).
             snapshot.written = [
                 captured is not None and 0 <= version != captured._version
                 for captured, version in zip(snapshot.captured, snapshot.versions, strict=False)
-            ]
-            snapshot.left = [
-                captured is not None and reads_as_captured(slot.get(snapshot.layer), captured)
-                for slot, captured in zip(snapshot.slots, snapshot.captured, strict=True)
             ]
         try:
             if plan.moves:

@@ -75,6 +75,8 @@ class SealedSlot:
     wrapped: bool = field(init=False, repr=False)
     group: tuple[Any, ...] = field(init=False, repr=False)  # the copy group of the captured tensor
     nbytes: int = field(init=False, repr=False)
+    #: :func:`byte_span` of the captured tensor as sealed (what a copy into it writes, while it is laid out so).
+    span: tuple[int, int] = field(init=False, repr=False)
     tracks_freshness: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +91,7 @@ class SealedSlot:
         self.wrapped = bool(fp.inner)
         self.group = (fp.device, fp.dtype, tensor.layout if tensor is not None else torch.strided)
         self.nbytes = fp.nbytes
+        self.span = _sealed_span(fp)
         declaration = self.declaration
         # Declared derived slots, and tensors only the walker found (see LayerSnapshot.take for when those are
         # watched): a reload that changes the weights and leaves them as they were must not commit.
@@ -102,6 +105,16 @@ class SealedSlot:
         if tensor is not None:
             return tensor
         return _rebuild(self.fp)
+
+
+def _sealed_span(fp: Fingerprint) -> tuple[int, int]:
+    """:func:`byte_span` of a tensor laid out as ``fp`` says."""
+    if any(n == 0 for n in fp.shape):
+        return 0, 0
+    itemsize = fp.dtype.itemsize
+    extent = 1 + sum((n - 1) * st for n, st in zip(fp.shape, fp.stride, strict=True))
+    start = fp.storage_offset * itemsize
+    return start, start + extent * itemsize
 
 
 def _rebuild(fp: Fingerprint) -> torch.Tensor | None:
@@ -653,12 +666,16 @@ class LayerSnapshot:
         freshness = self.freshness
         tensor_type = torch.Tensor
         captured_list = self.captured
+        # Whether PWAL left each slot reading its captured memory as captured (see ``left``): settled in the loop
+        # where the branch tells (the object itself, another storage), otherwise asked once the loop is done.
+        left: list[bool | None] = [None] * len(self.slots)
         for index, slot in enumerate(self.slots):
             captured = captured_list[index]
             if captured is None:
                 continue
             current = slot.get(layer)
             if current is captured:
+                left[index] = True
                 if index in freshness:
                     self._note_fresh(index, slot, current)
                 continue  # in place
@@ -715,6 +732,7 @@ class LayerSnapshot:
                 self._respecified(slot, current, "same storage seen through another view: ")
                 continue
             else:
+                left[index] = False  # another storage
                 # Cheap fields first: both tensors exactly as sealed (the common case) settles it; anything else
                 # gets the full comparison (size-1 dimensions may carry any stride).
                 layout = slot.layout
@@ -769,11 +787,16 @@ class LayerSnapshot:
                 pair_key = (id(captured), id(current))
                 copy = pair_key not in seen_pairs
                 seen_pairs.add(pair_key)
-            if exact:
-                plan.add(self, index, captured, current, source, slot.group, slot.nbytes, copy=copy)
+            if exact:  # laid out as sealed: at the sealed offset, its span is the sealed one
+                span = slot.span if captured.storage_offset() == slot.fp.storage_offset else None
+                plan.add(self, index, captured, current, source, slot.group, slot.nbytes, copy=copy, span=span)
             else:  # the captured tensor is not laid out as sealed: size and group from what it is now
                 nbytes = captured.numel() * captured.element_size()
                 plan.add(self, index, captured, current, source, copy_group(captured), nbytes, copy=copy)
+        self.left = [
+            known if known is not None else (captured is not None and reads_as_captured(slot.get(layer), captured))
+            for known, slot, captured in zip(left, self.slots, captured_list, strict=True)
+        ]
         return rebinds
 
     def _wrapper_pairs(
@@ -1133,10 +1156,15 @@ class RestorePlan:
         nbytes: int,
         *,
         copy: bool,
+        span: tuple[int, int] | None = None,
     ) -> None:
-        """Plan ``dst.copy_(src)`` for slot ``index`` of ``snapshot`` (``new`` is the tensor at its path)."""
+        """Plan ``dst.copy_(src)`` for slot ``index`` of ``snapshot`` (``new`` is the tensor at its path); ``span``
+        is ``byte_span(dst)`` where the caller knows it already."""
         self.moves.append(_Move(snapshot, index, dst, new, src, group, nbytes, copy))
-        self._dst_spans.setdefault(id(dst.untyped_storage()), []).append(byte_span(dst))
+        spans = self._dst_spans.get(key := id(dst.untyped_storage()))
+        if spans is None:
+            spans = self._dst_spans[key] = []
+        spans.append(byte_span(dst) if span is None else span)
 
     def overlaps_destination(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` reads bytes a copy of this plan writes."""
