@@ -371,7 +371,47 @@ def _input_change(before: _InputBefore, value: Any) -> int:
 # One input of a layer's snapshot: (name for messages, how to resolve it now, what it was before PWAL).
 _Input = tuple[str, Callable[[], Any], _InputBefore]
 # A declared slot before PWAL: (tensor at the path, its version, its value sample, the keys of its inputs).
-_Freshness = tuple[torch.Tensor, int, torch.Tensor, tuple[Any, ...]]
+_Freshness = tuple[torch.Tensor, int, "torch.Tensor | _JoinedSample", tuple[Any, ...]]
+
+
+class _JoinedSample:
+    """A slot's value sample kept as a span of one tensor that joins the samples of a layer's small dense slots of
+    one dtype and device: one copy for all of them at the snapshot (one launch on CUDA); a slot's own bytes are cut
+    out only when asked (a slot PWAL left in place)."""
+
+    __slots__ = ("end", "joined", "start")
+
+    def __init__(self, joined: torch.Tensor, start: int, end: int) -> None:
+        self.joined, self.start, self.end = joined, start, end
+
+    def get(self) -> torch.Tensor:
+        """The sample, as :func:`_signature` gives it."""
+        return self.joined[self.start : self.end].view(torch.uint8)
+
+
+def _joinable(tensor: torch.Tensor, elements: int) -> torch.Tensor | None:
+    """The flat values of a tensor whose whole value is its sample (small, dense, plain), else ``None``."""
+    if (
+        type(tensor) in _PLAIN_TYPES
+        and tensor.layout is torch.strided
+        and tensor.numel() <= elements
+        and not (tensor.is_conj() or tensor.is_neg())
+        and tensor.is_contiguous()
+    ):
+        return (tensor.detach() if tensor.requires_grad else tensor).reshape(-1)
+    return None
+
+
+def _join_samples(freshness: dict[int, _Freshness], pending: dict[Any, list[tuple[int, torch.Tensor]]]) -> None:
+    """Take the samples ``pending`` collected (per dtype and device: slot index, flat values) in one copy each."""
+    for flats in pending.values():
+        joined = torch.cat([flat for _, flat in flats]) if len(flats) > 1 else flats[0][1].clone()
+        start = 0
+        for index, flat in flats:
+            end = start + flat.numel()
+            tensor, version, _, keys = freshness[index]
+            freshness[index] = (tensor, version, _JoinedSample(joined, start, end), keys)
+            start = end
 
 
 def _attribute(module: nn.Module, name: str) -> Callable[[], Any]:
@@ -544,6 +584,7 @@ class LayerSnapshot:
         versions: list[int] = []
         findings: list[Finding] = []
         freshness: dict[int, _Freshness] = {}
+        pending: dict[Any, list[tuple[int, torch.Tensor]]] = {}
         inputs: _Inputs | None = None
         tensor_type = torch.Tensor
         for index, slot in enumerate(slots):
@@ -568,12 +609,15 @@ class LayerSnapshot:
                 if isinstance(current, tensor_type):
                     if inputs is None:
                         inputs = _Inputs(layer, sealed.qualname, outer=outer)
-                    freshness[index] = (
-                        current,
-                        current._version,
-                        _signature(current, _SLOT_SIGNATURE_ELEMENTS),
-                        inputs.of(slot),
-                    )
+                    flat = _joinable(current, _SLOT_SIGNATURE_ELEMENTS)
+                    if flat is None:
+                        sample: torch.Tensor | _JoinedSample = _signature(current, _SLOT_SIGNATURE_ELEMENTS)
+                    else:
+                        sample = _NO_SAMPLE  # taken with the others of its dtype below
+                        pending.setdefault((flat.dtype, flat.device), []).append((index, flat))
+                    freshness[index] = (current, current._version, sample, inputs.of(slot))
+        if pending:
+            _join_samples(freshness, pending)
         shared = sealed.shares_storage or len(slots) > len(sealed.slots)
         return cls(sealed, layer, slots, captured, findings, freshness, inputs, shared=shared, versions=versions)
 
@@ -864,6 +908,8 @@ class LayerSnapshot:
         tensor, version, sample, _ = before
         if current.untyped_storage() is not tensor.untyped_storage():
             return  # PWAL put another tensor at the path (restore copies it): rebuilt
+        if isinstance(sample, _JoinedSample):
+            sample = sample.get()
         if not _same_sample(sample, _signature(current, _SLOT_SIGNATURE_ELEMENTS)):
             return  # written in place with other values
         self.fresh_due.append((index, slot, current, current._version != version))
@@ -1079,6 +1125,7 @@ class _Reader:
 
 
 _NOTHING = torch.empty(0)  # stands in for a captured tensor the snapshot let go of
+_NO_SAMPLE = torch.empty(0, dtype=torch.uint8)  # a sample to be joined, for the moment the snapshot is taken
 
 
 def address_range(tensor: torch.Tensor) -> tuple[str, int, int]:
