@@ -258,18 +258,18 @@ class InputRef:
     path: SlotPath
     ref: SlotRef  # the module's qualified name and the path: how the input is named to users
     _get: Getter = field(init=False, repr=False, compare=False, hash=False)
+    #: How a snapshot's inputs know this one: the module's identity and the path (used only while it resolves, so
+    #: while that module is alive).
+    key: tuple[int, str] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_get", _getter(self.path))  # compiled once, read on every reload
+        # Compiled once, read on every reload.
+        object.__setattr__(self, "_get", _getter(self.path))
+        object.__setattr__(self, "key", (id(self.module_ref()), self.path.text))
 
     def resolve(self) -> Any:
         module = self.module_ref()
         return _MISSING if module is None else self._get(module)
-
-    @property
-    def key(self) -> tuple[int, str]:
-        """How a snapshot's inputs know this one: the module's identity and the path."""
-        return id(self.module_ref()), self.path.text
 
     def label(self, layer: str) -> str:
         """The input's name relative to ``layer`` where it lies under it (``inner.weight``), else ``owner:path``."""
