@@ -101,14 +101,16 @@ class CopyBatch:
         self.pending = 0
         self.written = 0
 
-    def add(self, dst: torch.Tensor, src: torch.Tensor, group: tuple[Any, ...], nbytes: int) -> None:
+    def add(
+        self, dst: torch.Tensor, src: torch.Tensor, group: tuple[Any, ...], nbytes: int, *, plain: bool | None = None
+    ) -> None:
         """Plan ``dst.copy_(src)``; the caller vouches that ``src`` has ``dst``'s shape, dtype and device.
 
         ``group`` is :func:`copy_group` of ``dst`` and ``nbytes`` its size, both known ahead (at seal). A
         destination with a lazy bit or a broadcast dimension is copied through :func:`distinct_views` (and counts
-        only its distinct bytes).
+        only its distinct bytes); ``plain`` says whether ``dst`` is free of both, where the caller knows it.
         """
-        if not _plain(dst):
+        if not (_plain(dst) if plain is None else plain):
             dst, src = distinct_views(dst, src)
             nbytes = dst.numel() * dst.element_size()
         self.written += nbytes

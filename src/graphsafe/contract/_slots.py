@@ -77,6 +77,7 @@ class SealedSlot:
     nbytes: int = field(init=False, repr=False)
     #: :func:`byte_span` of the captured tensor as sealed (what a copy into it writes, while it is laid out so).
     span: tuple[int, int] = field(init=False, repr=False)
+    plain: bool = field(init=False, repr=False)  # see CopyBatch.add, for the captured tensor as sealed
     tracks_freshness: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -92,6 +93,8 @@ class SealedSlot:
         self.group = (fp.device, fp.dtype, tensor.layout if tensor is not None else torch.strided)
         self.nbytes = fp.nbytes
         self.span = _sealed_span(fp)
+        # A copy_ into the captured tensor as sealed writes each byte once: no lazy bit, no broadcast dimension.
+        self.plain = not (fp.conj or fp.neg or 0 in fp.stride)
         declaration = self.declaration
         # Declared derived slots, and tensors only the walker found (see LayerSnapshot.take for when those are
         # watched): a reload that changes the weights and leaves them as they were must not commit.
@@ -832,8 +835,19 @@ class LayerSnapshot:
                 copy = pair_key not in seen_pairs
                 seen_pairs.add(pair_key)
             if exact:  # laid out as sealed: at the sealed offset, its span is the sealed one
-                span = slot.span if captured.storage_offset() == slot.fp.storage_offset else None
-                plan.add(self, index, captured, current, source, slot.group, slot.nbytes, copy=copy, span=span)
+                at_seal = captured.storage_offset() == slot.fp.storage_offset
+                plan.add(
+                    self,
+                    index,
+                    captured,
+                    current,
+                    source,
+                    slot.group,
+                    slot.nbytes,
+                    copy=copy,
+                    span=slot.span if at_seal else None,
+                    plain=slot.plain,
+                )
             else:  # the captured tensor is not laid out as sealed: size and group from what it is now
                 nbytes = captured.numel() * captured.element_size()
                 plan.add(self, index, captured, current, source, copy_group(captured), nbytes, copy=copy)
@@ -1099,6 +1113,8 @@ class _Move:
     group: tuple[Any, ...]
     nbytes: int
     copy: bool  # False for a repeat of a (captured, new) pair already planned
+    storage: int  # id() of the captured tensor's storage (alive while the plan is: the move holds the tensor)
+    plain: bool | None  # whether a plain copy_ writes every byte of dst (None: the batch finds out)
 
     @property
     def ref(self) -> str:
@@ -1204,11 +1220,13 @@ class RestorePlan:
         *,
         copy: bool,
         span: tuple[int, int] | None = None,
+        plain: bool | None = None,
     ) -> None:
         """Plan ``dst.copy_(src)`` for slot ``index`` of ``snapshot`` (``new`` is the tensor at its path); ``span``
-        is ``byte_span(dst)`` where the caller knows it already."""
-        self.moves.append(_Move(snapshot, index, dst, new, src, group, nbytes, copy))
-        spans = self._dst_spans.get(key := id(dst.untyped_storage()))
+        (``byte_span(dst)``) and ``plain`` (see :meth:`CopyBatch.add`) where the caller knows them already."""
+        key = id(dst.untyped_storage())
+        self.moves.append(_Move(snapshot, index, dst, new, src, group, nbytes, copy, key, plain))
+        spans = self._dst_spans.get(key)
         if spans is None:
             spans = self._dst_spans[key] = []
         spans.append(byte_span(dst) if span is None else span)
@@ -1318,7 +1336,7 @@ class RestorePlan:
         add = batch.add
         for move in self.moves:
             if move.copy:
-                add(move.dst, move.src, move.group, move.nbytes)
+                add(move.dst, move.src, move.group, move.nbytes, plain=move.plain)
         batch.flush()
 
     def check(self) -> None:
@@ -1332,7 +1350,7 @@ class RestorePlan:
         """
         by_storage: dict[int, list[_Move]] = {}
         for move in self.moves:
-            by_storage.setdefault(id(move.dst.untyped_storage()), []).append(move)
+            by_storage.setdefault(move.storage, []).append(move)
         readers = self._readers
         broken: set[int] = set()
         flagged: set[int] = set()
@@ -1358,7 +1376,7 @@ class RestorePlan:
                 return
             for move in fresh:
                 broken.add(id(move))
-                self._break(move, by_storage[id(move.dst.untyped_storage())])
+                self._break(move, by_storage[move.storage])
                 if move.src is not move.new:  # its tensor reads memory the plan writes: it keeps the clone
                     readers.append(_Reader(move.src, move.src.detach().clone()))
 
