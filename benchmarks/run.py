@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _models import (
     KINDS,
+    DenseMoEModel,
     MoEModel,
     Shape,
     SynthModel,
@@ -402,6 +403,7 @@ def section_walker(args: argparse.Namespace, device: torch.device) -> dict[str, 
     rows = []
     for name, model in (
         ("MoE-like 64 layers x 64 experts", MoEModel(64, 64, device)),
+        ("tensor-dense MoE 64 layers x 64 experts x 3 tensors", DenseMoEModel(64, 64, device)),
         (f"synthetic {args.small_layers} x {args.small_k}", build(Shape("s", args.small_layers, args.small_k, 32, 32),
                                                                device, declare=False)),
     ):
