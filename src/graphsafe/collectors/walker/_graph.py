@@ -116,22 +116,21 @@ class WalkGraph:
         plans_get, readers_get = PLANS.get, READERS.get
         devices, units = self.devices, self.units
         wanted: dict[torch.device, bool] = {}  # the device set's answer per device, asked once per walk
+        class_kids: dict[int, Any] = {}  # per plan: its class attributes, worked out once per walk
         max_depth, max_objects = self.max_depth, self.max_objects
+        # The nodes to read, in discovery order (breadth first). A tensor is read only for attributes set on it (a
+        # wrapper subclass's inner tensors, g_idx on a parameter); most have none, never enter the queue, and cost
+        # no object of the budget.
+        queue = [0]
         head = 0
         visited = 0
-        level, boundary = 0, 1  # breadth first: nodes before `boundary` are at depth <= `level`
-        while head < len(objs):
-            node = head
-            head += 1
-            if node == boundary:
+        level, boundary = 0, 1  # queue entries before `boundary` are at depth <= `level`
+        while head < len(queue):
+            if head == boundary:
                 level += 1
-                boundary = len(objs)
-            if kinds[node] == TENSOR:
-                # A tensor is read only for attributes set on it (a wrapper subclass's inner tensors, g_idx on a
-                # parameter); most have none, and cost no object of the budget.
-                tplan = plans_get(id(type(objs[node]))) or plan_of(type(objs[node]))
-                if not tplan.slots and (tplan.dict_get is None or not tplan.dict_get(objs[node])):
-                    continue
+                boundary = len(queue)
+            node = queue[head]
+            head += 1
             if visited >= max_objects:
                 queued = sum(1 for k in kinds[node:] if k != TENSOR)
                 self.objects_cut = (
@@ -147,7 +146,7 @@ class WalkGraph:
             if plan.attrs:
                 read_attributes(obj, plan, kids, MODULE_INTERNALS if root_module else None)
             if plan.class_dicts:
-                read_class_attributes(obj, plan, kids)
+                read_class_attributes(obj, plan, kids, class_kids)
             if root_module:
                 self._module_extras(obj, plan, kids)
             if node:  # the layer itself contributes only its attributes (a path starts with a name)
@@ -158,20 +157,21 @@ class WalkGraph:
             estart[node] = len(e_child)
             child_depth = level + 1
             for tk, key, child, ck, mode, reason in kids:
-                if ck == MODULE and (units is None or id(child) in units):
+                if ck == TENSOR:
+                    if mode != STATE:
+                        try:
+                            device = TENSOR_DEVICE(child)
+                        except Exception as exc:  # an exotic tensor subclass: say so rather than fail the walk
+                            where = self.path_of(node, (tk, key))
+                            self.notes[f"{where}: cannot read the device of a {TYPE_NAME(type(child))} ({exc})"] = None
+                            continue
+                        ok = wanted.get(device)
+                        if ok is None:
+                            ok = wanted[device] = device in devices
+                        if not ok:
+                            continue
+                elif ck == MODULE and (units is None or id(child) in units):
                     continue  # a reload unit of its own (a registered module): its own seal entry walks it
-                if ck == TENSOR and mode != STATE:
-                    try:
-                        device = TENSOR_DEVICE(child)
-                    except Exception as exc:  # an exotic tensor subclass: say so rather than fail the walk
-                        where = self.path_of(node, (tk, key))
-                        self.notes[f"{where}: cannot read the device of a {TYPE_NAME(type(child))} ({exc})"] = None
-                        continue
-                    ok = wanted.get(device)
-                    if ok is None:
-                        ok = wanted[device] = device in devices
-                    if not ok:
-                        continue
                 cid = id(child)
                 idx = index.get(cid)
                 if idx is None:
@@ -179,13 +179,15 @@ class WalkGraph:
                         if self.cut_depth():
                             self.depth_cut = self.path_of(node, (tk, key))
                         continue
-                    idx = len(objs)
-                    index[cid] = idx
+                    idx = index[cid] = len(objs)
                     objs.append(child)
                     kinds.append(ck)
-                    parent.append(node)
-                    estart.append(-1)
-                    eend.append(-1)
+                    if ck != TENSOR:
+                        queue.append(idx)
+                    else:
+                        tplan = plans_get(id(type(child))) or plan_of(type(child))
+                        if tplan.slots or (tplan.dict_get is not None and tplan.dict_get(child)):
+                            queue.append(idx)
                 elif idx in extra_in:
                     extra_in[idx].append(node)
                 else:
@@ -196,6 +198,11 @@ class WalkGraph:
                 e_mode.append(mode)
                 e_reason.append(reason)
             eend[node] = len(e_child)
+            added = len(objs) - len(parent)
+            if added:  # the node columns of the children found just now, in one step
+                parent += [node] * added
+                estart += [-1] * added
+                eend += [-1] * added
         self.objects_visited = visited
 
     def _module_extras(self, layer: Any, plan: Any, kids: list[Kid]) -> None:

@@ -282,18 +282,34 @@ def read_contextvar(obj: Any, plan: Plan, kids: list[Kid]) -> None:
 _CLASS_CODE: Final = frozenset({FUNCTION_KIND, METHOD, BUILTIN, WRAPPER})
 
 
-def read_class_attributes(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+def read_class_attributes(obj: Any, plan: Plan, kids: list[Kid], cache: dict[int, Any]) -> None:
     """Attributes an instance reads from its class (``type(layer).cache = t``), unless the instance shadows them.
 
     ``layer.cache`` resolves to such a value, but assign would set an instance attribute, so they are never
     restorable; a descriptor (``__get__``: an lru_cache'd method, say) resolves to something else, so no path names
     what it holds. Dunder names and the classes' code (functions, methods) are skipped.
+
+    ``cache``: one walk's :func:`class_attribute_kids` per plan (by id; the entry holds the plan, so the id stays
+    its own). Per walk only: class attributes can change between walks, never during one (it runs no user code).
     """
-    if not plan.class_dicts:
+    entry = cache.get(id(plan))
+    if entry is None:
+        entry = cache[id(plan)] = (plan, class_attribute_kids(plan))
+    candidates: tuple[tuple[str, Kid], ...] = entry[1]
+    if not candidates:
         return
     own = plan.dict_get(obj) if plan.dict_get is not None else None
     if own is not None and type(own) is not dict:
         own = None
+    for name, kid in candidates:
+        if own is None or name not in own:
+            kids.append(kid)
+
+
+def class_attribute_kids(plan: Plan) -> tuple[tuple[str, Kid], ...]:
+    """``(name, edge)`` for every class attribute of ``plan``'s class an instance may read (see
+    :func:`read_class_attributes`); what does not depend on the instance, worked out once per class and walk."""
+    found: list[tuple[str, Kid]] = []
     seen: set[str] = set()
     kinds_get = KINDS.get
     for class_name, d in plan.class_dicts:
@@ -304,15 +320,16 @@ def read_class_attributes(obj: Any, plan: Plan, kids: list[Kid]) -> None:
             ck = kinds_get(id(type(value)))
             if ck is None:
                 ck = plan_of(type(value)).kind
-            if ck <= SKIP or ck in _CLASS_CODE or (own is not None and name in own):
+            if ck <= SKIP or ck in _CLASS_CODE:
                 continue
             if is_descriptor(value):
                 why = f"class attribute {name!r} of {class_name}, a descriptor"
-                kids.append((UNNAMED, why, value, ck, NO_WRITE, None))
+                found.append((name, (UNNAMED, why, value, ck, NO_WRITE, None)))
             elif name in plan.data_descriptors or not nameable(name):
-                kids.append((UNNAMED, f"class attribute {name!r} of {class_name}", value, ck, NO_WRITE, None))
+                found.append((name, (UNNAMED, f"class attribute {name!r} of {class_name}", value, ck, NO_WRITE, None)))
             else:
-                kids.append((ATTR, name, value, ck, NO_WRITE, plan.class_attr_reason))
+                found.append((name, (ATTR, name, value, ck, NO_WRITE, plan.class_attr_reason)))
+    return tuple(found)
 
 
 # Kinds without a reader: leaves (never entered), tensors and modules and plain objects (attributes only).
