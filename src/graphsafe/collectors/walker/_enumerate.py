@@ -121,7 +121,8 @@ def enumerate_paths(graph: WalkGraph, skip: Collection[str] = ()) -> list[Tensor
                     try:
                         print_ = fingerprint(tensor)
                     except Exception as exc:  # sparse, or a wrapper subclass without storage
-                        print_ = _unprintable(graph, tensor, text, exc, inner)
+                        print_ = None
+                        _unprintable(graph, tensor, text, exc, inner)
                     prints[child] = print_
                 if print_ is None:
                     pass
