@@ -11,18 +11,21 @@ a tuple per edge: per-edge container objects would feed the cyclic GC, which the
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
+from typing import Any, Final
 
 import torch
 
 from graphsafe.collectors.walker._edges import ATTR, STATE, Kid, nameable, render
 from graphsafe.collectors.walker._plans import (
+    DICT,
     DICT_ITEMS,
+    LIST,
     MODULE,
     OBJECT,
     PLANS,
     TENSOR,
     TENSOR_DEVICE,
+    TUPLE,
     TYPE_NAME,
     plan_of,
 )
@@ -31,10 +34,15 @@ from graphsafe.collectors.walker._readers import (
     READERS,
     WALKED_HOOKS,
     add_kid,
+    holds_only_leaves,
     read_attributes,
     read_class_attributes,
 )
 from graphsafe.devices import DeviceSet, WalkBudget
+
+# Containers of leaves are read when found, not queued: ``index`` maps them to this (no node).
+_READ_EMPTY: Final = -1
+_LEAF_HOLDERS: Final = frozenset({TUPLE, LIST, DICT})
 
 
 class WalkGraph:
@@ -122,6 +130,9 @@ class WalkGraph:
         # wrapper subclass's inner tensors, g_idx on a parameter); most have none, never enter the queue, and cost
         # no object of the budget.
         queue = [0]
+        # The plain tensor class, tested by identity before any plan lookup: most tensors are plain.
+        tensor_plan = plan_of(torch.Tensor)
+        plain_dict = tensor_plan.dict_get if not tensor_plan.slots and tensor_plan.dict_get is not None else None
         head = 0
         visited = 0
         level, boundary = 0, 1  # queue entries before `boundary` are at depth <= `level`
@@ -179,15 +190,26 @@ class WalkGraph:
                         if self.cut_depth():
                             self.depth_cut = self.path_of(node, (tk, key))
                         continue
+                    if ck in _LEAF_HOLDERS and visited < max_objects and holds_only_leaves(child):
+                        # A tuple, list or dict of leaves (a config, a metadata tuple): read now, once (it counts
+                        # as visited), and no node: no child of it could lead to a tensor.
+                        index[cid] = _READ_EMPTY
+                        visited += 1
+                        continue
                     idx = index[cid] = len(objs)
                     objs.append(child)
                     kinds.append(ck)
                     if ck != TENSOR:
                         queue.append(idx)
+                    elif type(child) is torch.Tensor and plain_dict is not None:
+                        if plain_dict(child):
+                            queue.append(idx)
                     else:
                         tplan = plans_get(id(type(child))) or plan_of(type(child))
                         if tplan.slots or (tplan.dict_get is not None and tplan.dict_get(child)):
                             queue.append(idx)
+                elif idx == _READ_EMPTY:
+                    continue  # read already (a container of leaves): nothing to link
                 elif idx in extra_in:
                     extra_in[idx].append(node)
                 else:

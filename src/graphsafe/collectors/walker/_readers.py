@@ -159,6 +159,29 @@ def _read_items(items: Iterable[tuple[Any, Any]], plan: Plan, kids: list[Kid]) -
             append((UNNAMED, f"the value under a {key_name} dict key", value, ck, NO_WRITE, None))
 
 
+def holds_only_leaves(obj: Any) -> bool | None:
+    """For an exact ``tuple``, ``list`` or ``dict``: whether every item (and dict key) is a leaf, so that reading it
+    gives no child at all; ``None`` for any other object. Runs no user code: exact builtin types, C iteration."""
+    kinds_get = KINDS.get
+    cls = type(obj)
+    if cls is tuple or cls is list:
+        for value in TUPLE_ITER(obj) if cls is tuple else LIST_ITER(obj):
+            ck = kinds_get(id(type(value)))
+            if (plan_of(type(value)).kind if ck is None else ck) > SKIP:
+                return False
+        return True
+    if cls is dict:
+        for key, value in DICT_ITEMS(obj):
+            ck = kinds_get(id(type(value)))
+            if (plan_of(type(value)).kind if ck is None else ck) > SKIP:
+                return False
+            ck = kinds_get(id(type(key)))
+            if (plan_of(type(key)).kind if ck is None else ck) > SKIP:
+                return False
+        return True
+    return None
+
+
 def read_dict(obj: Any, plan: Plan, kids: list[Kid]) -> None:
     _read_items(DICT_ITEMS(obj), plan, kids)
 
