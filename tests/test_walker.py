@@ -1135,3 +1135,39 @@ def test_generated_dict_keys_render_canonical_paths(items: dict[Any, bool], nest
     assert len(result.refs) == len(planted)
     for ref in result.refs:
         assert format_path(parse_path(ref.path)) == ref.path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What the walk works out once (per walk, per class, per container) must never hide a change.
+
+
+def test_class_attributes_are_read_afresh_at_every_walk_and_shadowed_per_instance() -> None:
+    class Holder:
+        pass
+
+    layer = Layer()
+    layer.a = Holder()
+    layer.b = Holder()
+    assert walk(layer).refs == ()
+    Holder.cache = torch.ones(2)  # type: ignore[attr-defined]
+    layer.b.cache = None  # b's own attribute shadows the class's, a's does not
+    result = walk(layer)
+    assert paths(result) == ["a.cache"]
+    assert not result.refs[0].restorable and "class attribute" in (result.refs[0].reason or "")
+    Holder.cache = torch.ones(3)  # type: ignore[attr-defined]  # replaced on the class: the next walk sees it
+    assert [ref.tensor for ref in walk(layer).refs] == [Holder.cache]  # type: ignore[attr-defined]
+
+
+def test_containers_of_leaves_are_read_once_and_counted() -> None:
+    layer = Layer()
+    meta = (1, "bf16", 128.0, None)
+    layer.a = {"meta": meta, "cfg": {"block": 64}, "empty": [], "t": torch.ones(1)}
+    layer.b = [meta, meta]
+    result = walk(layer)
+    assert paths(result) == ["a['t']"]
+    check_refs(layer, result)
+    assert result.objects_visited == 6  # layer, a, the shared meta tuple (once), cfg, empty, b
+    assert result.exhausted is None
+    for budget in range(1, 6):  # every budget short of 6 says it cut, and never reads past it
+        cut = walk(layer, budget=WalkBudget(max_objects=budget))
+        assert cut.objects_visited == budget and cut.exhausted is not None and "max_objects" in cut.exhausted
