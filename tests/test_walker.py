@@ -1171,3 +1171,42 @@ def test_containers_of_leaves_are_read_once_and_counted() -> None:
     for budget in range(1, 6):  # every budget short of 6 says it cut, and never reads past it
         cut = walk(layer, budget=WalkBudget(max_objects=budget))
         assert cut.objects_visited == budget and cut.exhausted is not None and "max_objects" in cut.exhausted
+
+
+def test_skip_paths_are_listed_when_reached_and_never_fingerprinted(monkeypatch: pytest.MonkeyPatch) -> None:
+    from graphsafe.collectors.walker import _enumerate
+
+    layer = Layer()
+    shared = torch.ones(2)
+    layer.ws = torch.ones(3)
+    layer.args = Obj(ws=shared, other=shared)
+    layer.gone = torch.empty(1, device="meta")
+    printed: list[torch.Tensor] = []
+    real = _enumerate.fingerprint
+    monkeypatch.setattr(_enumerate, "fingerprint", lambda t: printed.append(t) or real(t))
+    result = walk(layer, skip_paths={"ws", "args.ws", "missing", "gone"})
+    assert paths(result) == ["args.other"]
+    assert result.skipped == ("ws", "args.ws")  # reached; "missing" is not there, "gone" is on no walked device
+    assert [id(t) for t in printed] == [id(shared)]  # once, through args.other; never for ws
+
+
+def test_classify_marks_declared_paths_walked_and_leaves_their_fingerprint_to_the_declaration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from graphsafe import register_derived
+    from graphsafe.collectors import classify
+    from graphsafe.collectors.walker import _enumerate
+
+    layer = Layer()
+    layer.ws = torch.ones(3)
+    layer.args = Obj(scale=torch.ones(1))
+    layer.loose = torch.zeros(2)
+    register_derived(layer, "ws")
+    register_derived(layer, "args.scale")
+    walker_prints: list[torch.Tensor] = []
+    real = _enumerate.fingerprint
+    monkeypatch.setattr(_enumerate, "fingerprint", lambda t: walker_prints.append(t) or real(t))
+    found = {entry.path.text: entry for entry in classify(layer).tensors}
+    assert found["ws"].walked and found["args.scale"].walked and found["loose"].walked
+    assert not found["weight"].walked  # the layer's own parameter: never a walker find
+    assert [id(t) for t in walker_prints] == [id(layer.loose)]  # declared ones: fingerprinted by their declaration

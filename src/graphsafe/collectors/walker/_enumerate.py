@@ -114,7 +114,11 @@ def enumerate_paths(graph: WalkGraph, skip: Collection[str] = ()) -> list[Tensor
             # A tensor with attributes (a wrapper's inner tensors, g_idx set on a parameter) is also a step on.
             inner = estart[child] >= 0 and any(marks[e_child[x]] for x in range(estart[child], eend[child]))
             # STATE: the layer's own parameter or buffer, the seal's slot; skipped: the caller knows the path.
-            if mode != STATE and not (skip and text in skip):
+            if mode == STATE:
+                pass
+            elif skip and text in skip:
+                graph.skipped.append(text)
+            else:
                 tensor = objs[child]
                 print_ = prints.get(child, _UNSEEN)
                 if print_ is _UNSEEN:

@@ -75,6 +75,7 @@ class WalkGraph:
         self.objects_cut: str | None = None
         self.paths_cut: str | None = None
         self.notes: dict[str, None] = {}  # an ordered set
+        self.skipped: list[str] = []  # the caller's skip paths that phase 3 reached (each path once)
 
     # -- messages ----------------------------------------------------------------------------------------------
 

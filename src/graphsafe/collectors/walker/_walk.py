@@ -73,7 +73,8 @@ def walk(
             devices of the layer's (and its submodules') parameters and buffers, or every device if it has none.
             Meta tensors are never reported.
         skip_paths: paths the caller already tracks (a set, for speed): no ref is made for them and their
-            tensors are not fingerprinted unless another path reaches them. The walk itself is unchanged.
+            tensors are not fingerprinted unless another path reaches them; ``skipped`` lists those reached. The
+            walk itself is unchanged.
         units: ids of the modules that are reload units of their own (the model's registered modules: each is
             walked by its own seal entry). A module not among them, reached through a plain list or attribute of
             an object, is walked like any object (its ``_parameters``, ``_buffers``, attributes). ``None``: every
@@ -92,6 +93,7 @@ def walk(
         objects_visited=graph.objects_visited,
         exhausted=graph.exhausted(),
         notes=tuple(graph.notes),
+        skipped=tuple(graph.skipped),
     )
 
 
