@@ -132,8 +132,10 @@ class WalkGraph:
         # no object of the budget.
         queue = [0]
         # The plain tensor class, tested by identity before any plan lookup: most tensors are plain.
-        tensor_plan = plan_of(torch.Tensor)
+        plain, tensor_device = torch.Tensor, TENSOR_DEVICE  # locals: read once per child
+        tensor_plan = plan_of(plain)
         plain_dict = tensor_plan.dict_get if not tensor_plan.slots and tensor_plan.dict_get is not None else None
+        no_class_kids: set[int] = set()  # plans whose classes give no class attribute (class_kids keeps them alive)
         head = 0
         visited = 0
         level, boundary = 0, 1  # queue entries before `boundary` are at depth <= `level`
@@ -157,8 +159,12 @@ class WalkGraph:
             root_module = node == 0 and plan.kind == MODULE
             if plan.attrs:
                 read_attributes(obj, plan, kids, MODULE_INTERNALS if root_module else None)
-            if plan.class_dicts:
-                read_class_attributes(obj, plan, kids, class_kids)
+            if (
+                plan.class_dicts
+                and id(plan) not in no_class_kids
+                and not read_class_attributes(obj, plan, kids, class_kids)
+            ):
+                no_class_kids.add(id(plan))
             if root_module:
                 self._module_extras(obj, plan, kids)
             if node:  # the layer itself contributes only its attributes (a path starts with a name)
@@ -172,7 +178,7 @@ class WalkGraph:
                 if ck == TENSOR:
                     if mode != STATE:
                         try:
-                            device = TENSOR_DEVICE(child)
+                            device = tensor_device(child)
                         except Exception as exc:  # an exotic tensor subclass: say so rather than fail the walk
                             where = self.path_of(node, (tk, key))
                             self.notes[f"{where}: cannot read the device of a {TYPE_NAME(type(child))} ({exc})"] = None
@@ -202,7 +208,7 @@ class WalkGraph:
                     kinds.append(ck)
                     if ck != TENSOR:
                         queue.append(idx)
-                    elif type(child) is torch.Tensor and plain_dict is not None:
+                    elif type(child) is plain and plain_dict is not None:
                         if plain_dict(child):
                             queue.append(idx)
                     else:

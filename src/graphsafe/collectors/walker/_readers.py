@@ -305,7 +305,7 @@ def read_contextvar(obj: Any, plan: Plan, kids: list[Kid]) -> None:
 _CLASS_CODE: Final = frozenset({FUNCTION_KIND, METHOD, BUILTIN, WRAPPER})
 
 
-def read_class_attributes(obj: Any, plan: Plan, kids: list[Kid], cache: dict[int, Any]) -> None:
+def read_class_attributes(obj: Any, plan: Plan, kids: list[Kid], cache: dict[int, Any]) -> bool:
     """Attributes an instance reads from its class (``type(layer).cache = t``), unless the instance shadows them.
 
     ``layer.cache`` resolves to such a value, but assign would set an instance attribute, so they are never
@@ -314,19 +314,21 @@ def read_class_attributes(obj: Any, plan: Plan, kids: list[Kid], cache: dict[int
 
     ``cache``: one walk's :func:`class_attribute_kids` per plan (by id; the entry holds the plan, so the id stays
     its own). Per walk only: class attributes can change between walks, never during one (it runs no user code).
+    Returns whether the class has any such attribute (False: no instance of it gives one, in this walk).
     """
     entry = cache.get(id(plan))
     if entry is None:
         entry = cache[id(plan)] = (plan, class_attribute_kids(plan))
     candidates: tuple[tuple[str, Kid], ...] = entry[1]
     if not candidates:
-        return
+        return False
     own = plan.dict_get(obj) if plan.dict_get is not None else None
     if own is not None and type(own) is not dict:
         own = None
     for name, kid in candidates:
         if own is None or name not in own:
             kids.append(kid)
+    return True
 
 
 def class_attribute_kids(plan: Plan) -> tuple[tuple[str, Kid], ...]:
