@@ -2,7 +2,14 @@
 
 Phase 1 (:meth:`WalkGraph.read`) reads objects breadth first, each with the reader :data:`~._readers.READERS`
 holds for its kind, and links their children: a new child becomes a node (unless the depth budget cuts it), a
-known one only gains an edge. Tensors become nodes when the device set holds their device, and are never read.
+known one only gains an edge. Tensors become nodes when the device set holds their device, and are read only for
+attributes set on them. An exact tuple, list or dict that holds leaves only (a config dict, a metadata tuple) is
+read when it is found: it counts as visited, once, but becomes no node, since nothing in it can lead to a tensor.
+(Under a tight ``max_objects`` this reads such containers earlier than breadth-first order would; a cut is still
+reported, with the path where it happened.)
+
+The class attributes an instance may read are worked out once per class per walk (they can change between walks),
+unlike the plans of :mod:`._plans`, which are kept across walks.
 
 Edges live in flat parallel lists (a node's edges are the contiguous range ``estart[n]:eend[n]``) rather than in
 a tuple per edge: per-edge container objects would feed the cyclic GC, which then costs as much as the walk.
