@@ -204,24 +204,26 @@ class WalkGraph:
                         if self.cut_depth():
                             self.depth_cut = self.path_of(node, (tk, key))
                         continue
-                    if ck in _LEAF_HOLDERS and visited < max_objects and holds_only_leaves(child):
+                    if ck == TENSOR:  # queued only with attributes of its own (most tensors have none)
+                        idx = index[cid] = len(objs)
+                        if type(child) is plain and plain_dict is not None:
+                            if plain_dict(child):
+                                queue.append(idx)
+                        else:
+                            tplan = plans_get(id(type(child))) or plan_of(type(child))
+                            if tplan.slots or (tplan.dict_get is not None and tplan.dict_get(child)):
+                                queue.append(idx)
+                    elif ck in _LEAF_HOLDERS and visited < max_objects and holds_only_leaves(child):
                         # A tuple, list or dict of leaves (a config, a metadata tuple): read now, once (it counts
                         # as visited), and no node: no child of it could lead to a tensor.
                         index[cid] = _READ_EMPTY
                         visited += 1
                         continue
-                    idx = index[cid] = len(objs)
+                    else:
+                        idx = index[cid] = len(objs)
+                        queue.append(idx)
                     objs.append(child)
                     kinds.append(ck)
-                    if ck != TENSOR:
-                        queue.append(idx)
-                    elif type(child) is plain and plain_dict is not None:
-                        if plain_dict(child):
-                            queue.append(idx)
-                    else:
-                        tplan = plans_get(id(type(child))) or plan_of(type(child))
-                        if tplan.slots or (tplan.dict_get is not None and tplan.dict_get(child)):
-                            queue.append(idx)
                 elif idx == _READ_EMPTY:
                     continue  # read already (a container of leaves): nothing to link
                 elif idx in extra_in:
