@@ -61,7 +61,7 @@ def enumerate_paths(graph: WalkGraph, skip: Collection[str] = ()) -> list[Tensor
     kinds, objs, estart, eend = graph.kinds, graph.objs, graph.estart, graph.eend
     e_tk, e_key, e_child, e_mode = graph.e_tk, graph.e_key, graph.e_child, graph.e_mode
     max_depth, budget = graph.max_depth, graph.max_objects
-    step_texts = STEP_TEXTS
+    step_texts, skipped = STEP_TEXTS, graph.skipped
     prints: dict[int, Fingerprint | None] = {}  # per tensor node: one fingerprint however many paths
     pos, ends = [estart[0]], [eend[0]]  # per level of the current path: next edge, end of the node's edges
     trail: list[int] = []  # the edges of the current path
@@ -117,7 +117,7 @@ def enumerate_paths(graph: WalkGraph, skip: Collection[str] = ()) -> list[Tensor
             if mode == STATE:
                 pass
             elif skip and text in skip:
-                graph.skipped.append(text)
+                skipped.append(text)
             else:
                 tensor = objs[child]
                 print_ = prints.get(child, _UNSEEN)
