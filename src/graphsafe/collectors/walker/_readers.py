@@ -104,6 +104,9 @@ def read_attributes(obj: Any, plan: Plan, kids: list[Kid], exclude: frozenset[st
             kinds_get, known_names = KINDS.get, NAMEABLE.get
             shadow = plan.data_descriptors
             for name, value in DICT_ITEMS(state):
+                # torch's own Module state first: a layer's dict holds more of it than of anything else
+                if exclude is not None and type(name) is str and name in exclude:
+                    continue
                 ck = kinds_get(id(type(value)))
                 if ck is None:
                     ck = plan_of(type(value)).kind
@@ -112,8 +115,6 @@ def read_attributes(obj: Any, plan: Plan, kids: list[Kid], exclude: frozenset[st
                 if type(name) is not str:  # possible through __dict__ tricks; never hash or repr it
                     why = f"an attribute keyed by a {TYPE_NAME(type(name))}"
                     append((UNNAMED, why, value, ck, NO_WRITE, None))
-                    continue
-                if exclude is not None and name in exclude:
                     continue
                 ok = known_names(name)
                 if ok is None:
