@@ -1210,3 +1210,19 @@ def test_classify_marks_declared_paths_walked_and_leaves_their_fingerprint_to_th
     assert found["ws"].walked and found["args.scale"].walked and found["loose"].walked
     assert not found["weight"].walked  # the layer's own parameter: never a walker find
     assert [id(t) for t in walker_prints] == [id(layer.loose)]  # declared ones: fingerprinted by their declaration
+
+
+def test_a_class_attribute_is_shadowed_by_the_same_name_nearer_along_the_mro() -> None:
+    class Base:
+        cache = torch.ones(2)
+        table = torch.ones(3)
+
+    class Derived(Base):
+        cache = None  # shadows Base.cache: instances read None
+
+    layer = Layer()
+    layer.base = Base()
+    layer.derived = Derived()
+    result = walk(layer)
+    assert paths(result) == ["base.cache", "base.table", "derived.table"]
+    assert result.refs[2].tensor is Base.table

@@ -337,16 +337,21 @@ def class_attribute_kids(plan: Plan) -> tuple[tuple[str, Kid], ...]:
     :func:`read_class_attributes`); what does not depend on the instance, worked out once per class and walk."""
     found: list[tuple[str, Kid]] = []
     seen: set[str] = set()
+    shadowing = len(plan.class_dicts) > 1  # a name of a class shadows the same name further along the MRO
     kinds_get = KINDS.get
     for class_name, d in plan.class_dicts:
         for name, value in DICT_ITEMS(d):
-            if type(name) is not str or name in seen or (name[:2] == "__" and name[-2:] == "__"):
+            if type(name) is not str:
                 continue
-            seen.add(name)
+            if shadowing:
+                if name in seen:
+                    continue
+                seen.add(name)
             ck = kinds_get(id(type(value)))
             if ck is None:
                 ck = plan_of(type(value)).kind
-            if ck <= SKIP or ck in _CLASS_CODE:
+            # Most of a class dict is code and leaves; dunder names are tested only for what is left.
+            if ck <= SKIP or ck in _CLASS_CODE or (name[:2] == "__" and name[-2:] == "__"):
                 continue
             if is_descriptor(value):
                 why = f"class attribute {name!r} of {class_name}, a descriptor"
