@@ -11,10 +11,11 @@ walker once per model and mode, the order alternating from round to round; media
   reload when nothing new appeared: no ref, no fingerprint).
 
 Times are this process's CPU time (``time.process_time``), not wall time: on a machine shared with other jobs the
-wall clock also counts the time they took the CPU. Twice: with ``gc.collect()`` before each timing (the walk's own
-cost; a full collection rarely falls inside), and with the collector left alone while the previous round's results
-are dropped (as a process sees it: the results' objects survive, and gen-2 collections over the whole heap come due
-now and then).
+wall clock also counts the time they took the CPU. ``gc.collect()`` runs before each timing, so a timing holds the
+walk's own cost and its young-generation collections, but (almost never) a gen-2 collection over the whole heap:
+both trees make the same objects per ref, so that cost is the same for both, and in one process it would fall on
+whichever walk crosses the collector's threshold, in a pattern that can lock onto the alternation.
+``benchmarks/compare.py`` (separate processes) shows the collector as it comes.
 """
 
 from __future__ import annotations
@@ -61,37 +62,40 @@ def main() -> None:
         "synthetic 500 x 20": build(Shape("s", 500, 20, 32, 32), device, declare=False),
     }
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, {args.rounds} rounds, medians of process CPU time")
-    print("| model | mode | gc | objects | old objects/s | new objects/s | new/old |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | mode | objects | old objects/s | new objects/s | new/old |")
+    print("|---|---|---|---|---|---|")
     for name, model in models.items():
         modules = [m for _, m in model.named_modules()]
         firsts = {which: [walk(m) for m in modules] for which, walk in walks.items()}
         objects = {which: sum(r.objects_visited for r in results) for which, results in firsts.items()}
         counts = {which: sum(len(r.refs) for r in results) for which, results in firsts.items()}
         assert objects["old"] == objects["new"] and counts["old"] == counts["new"], (objects, counts)
+        # Same refs, in the same order, with the same fingerprints: the trees must agree before they are compared.
+        found = {
+            w: [(ref.path, ref.fingerprint.key, ref.restorable) for r in rs for ref in r.refs]
+            for w, rs in firsts.items()
+        }
+        assert found["old"] == found["new"], name
         known = [frozenset(ref.path for ref in r.refs) for r in firsts["new"]]
         del firsts
-        for collect in (True, False):
-            for mode in ("full", "reload"):
-                times: dict[str, list[float]] = {"old": [], "new": []}
-                kept: dict[str, Any] = {"old": None, "new": None}
-                for round_ in range(args.rounds + 1):
-                    order = ("old", "new") if round_ % 2 == 0 else ("new", "old")
-                    for which in order:
-                        walk = walks[which]
-                        kept[which] = None  # the previous round's results go now, as a caller replacing them
-                        if collect:
-                            gc.collect()
-                        t0 = time.process_time()
-                        if mode == "full":
-                            kept[which] = [walk(m) for m in modules]
-                        else:
-                            kept[which] = [walk(m, skip_paths=k) for m, k in zip(modules, known, strict=True)]
-                        if round_:  # the first round warms up
-                            times[which].append(time.process_time() - t0)
-                old, new = (objects["old"] / statistics.median(times[w]) for w in ("old", "new"))
-                gc_text = "collect before" if collect else "as it comes"
-                print(f"| {name} | {mode} | {gc_text} | {objects['old']} | {old:,.0f} | {new:,.0f} | {new / old:.2f} |")
+        for mode in ("full", "reload"):
+            times: dict[str, list[float]] = {"old": [], "new": []}
+            kept: dict[str, Any] = {"old": None, "new": None}
+            for round_ in range(args.rounds + 1):
+                order = ("old", "new") if round_ % 2 == 0 else ("new", "old")
+                for which in order:
+                    walk = walks[which]
+                    kept[which] = None  # the previous round's results go now, as a caller replacing them
+                    gc.collect()
+                    t0 = time.process_time()
+                    if mode == "full":
+                        kept[which] = [walk(m) for m in modules]
+                    else:
+                        kept[which] = [walk(m, skip_paths=k) for m, k in zip(modules, known, strict=True)]
+                    if round_:  # the first round warms up
+                        times[which].append(time.process_time() - t0)
+            old, new = (objects["old"] / statistics.median(times[w]) for w in ("old", "new"))
+            print(f"| {name} | {mode} | {objects['old']} | {old:,.0f} | {new:,.0f} | {new / old:.2f} |")
 
 
 if __name__ == "__main__":
