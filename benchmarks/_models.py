@@ -239,3 +239,33 @@ class MoEModel(nn.Module):
     def __init__(self, layers: int, experts: int, device: torch.device) -> None:
         super().__init__()
         self.layers = nn.ModuleList(MoEBlock(experts, device) for _ in range(layers))
+
+
+# -- a tensor-dense MoE model for the walker: one kernel-args object per expert ----------------------------------
+
+
+class ExpertArgs:
+    """One expert's kernel arguments: three small tensors (scales, zero points, a permutation), as a quantized
+    grouped GEMM keeps them per expert."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.scales = torch.ones(4, device=device)
+        self.zeros = torch.zeros(4, dtype=torch.int32, device=device)
+        self.g_idx = torch.arange(8, dtype=torch.int32, device=device)
+
+
+class DenseMoELayer(nn.Module):
+    """A MoE layer whose quant method keeps a list of per-expert argument objects (3 tensors each)."""
+
+    def __init__(self, experts: int, device: torch.device) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(experts, 8, 8, device=device), requires_grad=False)
+        self.experts = [ExpertArgs(device) for _ in range(experts)]
+
+
+class DenseMoEModel(nn.Module):
+    """``layers`` MoE layers of ``experts`` experts, each expert an object holding 3 tensors."""
+
+    def __init__(self, layers: int, experts: int, device: torch.device) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(DenseMoELayer(experts, device) for _ in range(layers))

@@ -29,6 +29,8 @@ METRICS: dict[str, bool] = {
     "host_us_per_slot": False,
     "walk_ms": False,
     "objects_per_s": True,
+    "reload_walk_ms": False,
+    "reload_objects_per_s": True,
     "contract_ms": False,
     "recapture_ms": False,
 }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -67,3 +67,39 @@ def test_outcome_to_dict_is_json_and_keeps_the_facts(tiny: Tiny) -> None:
     assert (finding["kind"], finding["layer"], finding["path"]) == ("respecified", "layers.1", "weight_t")
     assert finding["before"]["dtype"] == "float32" and finding["after"]["dtype"] == "float64"
     assert finding["before"]["data_ptr"] == outcome.problems[0].before.data_ptr  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.arange(12.0).reshape(3, 4),
+        lambda: torch.nn.Parameter(torch.ones(2, 3), requires_grad=False),
+        lambda: torch.arange(24, dtype=torch.int32).reshape(4, 6)[1:, ::2],  # offset, strides
+        lambda: torch.ones(3, dtype=torch.complex64).conj(),  # the lazy conjugate bit
+        lambda: torch._neg_view(torch.ones(3)),  # the lazy negative bit
+        lambda: torch.ones(4)[4:],  # no elements: data_ptr 0, the storage's pointer not
+        lambda: torch.ones(2, 1, dtype=torch.bfloat16).t(),
+    ],
+    ids=["plain", "parameter", "strided-view", "conj", "neg", "empty", "size-1-dim"],
+)
+def test_fingerprint_of_a_plain_tensor_has_every_field(make: Any) -> None:
+    from graphsafe.outcome import fingerprint
+
+    tensor = make()
+    storage = tensor.untyped_storage()
+    fp = fingerprint(tensor)
+    assert (fp.storage_ptr, fp.storage_nbytes, fp.data_ptr, fp.storage_offset) == (
+        storage.data_ptr(),
+        storage.nbytes(),
+        tensor.data_ptr(),
+        tensor.storage_offset(),
+    )
+    assert (fp.shape, fp.stride, fp.dtype, fp.device) == (
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+        tensor.device,
+    )
+    assert type(fp.shape) is tuple and type(fp.stride) is tuple and type(fp.storage_offset) is int
+    assert (fp.conj, fp.neg, fp.layout, fp.kind) == (tensor.is_conj(), tensor.is_neg(), torch.strided, torch.Tensor)
+    assert fp.storage_ref() is storage and fp.inner == () and fp.meta is None

@@ -1135,3 +1135,94 @@ def test_generated_dict_keys_render_canonical_paths(items: dict[Any, bool], nest
     assert len(result.refs) == len(planted)
     for ref in result.refs:
         assert format_path(parse_path(ref.path)) == ref.path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What the walk works out once (per walk, per class, per container) must never hide a change.
+
+
+def test_class_attributes_are_read_afresh_at_every_walk_and_shadowed_per_instance() -> None:
+    class Holder:
+        pass
+
+    layer = Layer()
+    layer.a = Holder()
+    layer.b = Holder()
+    assert walk(layer).refs == ()
+    Holder.cache = torch.ones(2)  # type: ignore[attr-defined]
+    layer.b.cache = None  # b's own attribute shadows the class's, a's does not
+    result = walk(layer)
+    assert paths(result) == ["a.cache"]
+    assert not result.refs[0].restorable and "class attribute" in (result.refs[0].reason or "")
+    Holder.cache = torch.ones(3)  # type: ignore[attr-defined]  # replaced on the class: the next walk sees it
+    assert [ref.tensor for ref in walk(layer).refs] == [Holder.cache]  # type: ignore[attr-defined]
+
+
+def test_containers_of_leaves_are_read_once_and_counted() -> None:
+    layer = Layer()
+    meta = (1, "bf16", 128.0, None)
+    layer.a = {"meta": meta, "cfg": {"block": 64}, "empty": [], "t": torch.ones(1)}
+    layer.b = [meta, meta]
+    result = walk(layer)
+    assert paths(result) == ["a['t']"]
+    check_refs(layer, result)
+    assert result.objects_visited == 6  # layer, a, the shared meta tuple (once), cfg, empty, b
+    assert result.exhausted is None
+    for budget in range(1, 6):  # every budget short of 6 says it cut, and never reads past it
+        cut = walk(layer, budget=WalkBudget(max_objects=budget))
+        assert cut.objects_visited == budget and cut.exhausted is not None and "max_objects" in cut.exhausted
+
+
+def test_skip_paths_are_listed_when_reached_and_never_fingerprinted(monkeypatch: pytest.MonkeyPatch) -> None:
+    from graphsafe.collectors.walker import _enumerate
+
+    layer = Layer()
+    shared = torch.ones(2)
+    layer.ws = torch.ones(3)
+    layer.args = Obj(ws=shared, other=shared)
+    layer.gone = torch.empty(1, device="meta")
+    printed: list[torch.Tensor] = []
+    real = _enumerate.fingerprint
+    monkeypatch.setattr(_enumerate, "fingerprint", lambda t: printed.append(t) or real(t))
+    result = walk(layer, skip_paths={"ws", "args.ws", "missing", "gone"})
+    assert paths(result) == ["args.other"]
+    assert result.skipped == ("ws", "args.ws")  # reached; "missing" is not there, "gone" is on no walked device
+    assert [id(t) for t in printed] == [id(shared)]  # once, through args.other; never for ws
+
+
+def test_classify_marks_declared_paths_walked_and_leaves_their_fingerprint_to_the_declaration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from graphsafe import register_derived
+    from graphsafe.collectors import classify
+    from graphsafe.collectors.walker import _enumerate
+
+    layer = Layer()
+    layer.ws = torch.ones(3)
+    layer.args = Obj(scale=torch.ones(1))
+    layer.loose = torch.zeros(2)
+    register_derived(layer, "ws")
+    register_derived(layer, "args.scale")
+    walker_prints: list[torch.Tensor] = []
+    real = _enumerate.fingerprint
+    monkeypatch.setattr(_enumerate, "fingerprint", lambda t: walker_prints.append(t) or real(t))
+    found = {entry.path.text: entry for entry in classify(layer).tensors}
+    assert found["ws"].walked and found["args.scale"].walked and found["loose"].walked
+    assert not found["weight"].walked  # the layer's own parameter: never a walker find
+    assert [id(t) for t in walker_prints] == [id(layer.loose)]  # declared ones: fingerprinted by their declaration
+
+
+def test_a_class_attribute_is_shadowed_by_the_same_name_nearer_along_the_mro() -> None:
+    class Base:
+        cache = torch.ones(2)
+        table = torch.ones(3)
+
+    class Derived(Base):
+        cache = None  # shadows Base.cache: instances read None
+
+    layer = Layer()
+    layer.base = Base()
+    layer.derived = Derived()
+    result = walk(layer)
+    assert paths(result) == ["base.cache", "base.table", "derived.table"]
+    assert result.refs[2].tensor is Base.table

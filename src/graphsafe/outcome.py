@@ -226,6 +226,23 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint:
     Raises :class:`TypeError` or :class:`RuntimeError` for a tensor without storage that is no flattenable wrapper
     (sparse, meta-less fakes); callers that meet arbitrary tensors catch them.
     """
+    if type(tensor) in _PLAIN_KINDS:  # the common case, spelled out: no wrapper test, fields in one positional call
+        storage = tensor.untyped_storage()
+        return Fingerprint(
+            storage.data_ptr(),
+            storage.nbytes(),
+            tensor.data_ptr(),
+            int(tensor.storage_offset()),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+            tensor.device,
+            weakref.ref(storage),
+            tensor.is_conj(),
+            tensor.is_neg(),
+            tensor.layout,
+            torch.Tensor,
+        )
     inner = inner_tensors(tensor)
     if inner is not None:
         parts = tuple((name, fingerprint(value)) for name, value in inner)

@@ -205,11 +205,12 @@ def classify(
     entries.extend(_state_entries(layer, declarations.keys(), devices))
     if not walk_layer:
         return LayerTensors(tuple(entries), tuple(unresolved))
-    result = walk(layer, budget=budget, devices=devices, units=units)
+    # Declared paths are skipped: classified above, they need no walker fingerprint; `skipped` says which it reached.
+    result = walk(layer, budget=budget, devices=devices, skip_paths=declarations.keys(), units=units)
     by_path = {entry.path.text: entry for entry in entries}
-    for ref in result.refs:
-        entry = by_path.get(ref.path)
-        if entry is not None:
+    for path in result.skipped:
+        entry = by_path.get(path)
+        if entry is not None:  # None: a declared path that did not resolve to a tensor (see `unresolved`)
             entry.walked = True
     tracked = [
         (entry.path.text, entry.origin, part.untyped_storage())

@@ -28,10 +28,11 @@ Kid = tuple[int, Any, Any, int, int, str | None]
 
 TOKEN_TYPES: Final[tuple[type[Attr], type[Item], type[Cell]]] = (Attr, Item, Cell)
 
-# By token kind: key -> the text of that step anywhere but first (".name", "[key]", ".__closure__[i]").
-# Only exact str and int keys are cached (hashing them runs no user code; other path keys, True or (8, torch.float32),
-# are formatted each time, since True == 1 would share 1's text).
+# By token kind: key -> the text of that step anywhere but first (".name", "[key]", ".__closure__[i]"), and as the
+# first step of a path ("name"). Only exact str and int keys are cached (hashing them runs no user code; other path
+# keys, True or (8, torch.float32), are formatted each time, since True == 1 would share 1's text).
 STEP_TEXTS: Final[tuple[dict[Any, str], dict[Any, str], dict[Any, str]]] = ({}, {}, {})
+FIRST_STEP_TEXTS: Final[tuple[dict[Any, str], dict[Any, str], dict[Any, str]]] = ({}, {}, {})
 NAMEABLE: Final[dict[str, bool]] = {}  # attribute name -> whether a path can name it
 _CACHE_LIMIT: Final = 100_000  # names and keys are usually a small recurring set; bounded all the same
 
@@ -43,20 +44,23 @@ def token(kind: int, key: Any) -> Token:
 
 def step_text(kind: int, key: Any) -> str:
     """The text of a named edge that is not the first step of its path (cached in :data:`STEP_TEXTS`)."""
+    return _cached_text(STEP_TEXTS[kind], kind, key, False)
+
+
+def first_step_text(kind: int, key: Any) -> str:
+    """The text of a named edge that starts its path (cached in :data:`FIRST_STEP_TEXTS`)."""
+    return _cached_text(FIRST_STEP_TEXTS[kind], kind, key, True)
+
+
+def _cached_text(texts: dict[Any, str], kind: int, key: Any, first: bool) -> str:
     if type(key) is not str and type(key) is not int:  # True == 1: only exact str/int keys share cached texts
-        return format_token(token(kind, key), False)
-    texts = STEP_TEXTS[kind]
+        return format_token(token(kind, key), first)
     text = texts.get(key)
     if text is None:
         if len(texts) >= _CACHE_LIMIT:
             texts.clear()
-        text = texts[key] = format_token(token(kind, key), False)
+        text = texts[key] = format_token(token(kind, key), first)
     return text
-
-
-def first_step_text(kind: int, key: Any) -> str:
-    """The text of a named edge that starts its path."""
-    return format_token(token(kind, key), True)
 
 
 def nameable(name: str) -> bool:

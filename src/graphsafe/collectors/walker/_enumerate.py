@@ -61,7 +61,7 @@ def enumerate_paths(graph: WalkGraph, skip: Collection[str] = ()) -> list[Tensor
     kinds, objs, estart, eend = graph.kinds, graph.objs, graph.estart, graph.eend
     e_tk, e_key, e_child, e_mode = graph.e_tk, graph.e_key, graph.e_child, graph.e_mode
     max_depth, budget = graph.max_depth, graph.max_objects
-    step_texts = STEP_TEXTS
+    step_texts, skipped = STEP_TEXTS, graph.skipped
     prints: dict[int, Fingerprint | None] = {}  # per tensor node: one fingerprint however many paths
     pos, ends = [estart[0]], [eend[0]]  # per level of the current path: next edge, end of the node's edges
     trail: list[int] = []  # the edges of the current path
@@ -104,16 +104,30 @@ def enumerate_paths(graph: WalkGraph, skip: Collection[str] = ()) -> list[Tensor
         else:
             text = first_step_text(tk, key)
         if kinds[child] == TENSOR:
-            if trail and tk == ATTR and _inner_of_a_slot(objs, kinds, prints, e_child[trail[-1]], key):
+            if (
+                trail
+                and tk == ATTR
+                and kinds[e_child[trail[-1]]] == TENSOR  # the rare case (an attribute of a tensor) tested inline
+                and _inner_of_a_slot(objs, prints, e_child[trail[-1]], key)
+            ):
                 continue  # a fingerprinted wrapper's inner tensor: the wrapper's slot restores and verifies it
             # A tensor with attributes (a wrapper's inner tensors, g_idx set on a parameter) is also a step on.
             inner = estart[child] >= 0 and any(marks[e_child[x]] for x in range(estart[child], eend[child]))
             # STATE: the layer's own parameter or buffer, the seal's slot; skipped: the caller knows the path.
-            if mode != STATE and not (skip and text in skip):
+            if mode == STATE:
+                pass
+            elif skip and text in skip:
+                skipped.append(text)
+            else:
                 tensor = objs[child]
                 print_ = prints.get(child, _UNSEEN)
                 if print_ is _UNSEEN:
-                    print_ = _fingerprint(graph, child, tensor, text, prints, inner)
+                    try:
+                        print_ = fingerprint(tensor)
+                    except Exception as exc:  # sparse, or a wrapper subclass without storage
+                        print_ = None
+                        _unprintable(graph, tensor, text, exc, inner)
+                    prints[child] = print_
                 if print_ is None:
                     pass
                 elif mode == INPLACE and clean[-1]:  # the common case: written in place, plainly resolved
@@ -134,14 +148,12 @@ def enumerate_paths(graph: WalkGraph, skip: Collection[str] = ()) -> list[Tensor
     return refs
 
 
-def _inner_of_a_slot(
-    objs: list[Any], kinds: list[int], prints: dict[int, Fingerprint | None], parent: int, name: object
-) -> bool:
-    """Whether attribute ``name`` of node ``parent`` is an inner tensor (``__tensor_flatten__``) of a wrapper
+def _inner_of_a_slot(objs: list[Any], prints: dict[int, Fingerprint | None], parent: int, name: object) -> bool:
+    """Whether attribute ``name`` of tensor node ``parent`` is an inner tensor (``__tensor_flatten__``) of a wrapper
     subclass that is a slot (one the walker could fingerprint): then it is the wrapper's memory, no slot of its
     own."""
     # Not fingerprinted here at all: the layer's own parameter or buffer, or a path the caller seals itself.
-    if kinds[parent] != TENSOR or (parent in prints and prints[parent] is None):
+    if parent in prints and prints[parent] is None:
         return False
     flatten = getattr(type(objs[parent]), "__tensor_flatten__", None)
     if flatten is None:
@@ -169,22 +181,9 @@ def _restorability(graph: WalkGraph, edges: list[int], texts: list[str]) -> tupl
     return True, None  # unreachable: the layer's own attributes are written in place
 
 
-def _fingerprint(
-    graph: WalkGraph,
-    node: int,
-    tensor: torch.Tensor,
-    path: str,
-    prints: dict[int, Fingerprint | None],
-    inner: bool,
-) -> Fingerprint | None:
-    """The fingerprint of a tensor node, remembered in ``prints``; None where it cannot be taken, with a note
-    unless the tensor holds tensors of its own (``inner``: a wrapper subclass, whose inner tensors are the slots)."""
-    try:
-        print_: Fingerprint | None = fingerprint(tensor)
-    except Exception as exc:  # sparse, or a wrapper subclass without storage
-        print_ = None
-        if not inner:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            graph.notes[f"{path}: cannot fingerprint a {TYPE_NAME(type(tensor))} ({first})"] = None
-    prints[node] = print_
-    return print_
+def _unprintable(graph: WalkGraph, tensor: torch.Tensor, path: str, exc: Exception, inner: bool) -> None:
+    """A tensor that cannot be fingerprinted (no ref is made for it): a note, unless it holds tensors of its own
+    (``inner``: a wrapper subclass, whose inner tensors are the slots)."""
+    if not inner:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        graph.notes[f"{path}: cannot fingerprint a {TYPE_NAME(type(tensor))} ({first})"] = None

@@ -2,7 +2,14 @@
 
 Phase 1 (:meth:`WalkGraph.read`) reads objects breadth first, each with the reader :data:`~._readers.READERS`
 holds for its kind, and links their children: a new child becomes a node (unless the depth budget cuts it), a
-known one only gains an edge. Tensors become nodes when the device set holds their device, and are never read.
+known one only gains an edge. Tensors become nodes when the device set holds their device, and are read only for
+attributes set on them. An exact tuple, list or dict that holds leaves only (a config dict, a metadata tuple) is
+read when it is found: it counts as visited, once, but becomes no node, since nothing in it can lead to a tensor.
+(Under a tight ``max_objects`` this reads such containers earlier than breadth-first order would; a cut is still
+reported, with the path where it happened.)
+
+The class attributes an instance may read are worked out once per class per walk (they can change between walks),
+unlike the plans of :mod:`._plans`, which are kept across walks.
 
 Edges live in flat parallel lists (a node's edges are the contiguous range ``estart[n]:eend[n]``) rather than in
 a tuple per edge: per-edge container objects would feed the cyclic GC, which then costs as much as the walk.
@@ -11,18 +18,21 @@ a tuple per edge: per-edge container objects would feed the cyclic GC, which the
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
+from typing import Any, Final
 
 import torch
 
 from graphsafe.collectors.walker._edges import ATTR, STATE, Kid, nameable, render
 from graphsafe.collectors.walker._plans import (
+    DICT,
     DICT_ITEMS,
+    LIST,
     MODULE,
     OBJECT,
     PLANS,
     TENSOR,
     TENSOR_DEVICE,
+    TUPLE,
     TYPE_NAME,
     plan_of,
 )
@@ -31,10 +41,15 @@ from graphsafe.collectors.walker._readers import (
     READERS,
     WALKED_HOOKS,
     add_kid,
+    holds_only_leaves,
     read_attributes,
     read_class_attributes,
 )
 from graphsafe.devices import DeviceSet, WalkBudget
+
+# Containers of leaves are read when found, not queued: ``index`` maps them to this (no node).
+_READ_EMPTY: Final = -1
+_LEAF_HOLDERS: Final = frozenset({TUPLE, LIST, DICT})
 
 
 class WalkGraph:
@@ -67,6 +82,7 @@ class WalkGraph:
         self.objects_cut: str | None = None
         self.paths_cut: str | None = None
         self.notes: dict[str, None] = {}  # an ordered set
+        self.skipped: list[str] = []  # the caller's skip paths that phase 3 reached (each path once)
 
     # -- messages ----------------------------------------------------------------------------------------------
 
@@ -116,22 +132,26 @@ class WalkGraph:
         plans_get, readers_get = PLANS.get, READERS.get
         devices, units = self.devices, self.units
         wanted: dict[torch.device, bool] = {}  # the device set's answer per device, asked once per walk
+        class_kids: dict[int, Any] = {}  # per plan: its class attributes, worked out once per walk
         max_depth, max_objects = self.max_depth, self.max_objects
+        # The nodes to read, in discovery order (breadth first). A tensor is read only for attributes set on it (a
+        # wrapper subclass's inner tensors, g_idx on a parameter); most have none, never enter the queue, and cost
+        # no object of the budget.
+        queue = [0]
+        # The plain tensor class, tested by identity before any plan lookup: most tensors are plain.
+        plain, tensor_device = torch.Tensor, TENSOR_DEVICE  # locals: read once per child
+        tensor_plan = plan_of(plain)
+        plain_dict = tensor_plan.dict_get if not tensor_plan.slots and tensor_plan.dict_get is not None else None
+        no_class_kids: set[int] = set()  # plans whose classes give no class attribute (class_kids keeps them alive)
         head = 0
         visited = 0
-        level, boundary = 0, 1  # breadth first: nodes before `boundary` are at depth <= `level`
-        while head < len(objs):
-            node = head
-            head += 1
-            if node == boundary:
+        level, boundary = 0, 1  # queue entries before `boundary` are at depth <= `level`
+        while head < len(queue):
+            if head == boundary:
                 level += 1
-                boundary = len(objs)
-            if kinds[node] == TENSOR:
-                # A tensor is read only for attributes set on it (a wrapper subclass's inner tensors, g_idx on a
-                # parameter); most have none, and cost no object of the budget.
-                tplan = plans_get(id(type(objs[node]))) or plan_of(type(objs[node]))
-                if not tplan.slots and (tplan.dict_get is None or not tplan.dict_get(objs[node])):
-                    continue
+                boundary = len(queue)
+            node = queue[head]
+            head += 1
             if visited >= max_objects:
                 queued = sum(1 for k in kinds[node:] if k != TENSOR)
                 self.objects_cut = (
@@ -146,8 +166,12 @@ class WalkGraph:
             root_module = node == 0 and plan.kind == MODULE
             if plan.attrs:
                 read_attributes(obj, plan, kids, MODULE_INTERNALS if root_module else None)
-            if plan.class_dicts:
-                read_class_attributes(obj, plan, kids)
+            if (
+                plan.class_dicts
+                and id(plan) not in no_class_kids
+                and not read_class_attributes(obj, plan, kids, class_kids)
+            ):
+                no_class_kids.add(id(plan))
             if root_module:
                 self._module_extras(obj, plan, kids)
             if node:  # the layer itself contributes only its attributes (a path starts with a name)
@@ -158,20 +182,21 @@ class WalkGraph:
             estart[node] = len(e_child)
             child_depth = level + 1
             for tk, key, child, ck, mode, reason in kids:
-                if ck == MODULE and (units is None or id(child) in units):
+                if ck == TENSOR:
+                    if mode != STATE:
+                        try:
+                            device = tensor_device(child)
+                        except Exception as exc:  # an exotic tensor subclass: say so rather than fail the walk
+                            where = self.path_of(node, (tk, key))
+                            self.notes[f"{where}: cannot read the device of a {TYPE_NAME(type(child))} ({exc})"] = None
+                            continue
+                        ok = wanted.get(device)
+                        if ok is None:
+                            ok = wanted[device] = device in devices
+                        if not ok:
+                            continue
+                elif ck == MODULE and (units is None or id(child) in units):
                     continue  # a reload unit of its own (a registered module): its own seal entry walks it
-                if ck == TENSOR and mode != STATE:
-                    try:
-                        device = TENSOR_DEVICE(child)
-                    except Exception as exc:  # an exotic tensor subclass: say so rather than fail the walk
-                        where = self.path_of(node, (tk, key))
-                        self.notes[f"{where}: cannot read the device of a {TYPE_NAME(type(child))} ({exc})"] = None
-                        continue
-                    ok = wanted.get(device)
-                    if ok is None:
-                        ok = wanted[device] = device in devices
-                    if not ok:
-                        continue
                 cid = id(child)
                 idx = index.get(cid)
                 if idx is None:
@@ -179,13 +204,28 @@ class WalkGraph:
                         if self.cut_depth():
                             self.depth_cut = self.path_of(node, (tk, key))
                         continue
-                    idx = len(objs)
-                    index[cid] = idx
+                    if ck == TENSOR:  # queued only with attributes of its own (most tensors have none)
+                        idx = index[cid] = len(objs)
+                        if type(child) is plain and plain_dict is not None:
+                            if plain_dict(child):
+                                queue.append(idx)
+                        else:
+                            tplan = plans_get(id(type(child))) or plan_of(type(child))
+                            if tplan.slots or (tplan.dict_get is not None and tplan.dict_get(child)):
+                                queue.append(idx)
+                    elif ck in _LEAF_HOLDERS and visited < max_objects and holds_only_leaves(child):
+                        # A tuple, list or dict of leaves (a config, a metadata tuple): read now, once (it counts
+                        # as visited), and no node: no child of it could lead to a tensor.
+                        index[cid] = _READ_EMPTY
+                        visited += 1
+                        continue
+                    else:
+                        idx = index[cid] = len(objs)
+                        queue.append(idx)
                     objs.append(child)
                     kinds.append(ck)
-                    parent.append(node)
-                    estart.append(-1)
-                    eend.append(-1)
+                elif idx == _READ_EMPTY:
+                    continue  # read already (a container of leaves): nothing to link
                 elif idx in extra_in:
                     extra_in[idx].append(node)
                 else:
@@ -196,6 +236,11 @@ class WalkGraph:
                 e_mode.append(mode)
                 e_reason.append(reason)
             eend[node] = len(e_child)
+            added = len(objs) - len(parent)
+            if added:  # the node columns of the children found just now, in one step
+                parent += [node] * added
+                estart += [-1] * added
+                eend += [-1] * added
         self.objects_visited = visited
 
     def _module_extras(self, layer: Any, plan: Any, kids: list[Kid]) -> None:

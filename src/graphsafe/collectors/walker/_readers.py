@@ -104,6 +104,9 @@ def read_attributes(obj: Any, plan: Plan, kids: list[Kid], exclude: frozenset[st
             kinds_get, known_names = KINDS.get, NAMEABLE.get
             shadow = plan.data_descriptors
             for name, value in DICT_ITEMS(state):
+                # torch's own Module state first: a layer's dict holds more of it than of anything else
+                if exclude is not None and type(name) is str and name in exclude:
+                    continue
                 ck = kinds_get(id(type(value)))
                 if ck is None:
                     ck = plan_of(type(value)).kind
@@ -112,8 +115,6 @@ def read_attributes(obj: Any, plan: Plan, kids: list[Kid], exclude: frozenset[st
                 if type(name) is not str:  # possible through __dict__ tricks; never hash or repr it
                     why = f"an attribute keyed by a {TYPE_NAME(type(name))}"
                     append((UNNAMED, why, value, ck, NO_WRITE, None))
-                    continue
-                if exclude is not None and name in exclude:
                     continue
                 ok = known_names(name)
                 if ok is None:
@@ -157,6 +158,29 @@ def _read_items(items: Iterable[tuple[Any, Any]], plan: Plan, kids: list[Kid]) -
         add_kid(kids, UNNAMED, f"a dict key of type {key_name}", key, NO_WRITE, None)
         if ck > SKIP:
             append((UNNAMED, f"the value under a {key_name} dict key", value, ck, NO_WRITE, None))
+
+
+def holds_only_leaves(obj: Any) -> bool | None:
+    """For an exact ``tuple``, ``list`` or ``dict``: whether every item (and dict key) is a leaf, so that reading it
+    gives no child at all; ``None`` for any other object. Runs no user code: exact builtin types, C iteration."""
+    kinds_get = KINDS.get
+    cls = type(obj)
+    if cls is tuple or cls is list:
+        for value in TUPLE_ITER(obj) if cls is tuple else LIST_ITER(obj):
+            ck = kinds_get(id(type(value)))
+            if (plan_of(type(value)).kind if ck is None else ck) > SKIP:
+                return False
+        return True
+    if cls is dict:
+        for key, value in DICT_ITEMS(obj):
+            ck = kinds_get(id(type(value)))
+            if (plan_of(type(value)).kind if ck is None else ck) > SKIP:
+                return False
+            ck = kinds_get(id(type(key)))
+            if (plan_of(type(key)).kind if ck is None else ck) > SKIP:
+                return False
+        return True
+    return None
 
 
 def read_dict(obj: Any, plan: Plan, kids: list[Kid]) -> None:
@@ -282,37 +306,61 @@ def read_contextvar(obj: Any, plan: Plan, kids: list[Kid]) -> None:
 _CLASS_CODE: Final = frozenset({FUNCTION_KIND, METHOD, BUILTIN, WRAPPER})
 
 
-def read_class_attributes(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+def read_class_attributes(obj: Any, plan: Plan, kids: list[Kid], cache: dict[int, Any]) -> bool:
     """Attributes an instance reads from its class (``type(layer).cache = t``), unless the instance shadows them.
 
     ``layer.cache`` resolves to such a value, but assign would set an instance attribute, so they are never
     restorable; a descriptor (``__get__``: an lru_cache'd method, say) resolves to something else, so no path names
     what it holds. Dunder names and the classes' code (functions, methods) are skipped.
+
+    ``cache``: one walk's :func:`class_attribute_kids` per plan (by id; the entry holds the plan, so the id stays
+    its own). Per walk only: class attributes can change between walks, never during one (it runs no user code).
+    Returns whether the class has any such attribute (False: no instance of it gives one, in this walk).
     """
-    if not plan.class_dicts:
-        return
+    entry = cache.get(id(plan))
+    if entry is None:
+        entry = cache[id(plan)] = (plan, class_attribute_kids(plan))
+    candidates: tuple[tuple[str, Kid], ...] = entry[1]
+    if not candidates:
+        return False
     own = plan.dict_get(obj) if plan.dict_get is not None else None
     if own is not None and type(own) is not dict:
         own = None
+    for name, kid in candidates:
+        if own is None or name not in own:
+            kids.append(kid)
+    return True
+
+
+def class_attribute_kids(plan: Plan) -> tuple[tuple[str, Kid], ...]:
+    """``(name, edge)`` for every class attribute of ``plan``'s class an instance may read (see
+    :func:`read_class_attributes`); what does not depend on the instance, worked out once per class and walk."""
+    found: list[tuple[str, Kid]] = []
     seen: set[str] = set()
+    shadowing = len(plan.class_dicts) > 1  # a name of a class shadows the same name further along the MRO
     kinds_get = KINDS.get
     for class_name, d in plan.class_dicts:
         for name, value in DICT_ITEMS(d):
-            if type(name) is not str or name in seen or (name[:2] == "__" and name[-2:] == "__"):
+            if type(name) is not str:
                 continue
-            seen.add(name)
+            if shadowing:
+                if name in seen:
+                    continue
+                seen.add(name)
             ck = kinds_get(id(type(value)))
             if ck is None:
                 ck = plan_of(type(value)).kind
-            if ck <= SKIP or ck in _CLASS_CODE or (own is not None and name in own):
+            # Most of a class dict is code and leaves; dunder names are tested only for what is left.
+            if ck <= SKIP or ck in _CLASS_CODE or (name[:2] == "__" and name[-2:] == "__"):
                 continue
             if is_descriptor(value):
                 why = f"class attribute {name!r} of {class_name}, a descriptor"
-                kids.append((UNNAMED, why, value, ck, NO_WRITE, None))
+                found.append((name, (UNNAMED, why, value, ck, NO_WRITE, None)))
             elif name in plan.data_descriptors or not nameable(name):
-                kids.append((UNNAMED, f"class attribute {name!r} of {class_name}", value, ck, NO_WRITE, None))
+                found.append((name, (UNNAMED, f"class attribute {name!r} of {class_name}", value, ck, NO_WRITE, None)))
             else:
-                kids.append((ATTR, name, value, ck, NO_WRITE, plan.class_attr_reason))
+                found.append((name, (ATTR, name, value, ck, NO_WRITE, plan.class_attr_reason)))
+    return tuple(found)
 
 
 # Kinds without a reader: leaves (never entered), tensors and modules and plain objects (attributes only).

@@ -33,3 +33,5 @@ class WalkResult:
     objects_visited: int
     exhausted: str | None
     notes: tuple[str, ...] = ()
+    #: The ``skip_paths`` the walk reached at a tensor, in walk order (no ref made, no fingerprint taken for them).
+    skipped: tuple[str, ...] = ()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Final
 
 import torch
 from torch import nn
@@ -14,6 +15,12 @@ from graphsafe.collectors.walker._results import TensorRef, WalkResult
 from graphsafe.devices import DeviceSet, WalkBudget
 
 __all__ = ["collect", "walk"]
+
+
+_META: Final = torch.device("meta")
+# DeviceSet per set of devices found: layers hold tensors on one or two devices, so a walk of every module of a
+# model meets a handful of sets; a DeviceSet is never changed once made, so it can be shared.
+_DEVICE_SETS: Final[dict[frozenset[torch.device], DeviceSet]] = {}
 
 
 def _layer_devices(layer: object) -> set[torch.device]:
@@ -37,7 +44,7 @@ def _layer_devices(layer: object) -> set[torch.device]:
         children = state.get("_modules")
         if type(children) is dict:
             stack.extend(child for child in DICT_VALUES(children) if child is not None)
-    found.discard(torch.device("meta"))
+    found.discard(_META)
     return found
 
 
@@ -47,7 +54,13 @@ def _device_set(
     if isinstance(devices, DeviceSet):
         return devices
     if devices is None:  # the layer's own devices; every device when it holds no tensor
-        return DeviceSet(_layer_devices(layer) or None)
+        found = frozenset(_layer_devices(layer))
+        device_set = _DEVICE_SETS.get(found)
+        if device_set is None:
+            if len(_DEVICE_SETS) >= 64:
+                _DEVICE_SETS.clear()
+            device_set = _DEVICE_SETS[found] = DeviceSet(found or None)
+        return device_set
     return DeviceSet(devices)
 
 
@@ -73,7 +86,8 @@ def walk(
             devices of the layer's (and its submodules') parameters and buffers, or every device if it has none.
             Meta tensors are never reported.
         skip_paths: paths the caller already tracks (a set, for speed): no ref is made for them and their
-            tensors are not fingerprinted unless another path reaches them. The walk itself is unchanged.
+            tensors are not fingerprinted unless another path reaches them; ``skipped`` lists those reached. The
+            walk itself is unchanged.
         units: ids of the modules that are reload units of their own (the model's registered modules: each is
             walked by its own seal entry). A module not among them, reached through a plain list or attribute of
             an object, is walked like any object (its ``_parameters``, ``_buffers``, attributes). ``None``: every
@@ -92,6 +106,7 @@ def walk(
         objects_visited=graph.objects_visited,
         exhausted=graph.exhausted(),
         notes=tuple(graph.notes),
+        skipped=tuple(graph.skipped),
     )
 
 
