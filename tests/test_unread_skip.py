@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from torch import nn
 
-from graphsafe import GraphContract, graph_visible
+from graphsafe import GraphContract, graph_visible, register_derived
 from graphsafe.collectors import RecordedDriver, record_capture
 from graphsafe.collectors import _kernelscan as kscan
 from graphsafe.outcome import Status
@@ -286,13 +286,73 @@ def test_a_captured_storage_held_outside_the_contract_is_restored_not_skipped() 
 def test_a_captured_storage_only_a_rebuilt_view_reaches_is_restored_through_it() -> None:
     layer, contract = _sealed()
     _capture(contract, _reads_read_t(layer))
-    tail = layer.unread_t[2:]  # holds the storage, not the captured tensor object
+    tail = torch.empty(0).set_(layer.unread_t.untyped_storage(), 8, (2, 4), (4, 1))  # the storage, not the object
     ptr = layer.unread_t.data_ptr()
     with contract.reload() as txn:
         _load(layer, 1)
     outcome = txn.outcome
     assert outcome is not None and outcome.committed and outcome.slots_skipped == 0, outcome.summary()
     assert layer.unread_t.data_ptr() == ptr and torch.equal(tail, (layer.weight + 1)[2:])
+
+
+class Holder(nn.Module):
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(2), requires_grad=False)
+        self.table = table
+
+
+def test_a_reader_of_the_captured_storage_outside_the_step_blocks_the_skip() -> None:
+    # A table two layers share (tied); the loader replaces one of the layers, so only the other is restored.
+    model = nn.Module()
+    shared = torch.ones(4)
+    model.a, model.b = Holder(shared), Holder(shared)
+    del shared
+    register_derived(model.a, "table")
+    register_derived(model.b, "table")
+    contract = GraphContract(model, "recapture", unread="skip").seal()
+    _capture(contract, _table(_kernel(model.a.weight)))
+    with contract.reload() as txn:
+        model.a.table = torch.full((4,), 2.0)
+        model.b = Holder(torch.full((4,), 2.0))
+    outcome = txn.outcome
+    assert outcome is not None and outcome.slots_skipped == 0
+    assert any(
+        "b:table reads the same captured storage and is not restored in this step" in n for n in outcome.skip_notes
+    ), outcome.skip_notes
+
+
+class Arena(Layer):
+    """A slot whose storage is its own object over part of a buffer's memory (from_blob, DLPack, a carved arena)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("arena", torch.zeros(64))
+
+    @graph_visible("read_t", "unread_t", "carved")
+    def process_weights_after_loading(self) -> None:
+        Layer.process_weights_after_loading(self)
+        values = self.weight.flatten()[:16] + 3
+        if not hasattr(self, "carved"):
+            self.carved = torch.from_numpy(self.arena.numpy()[16:32])  # its own storage, inside the arena's bytes
+            self.carved.copy_(values)
+        else:
+            self.carved = values.clone()
+
+
+def test_a_storage_inside_memory_a_graph_reads_is_read() -> None:
+    layer = Arena()
+    _load(layer, 0)
+    contract = GraphContract(layer, "strict", unread="skip").seal()
+    assert layer.carved.untyped_storage() is not layer.arena.untyped_storage()
+    _capture(contract, _table(_kernel(layer.read_t, layer.arena)))  # the kernel reads the whole arena
+    unread = contract.manifest.unread(contract)  # type: ignore[union-attr]
+    assert unread is not None and "carved" not in {i.path for i in unread}
+    with contract.reload() as txn:
+        _load(layer, 1)
+    outcome = txn.outcome
+    assert outcome is not None and outcome.committed and outcome.slots_skipped == 1, outcome.summary()  # unread_t
+    assert torch.equal(layer.arena[16:32], layer.weight.flatten()[:16] + 3)  # what the graph reads there: new values
 
 
 # -- the new tensor: on memory a graph reads, or another slot's captured storage -----------------------------------
@@ -469,8 +529,6 @@ def _oracle(model: Many, reads: dict[int, int], n: int) -> None:
 def test_oracle_every_storage_a_graph_reads_holds_the_reloads_values_at_its_captured_address(
     n: int, data: st.DataObject
 ) -> None:
-    from graphsafe import register_derived
-
     model = Many(n)
     with torch.no_grad():
         model.weight.copy_(torch.randn(n, 8, generator=torch.Generator().manual_seed(0)))
