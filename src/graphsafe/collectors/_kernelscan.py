@@ -15,9 +15,16 @@ no model path holds (unowned), freed memory, or memory the caching allocator nev
 own; outside the model's concern, counted only). Allocator blocks no Python tensor holds (a library's workspace
 taken from the caching allocator) are likewise counted, not reported.
 
-Limits: a pointer a kernel reads through a device-side pointer array (grouped-GEMM argument arrays) is visible only
-as the array; parameters passed through ``extra`` rather than ``kernelParams`` are not read (the node is noted); a
-graph captured without ``keep_graph=True`` cannot be scanned (:class:`ScanUnavailable`).
+Every word's range also joins the capture's :class:`ReadRanges` (what the graph reads, whatever the word was
+classified as), and small int64/uint64 storages a word points into are read to host once as pointer arrays: what
+their words point into is read too (not attributed to findings; it keeps memory from being called unread).
+
+Limits: a pointer a kernel reads through a device-side pointer array (grouped-GEMM argument arrays) is visible to
+the findings only as the array (one level of arrays counts for what is unread, see :func:`attribute`); parameters
+passed through ``extra`` rather than ``kernelParams``, or whose layout ``cuFuncGetParamInfo`` cannot give, are not
+read, and neither are host, conditional or other node types: each is noted and makes the scan incomplete
+(:attr:`GraphScan.incomplete`); a graph captured without ``keep_graph=True`` cannot be scanned
+(:class:`ScanUnavailable`).
 
 The driver is reached through NVIDIA's ``cuda-bindings`` (the optional extra ``graphsafe[cuda]``), imported on
 first use; :class:`RecordedDriver` replays a recorded node table, so the walk and the decoding run without a GPU.
