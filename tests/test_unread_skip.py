@@ -490,38 +490,52 @@ def test_layerwise_reload_skips_per_layer() -> None:
 
 
 # -- the oracle: no stale read reported COMMITTED ---------------------------------------------------------------
+#: Old tensors the oracle's "rebuild-held" plan keeps alive outside the model (a loader's dict, a user variable).
+_KEPT: list[torch.Tensor] = []
+
+
 class Many(nn.Module):
-    """``n`` derived slots; PWAL rebuilds some and writes the others in place, as ``plan`` says."""
+    """``n`` derived slots ``d{i}``, a view ``v`` of ``d0`` (an alias that moves with it) and a one-word pointer array
+    ``ptrs``; PWAL rebuilds each ``d{i}``, writes it in place, or rebuilds it while the old one is kept elsewhere, as
+    ``plan`` says."""
 
     def __init__(self, n: int) -> None:
         super().__init__()
         self.n = n
         self.weight = nn.Parameter(torch.zeros(n, 8), requires_grad=False)
+        self.register_buffer("ptrs", torch.zeros(1, dtype=torch.int64))
         self.plan: list[str] = ["rebuild"] * n
-        for i in range(n):
-            setattr(self, f"d{i}", (self.weight[i] * (i + 2)).clone())
+        self.process_weights_after_loading()
 
     def process_weights_after_loading(self) -> None:
         for i, how in enumerate(self.plan):
             value = self.weight[i] * (i + 2)
-            if how == "rebuild":
-                setattr(self, f"d{i}", value.clone())
-            else:
-                getattr(self, f"d{i}").copy_(value)
+            old = getattr(self, f"d{i}", None)
+            if how == "inplace" and old is not None:
+                old.copy_(value)
+                continue
+            if how == "rebuild-held" and old is not None:
+                _KEPT.append(old)
+            setattr(self, f"d{i}", value.clone())
+        if self.plan[0] != "inplace" or not hasattr(self, "v"):
+            self.v = self.d0[:4]
 
 
-def _oracle(model: Many, reads: dict[int, int], n: int) -> None:
+def _oracle(model: Many, reads: dict[str, int]) -> None:
     """Independent of the contract: what PWAL computes from the weights as loaded must be what every path holds,
-    and every storage a graph reads must be held at the address the graph captured."""
-    for i in range(n):
+    and every path a graph reads (directly or through the pointer array) must be at the address it captured."""
+    for i in range(model.n):
         produced = model.weight[i] * (i + 2)
         held = getattr(model, f"d{i}")
-        if i in reads:
-            assert held.data_ptr() == reads[i], f"d{i}: a graph reads @{reads[i]:x}, the model holds it elsewhere"
-        assert torch.equal(held, produced), f"d{i}: not the reload's values (a graph reads it: {i in reads})"
+        if f"d{i}" in reads:
+            assert held.data_ptr() == reads[f"d{i}"], f"d{i}: a graph reads @{reads[f'd{i}']:x}, the model moved it"
+        assert torch.equal(held, produced), f"d{i}: not the reload's values (a graph reads it: {f'd{i}' in reads})"
+    assert model.v.untyped_storage() is model.d0.untyped_storage() and torch.equal(model.v, model.d0[:4])
+    if "v" in reads:
+        assert model.v.data_ptr() == reads["v"], "v: a graph reads it, the model moved it"
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n=st.integers(2, 5),
     data=st.data(),
@@ -535,30 +549,41 @@ def test_oracle_every_storage_a_graph_reads_holds_the_reloads_values_at_its_capt
         model.process_weights_after_loading()
     for i in range(n):
         register_derived(model, f"d{i}")
+    register_derived(model, "v")
     contract = GraphContract(model, "recapture", unread="skip").seal()
-    reads: dict[int, int] = {}  # slot -> the address the graph captured
+    reads: dict[str, int] = {}  # path -> the address the graph captured
+    names = [*(f"d{i}" for i in range(n)), "v"]
 
     def capture() -> None:
-        chosen = data.draw(st.sets(st.integers(0, n - 1)), label="graph reads")
+        chosen = sorted(data.draw(st.sets(st.sampled_from(names)), label="graph reads"))
+        pointed = data.draw(st.sampled_from([None, *names[:-1]]), label="pointer array points at")
         reads.clear()
-        reads.update({i: getattr(model, f"d{i}").data_ptr() for i in chosen})
-        rows = [_kernel(*(getattr(model, f"d{i}") for i in sorted(chosen)))] if chosen else [{"type": "empty"}]
-        _capture(contract, _table(*rows))
+        reads.update({name: getattr(model, name).data_ptr() for name in chosen})
+        tensors = [getattr(model, name) for name in chosen]
+        if pointed is not None:  # the graph reads the array, and through it what it points at
+            model.ptrs.fill_(getattr(model, pointed).data_ptr())
+            reads[pointed] = getattr(model, pointed).data_ptr()
+            tensors.append(model.ptrs)
+        _capture(contract, _table(_kernel(*tensors)) if tensors else _table({"type": "empty"}))
 
     capture()
     for step in range(data.draw(st.integers(1, 4), label="reloads")):
         if data.draw(st.booleans(), label="recapture first"):
             capture()
-        model.plan = [data.draw(st.sampled_from(["rebuild", "inplace"]), label=f"d{i}") for i in range(n)]
+        model.plan = [
+            data.draw(st.sampled_from(["rebuild", "inplace", "rebuild-held"]), label=f"d{i}") for i in range(n)
+        ]
         seed = 100 + step
         with contract.reload() as txn, torch.no_grad():
             model.weight.copy_(torch.randn(n, 8, generator=torch.Generator().manual_seed(seed)))
             model.process_weights_after_loading()
+        _KEPT.clear()
         outcome = txn.outcome
         assert outcome is not None
         if outcome.status is Status.COMMITTED:
-            _oracle(model, reads, n)  # in a function of its own: its locals do not keep a slot's tensor alive
-            skipped = sum(1 for i in range(n) if i not in reads and model.plan[i] == "rebuild")
+            _oracle(model, reads)  # in a function of its own: its locals do not keep a slot's tensor alive
+            read = {name for name in reads} | ({"d0"} if "v" in reads else set())
+            skipped = sum((2 if i == 0 else 1) for i in range(n) if f"d{i}" not in read and model.plan[i] == "rebuild")
             assert outcome.slots_skipped == skipped, outcome.summary()
         else:
             contract.reseal(recaptured=True)

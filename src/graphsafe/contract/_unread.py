@@ -30,6 +30,7 @@ in the manifest; once a slot is skipped its memory is freed, and such a graph wo
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,8 @@ class SkipState:
     skipped: int = 0
     refused: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: The manifest's read test, built once per transaction (the captures do not change during a reload).
+    reads: Callable[[Any], bool] | None = None
 
 
 # A member of a group: (snapshot, slot index, the new tensor at its path).
@@ -158,16 +161,18 @@ def skip_unread(contract: GraphContract, group: list[LayerSnapshot], state: Skip
             "record_capture(contract, graph=torch.cuda.CUDAGraph(keep_graph=True)) or the vLLM plugin"
         )
         return
-    why = truth()
-    if why is not None:
-        state.refused = f"what the captured graphs read is not fully known: {why}"
-        return
+    if state.reads is None:
+        why = truth()
+        if why is not None:
+            state.refused = f"what the captured graphs read is not fully known: {why}"
+            return
+        state.reads = read_test()
     groups = _groups(contract, group)
     if not groups:
         return
-    reads_storage = read_test()
-    sealed_ids: set[int] | None = None
-    adopted: set[int] = set()
+    reads_storage = state.reads
+    # ids of the sealed slots' captured storages, once per step (a declaration made since joins the seal meanwhile)
+    sealed: set[int] | None = None
     for entry in groups:
         if not entry.members:
             continue
@@ -185,16 +190,16 @@ def skip_unread(contract: GraphContract, group: list[LayerSnapshot], state: Skip
                 f"{first}: no graph reads it, but its paths no longer share one storage (aliases must move together)"
             )
             continue
-        if sealed_ids is None:
-            sealed_ids = _sealed_storages(contract)
-        if id(new_storage) in sealed_ids or id(new_storage) in adopted:
+        if sealed is None:
+            sealed = _sealed_storages(contract)
+        if id(new_storage) in sealed:  # another slot's, or another group's adopted one
             state.notes.append(f"{first}: no graph reads it, but its new tensor is on another slot's captured storage")
             continue
         if reads_storage(new_storage):
             state.notes.append(f"{first}: no graph reads it, but a captured graph reads memory its new tensor is on")
             continue
         if _let_go(contract, entry, new_storage):
-            adopted.add(id(new_storage))
+            sealed.add(id(new_storage))  # a captured storage of the seal from now on
             state.skipped += len(entry.members)
         else:
             state.notes.append(
