@@ -50,6 +50,7 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     "tests/gpu/test_kernel_scan.py": {"graphsafe.collectors._kernelscan"},
     # the skip of unread slots runs on recorded node tables: the scan's driver and allocator view are replaced
     "tests/test_unread_skip.py": {"graphsafe.collectors._kernelscan"},
+    "tests/fuzz/test_fuzz_skip.py": {"graphsafe.collectors._kernelscan"},
     # a copy that raises halfway is injected into the copy batch
     "tests/test_adversarial.py": {"graphsafe.contract._copy"},
     # the hook installer's wrappers and markers, and the pack's attribute, are checked on the real vLLM; the
