@@ -283,16 +283,37 @@ def test_a_captured_storage_held_outside_the_contract_is_restored_not_skipped() 
     assert "still held outside the contract" in note
 
 
-def test_a_captured_storage_only_a_rebuilt_view_reaches_is_restored_through_it() -> None:
+def test_a_captured_storage_another_tensor_holds_is_restored_into_the_captured_object_itself() -> None:
     layer, contract = _sealed()
     _capture(contract, _reads_read_t(layer))
     tail = torch.empty(0).set_(layer.unread_t.untyped_storage(), 8, (2, 4), (4, 1))  # the storage, not the object
+    captured = weakref.ref(layer.unread_t)
     ptr = layer.unread_t.data_ptr()
     with contract.reload() as txn:
         _load(layer, 1)
     outcome = txn.outcome
     assert outcome is not None and outcome.committed and outcome.slots_skipped == 0, outcome.summary()
     assert layer.unread_t.data_ptr() == ptr and torch.equal(tail, (layer.weight + 1)[2:])
+    # Seen held before letting go (the storage's use count): the restore is the plain one, into the same object.
+    assert layer.unread_t is captured()
+    assert "still held outside the contract" in outcome.skip_notes[0]
+
+
+def test_a_captured_view_whose_base_is_held_elsewhere_is_restored_through_a_rebuilt_view() -> None:
+    layer = Layer()
+    _load(layer, 0)
+    arena = torch.zeros(32)  # held by this test: the captured view's base
+    layer.unread_t = arena[:16].view(4, 4)
+    layer.unread_t.copy_(layer.weight + 1)
+    contract = GraphContract(layer, "strict", unread="skip").seal()
+    _capture(contract, _reads_read_t(layer))
+    with contract.reload() as txn:
+        _load(layer, 1)
+    outcome = txn.outcome
+    assert outcome is not None and outcome.committed and outcome.slots_skipped == 0, outcome.summary()
+    assert layer.unread_t.data_ptr() == arena.data_ptr()  # rebound to a view rebuilt on the captured storage
+    assert torch.equal(arena[:16].view(4, 4), layer.weight + 1)
+    assert "still held outside the contract" in outcome.skip_notes[0]
 
 
 class Holder(nn.Module):

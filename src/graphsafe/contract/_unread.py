@@ -198,7 +198,7 @@ def skip_unread(contract: GraphContract, group: list[LayerSnapshot], state: Skip
         if reads_storage(new_storage):
             state.notes.append(f"{first}: no graph reads it, but a captured graph reads memory its new tensor is on")
             continue
-        if _let_go(contract, entry, new_storage):
+        if (_held_elsewhere(entry) or 0) <= 0 and _let_go(contract, entry, new_storage):
             sealed.add(id(new_storage))  # a captured storage of the seal from now on
             state.skipped += len(entry.members)
         else:
@@ -208,11 +208,43 @@ def skip_unread(contract: GraphContract, group: list[LayerSnapshot], state: Skip
             )
 
 
+def _held_elsewhere(entry: _Group) -> int | None:
+    """How many references to the group's captured storage the snapshot's do not account for, by the storage's use
+    count (``None``: it cannot tell: a captured view whose base no member holds, or no use count on this torch).
+
+    Asked before letting go, so that a storage clearly held elsewhere is restored exactly as ``"restore"`` would
+    (the let-go check takes the captured tensors back otherwise, and a view only the snapshot held comes back as a
+    new view). It only ever avoids letting go: whether the storage is freed is still decided by its weak reference.
+    torch counts one use per tensor on the storage and one for the storage's Python object (torch's own CUDA graph
+    trees rely on the same).
+    """
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    storage = entry.storage_ref()
+    if storage is None or not callable(use_count):
+        return None
+    ours: dict[int, torch.Tensor] = {}
+    for snapshot, index, _ in entry.members:
+        before = snapshot.freshness.get(index)
+        for tensor in (snapshot.captured[index], before[0] if before is not None else None):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage() is storage:
+                ours[id(tensor)] = tensor
+    if any(t._base is not None and id(t._base) not in ours for t in ours.values()):
+        return None  # the base holds the storage too, and whether anything but the view holds the base is unknown
+    return int(use_count(storage._cdata)) - len(ours) - 1
+
+
 def _let_go(contract: GraphContract, entry: _Group, new_storage: Any) -> bool:
     """Drop the snapshot's references to the group's captured storage; adopt the new tensors where it was freed
     (True), else take the captured tensors back for the restore (False)."""
     old_id = id(entry.storage_ref())
+    # Per member, whether the reload wrote the captured tensor before now (its version counter moved since the
+    # snapshot): what the restore asks of a captured tensor's counter, kept for a view rebuilt below.
+    moved: list[bool] = []
     for snapshot, index, _ in entry.members:
+        captured = snapshot.captured[index]
+        version = snapshot.versions[index] if index < len(snapshot.versions) else -1
+        moved.append(captured is not None and 0 <= version != captured._version)
+        del captured
         snapshot.captured[index] = None
         before = snapshot.freshness.get(index)
         if before is not None:  # what PWAL left at the path before: the captured tensor; keep the rest
@@ -220,12 +252,14 @@ def _let_go(contract: GraphContract, entry: _Group, new_storage: Any) -> bool:
         del before
     alive = entry.storage_ref()
     if alive is not None:  # someone else holds it: restore as usual, into the captured tensor (or a view on it)
-        for snapshot, index, _ in entry.members:
+        for (snapshot, index, _), written in zip(entry.members, moved, strict=True):
             slot = snapshot.slots[index]
             tensor = slot.tensor_ref()
-            if tensor is None:
+            if tensor is None:  # only the snapshot held that object: a new view on the captured storage
                 tensor = slot.captured()
-                snapshot.versions[index] = -1  # a rebuilt view: no write through the model's tensors moves its counter
+                if tensor is not None and index < len(snapshot.versions) and snapshot.versions[index] >= 0:
+                    # Its counter starts afresh: keep "written since the snapshot" as the original's counter said.
+                    snapshot.versions[index] = tensor._version + (1 if written else 0)
             snapshot.captured[index] = tensor
             before = snapshot.freshness.get(index)
             if before is not None and tensor is not None:
