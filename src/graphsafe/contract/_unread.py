@@ -20,7 +20,8 @@ unread):
 4. ``S'`` is no sealed slot's captured storage, no other group's ``S'``, and no captured graph reads any byte of it;
 5. once the contract lets go of ``S`` (its snapshot's references), ``S`` is freed: nothing else in the process holds
    it, so no path the contract does not know of (an alias under ``detect="declared-only"``, a loader's dict, an
-   autograd edge) is left reading its old values. Where ``S`` survives, the contract takes it back and restores it.
+   autograd edge) is left reading its old values. Where ``S`` survives, the contract takes it back and restores it;
+   where its use count already shows another tensor on it, it is not let go at all (:func:`_held_elsewhere`).
 
 The precondition, the user's to keep: every graph that reads the model is captured through graphsafe (the torch
 adapter, ``record_capture(graph=...)``, the vLLM plugin) with the kernel scan. A graph captured any other way is not
