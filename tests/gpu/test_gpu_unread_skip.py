@@ -58,12 +58,16 @@ def _needs_the_scan() -> None:
         pytest.skip(why)
 
 
-def test_storage_weakrefs_follow_the_memory_on_this_torch(device: torch.device) -> None:
+def test_storage_weakrefs_follow_the_memory_on_this_torch(device: torch.device, gpu_notes: list[str]) -> None:
     # The skip frees a captured storage only when its weak reference dies once the contract lets go: that needs
     # the storage's Python object to live exactly as long as its memory (torch's PyObject preservation).
     base = torch.randn(16, device=device)
     ref = weakref.ref(base.untyped_storage())
     view = base[4:]
+    # The look before letting go counts one use per tensor and one for the Python storage object (a mismatch only
+    # costs skips: the weak reference decides).
+    uses = torch._C._storage_Use_Count(base.untyped_storage()._cdata)
+    gpu_notes.append(f"storage use count of a tensor and one view (expected 3 = 2 tensors + the Python object): {uses}")
     del base
     assert ref() is not None, "a view keeps the storage, so its weak reference must stay alive"
     del view
