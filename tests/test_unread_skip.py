@@ -510,6 +510,29 @@ def test_layerwise_reload_skips_per_layer() -> None:
         assert torch.equal(layer.unread_t, layer.weight + 1)
 
 
+def test_layerwise_tied_slots_are_skipped_together_at_finish() -> None:
+    # A table two layers share (tied): restored at finish(), when both are loaded; both paths moved to one new tensor.
+    model = nn.Module()
+    model.a, model.b = Holder(torch.ones(4)), Holder(torch.zeros(1))
+    model.b.table = model.a.table
+    register_derived(model.a, "table")
+    register_derived(model.b, "table")
+    contract = GraphContract(model, "strict", unread="skip").seal()
+    _capture(contract, _table(_kernel(model.a.weight)))
+    old = weakref.ref(model.a.table.untyped_storage())
+    with contract.reload(layerwise=True) as txn:
+        txn.before_layer(model.a)
+        model.a.table = torch.full((4,), 2.0)
+        txn.after_layer(model.a)
+        assert old() is not None  # tied: waits for finish()
+        txn.before_layer(model.b)
+        model.b.table = model.a.table
+        txn.after_layer(model.b)
+    outcome = txn.outcome
+    assert outcome is not None and outcome.committed and outcome.slots_skipped == 2, outcome.summary()
+    assert old() is None and model.b.table is model.a.table and torch.equal(model.a.table, torch.full((4,), 2.0))
+
+
 # -- the oracle: no stale read reported COMMITTED ---------------------------------------------------------------
 #: Old tensors the oracle's "rebuild-held" plan keeps alive outside the model (a loader's dict, a user variable).
 _KEPT: list[torch.Tensor] = []
