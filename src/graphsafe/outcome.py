@@ -512,6 +512,15 @@ class ReloadOutcome:
     #: Slots whose storage no captured graph reads, by the kernel scan (``None``: not every capture was
     #: kernel-scanned, so what is unread is not known).
     slots_unread: int | None = None
+    #: Slots whose restore copy was skipped because no captured graph reads them (``GraphContract(unread="skip")``):
+    #: the new tensor PWAL made stays at the path and the contract adopted it as the slot's sealed memory.
+    slots_skipped: int = 0
+    #: With ``unread="skip"``: why no copy was skipped at all (what the graphs read is not fully known, naming the
+    #: capture), or ``None``.
+    skip_refused: str | None = None
+    #: With ``unread="skip"``: unread slots restored anyway, each with why (an alias path left on the captured
+    #: storage, the captured storage still held elsewhere, the new tensor on memory a graph reads).
+    skip_notes: tuple[str, ...] = ()
 
     @property
     def needs_recapture(self) -> bool:
@@ -538,7 +547,18 @@ class ReloadOutcome:
         lines = [
             f"reload {self.status.value} (mode={self.mode}): {self.slots_restored} slot(s) restored, "
             f"{self.bytes_copied} bytes copied, {len(self.problems)} problem(s) in {self.seconds * 1e3:.2f} ms"
+            + (
+                f"; {self.slots_skipped} unread slot(s) not copied (no captured graph reads them)"
+                if self.slots_skipped
+                else ""
+            )
         ]
+        if self.skip_refused is not None:
+            lines.append(f"  unread slots restored, not skipped: {self.skip_refused}")
+        for note in self.skip_notes[:5]:
+            lines.append(f"  unread slot restored, not skipped: {note}")
+        if len(self.skip_notes) > 5:
+            lines.append(f"  ... and {len(self.skip_notes) - 5} more unread slot(s) restored")
         for finding in self.problems[:10]:
             lines.append("  - " + finding.describe().replace("\n", "\n    "))
         if len(self.problems) > 10:

@@ -52,20 +52,31 @@ def _reads(model: models.FuzzModel, x: torch.Tensor, values: bool = True) -> dic
     return oracle.record(lambda note: models.forward(model, x, note), (x,), values=values)
 
 
-def run(scenario: Scenario, after_reload: Callable[[models.FuzzModel], None] | None = None) -> Result:
+def run(
+    scenario: Scenario,
+    after_reload: Callable[[models.FuzzModel], None] | None = None,
+    *,
+    unread: str = "restore",
+    capture: Callable[[GraphContract, models.FuzzModel, torch.Tensor], set[oracle.Key]] | None = None,
+) -> Result:
     """Run ``scenario`` and return the oracle's verdict. Raises :class:`FuzzerBug` for the generator's own bugs.
 
     ``after_reload(model)`` runs once the reload is over, before the oracle looks (the oracle's own tests inject a
-    lie there).
+    lie there). ``unread`` is the contract's policy; ``capture(contract, model, x)``, when given, records the
+    capture in place of ``record_capture`` around a forward, for every scenario, and returns the reads (keys) the
+    captured graph makes: the oracle then judges a replay by those alone (the kernel scan's skip test).
     """
+    graph_reads: set[oracle.Key] | None = None
     x = torch.ones(1)
     old = models.weights(scenario, (OLD_SEED,) * len(scenario.layers))
     new = models.weights(scenario, _seeds(scenario))
     model = models.build(scenario, old)
-    contract = GraphContract(model, scenario.mode, detect=scenario.detect)  # type: ignore[arg-type]
+    contract = GraphContract(model, scenario.mode, detect=scenario.detect, unread=unread)  # type: ignore[arg-type]
     try:
         contract.seal()
-        if scenario.manifest:
+        if capture is not None:
+            graph_reads = capture(contract, model, x)
+        elif scenario.manifest:
             with record_capture(contract, ignore=[x]):
                 models.forward(model, x)
     except FuzzerBug:
@@ -75,6 +86,8 @@ def run(scenario: Scenario, after_reload: Callable[[models.FuzzModel], None] | N
     except Exception as exc:
         return _crash(scenario, exc, "seal")
     captured = _reads(model, x, values=False)
+    if graph_reads is not None:
+        captured = {key: read for key, read in captured.items() if key in graph_reads}
     cold = _reads(models.build(scenario, new), x)
     if scenario.mode != "strict":
         contract.on_recapture(lambda outcome: None)  # a CPU "recapture": the contract reseals after it

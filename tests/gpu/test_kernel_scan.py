@@ -319,6 +319,13 @@ def test_pointer_array_is_seen_only_as_the_array(device: torch.device) -> None:
     assert isinstance(manifest, Manifest)
     paths = {h.path for e in manifest.entries(graph.name) for h in e.holders}
     assert "ptrs" in paths and not {"a", "b"} & paths, paths  # the array, not what it points to
+    # For what no graph reads, the array's words count: read to host once at scan time (a small int64 storage),
+    # they point into a and b, so neither is unread (an unread="skip" contract keeps restoring them).
+    facts = manifest._scans[graph.name]
+    assert facts.arrays >= 1 and facts.indirect >= 2, (facts.arrays, facts.indirect)
+    unread = manifest.unread(contract)
+    assert unread is not None, manifest.truth()
+    assert not {"a", "b"} & {i.path for i in unread}, [i.path for i in unread]
 
 
 # -- recorded tables for the CPU tests -------------------------------------------------------------------------------

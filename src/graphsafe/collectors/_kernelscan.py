@@ -15,9 +15,16 @@ no model path holds (unowned), freed memory, or memory the caching allocator nev
 own; outside the model's concern, counted only). Allocator blocks no Python tensor holds (a library's workspace
 taken from the caching allocator) are likewise counted, not reported.
 
-Limits: a pointer a kernel reads through a device-side pointer array (grouped-GEMM argument arrays) is visible only
-as the array; parameters passed through ``extra`` rather than ``kernelParams`` are not read (the node is noted); a
-graph captured without ``keep_graph=True`` cannot be scanned (:class:`ScanUnavailable`).
+Every word's range also joins the capture's :class:`ReadRanges` (what the graph reads, whatever the word was
+classified as), and small int64/uint64 storages a word points into are read to host once as pointer arrays: what
+their words point into is read too (not attributed to findings; it keeps memory from being called unread).
+
+Limits: a pointer a kernel reads through a device-side pointer array (grouped-GEMM argument arrays) is visible to
+the findings only as the array (one level of arrays counts for what is unread, see :func:`attribute`); parameters
+passed through ``extra`` rather than ``kernelParams``, or whose layout ``cuFuncGetParamInfo`` cannot give, are not
+read, and neither are host, conditional or other node types: each is noted and makes the scan incomplete
+(:attr:`GraphScan.incomplete`); a graph captured without ``keep_graph=True`` cannot be scanned
+(:class:`ScanUnavailable`).
 
 The driver is reached through NVIDIA's ``cuda-bindings`` (the optional extra ``graphsafe[cuda]``), imported on
 first use; :class:`RecordedDriver` replays a recorded node table, so the walk and the decoding run without a GPU.
@@ -29,6 +36,7 @@ import bisect
 import ctypes
 import gc
 import time
+from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,6 +44,8 @@ from typing import Any, Protocol
 import torch
 
 __all__ = [
+    "POINTER_ARRAY_BYTES",
+    "POINTER_ARRAY_DTYPES",
     "POINTER_SIZE",
     "CudaDriver",
     "Driver",
@@ -43,6 +53,7 @@ __all__ = [
     "GraphScan",
     "Located",
     "ScanFacts",
+    "ReadRanges",
     "RecordedDriver",
     "ScanUnavailable",
     "StorageView",
@@ -51,6 +62,7 @@ __all__ = [
     "driver",
     "keeps_graph",
     "live_tensors",
+    "pointer_array_words",
     "pointer_words",
     "raw_graph",
     "record_table",
@@ -83,7 +95,9 @@ class GraphNode:
 
     ``kind`` is ``"kernel"``, ``"memset"``, ``"memcpy"`` or another node type's name (not read). For a kernel,
     ``layout`` is ``(offset, size)`` per parameter and ``params`` their bytes (``None`` when the launch passed
-    them through ``extra``); for a memset or memcpy, ``pointers`` are its device addresses.
+    them through ``extra``); for a memset or memcpy, ``pointers`` are its device addresses. ``undecoded`` says why
+    a kernel's parameters were not (all) read (``""``: every parameter was read): then what the kernel reads is
+    not known, and neither is what the graph does not read.
     """
 
     kind: str
@@ -91,6 +105,7 @@ class GraphNode:
     layout: tuple[tuple[int, int], ...] = ()
     params: tuple[bytes, ...] | None = ()
     pointers: tuple[int, ...] = ()
+    undecoded: str = ""
 
     def words(self) -> list[int]:
         """Candidate addresses: a kernel's aligned pointer-sized parameter words, or a copy node's pointers."""
@@ -157,6 +172,9 @@ class GraphScan:
     #: One line per node the scan could not read (a kernel with ``extra`` parameters, an unknown node type).
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: Why the scan does not know everything the graph reads (one line per node it could not read fully: a kernel
+    #: whose parameters it could not decode, a node type it does not read); empty when it read every node.
+    incomplete: list[str] = field(default_factory=list)
 
     @property
     def kernel_names(self) -> list[str]:
@@ -169,6 +187,10 @@ class GraphScan:
         for node in self.nodes:
             out[node.kind] = out.get(node.kind, 0) + 1
         return out
+
+
+#: Node types that read no memory a model holds: the scan has nothing to read in them.
+_HARMLESS_NODES = frozenset({"empty", "event_record", "wait_event", "mem_alloc", "mem_free"})
 
 
 def scan_graph(graph: int, drv: Driver) -> GraphScan:
@@ -187,16 +209,24 @@ def scan_graph(graph: int, drv: Driver) -> GraphScan:
             if kind == "kernel":
                 read = drv.kernel(node)
                 if read.params is None:
-                    result.notes.append(
+                    note = (
                         f"kernel {read.name or '?'}: parameters passed through 'extra' are not read by the kernel scan"
                     )
+                    result.notes.append(note)
+                    result.incomplete.append(note)
+                elif read.undecoded:
+                    note = f"kernel {read.name or '?'}: {read.undecoded}"
+                    result.notes.append(note)
+                    result.incomplete.append(note)
                 result.nodes.append(read)
             elif kind in ("memset", "memcpy"):
                 result.nodes.append(GraphNode(kind, pointers=drv.copy_pointers(node, kind)))
             elif kind == "graph":
                 pending.append(drv.child(node))
-            elif kind not in ("empty", "event_record", "wait_event", "mem_alloc", "mem_free"):
-                result.notes.append(f"a {kind} node is not read by the kernel scan")
+            elif kind not in _HARMLESS_NODES:
+                note = f"a {kind} node is not read by the kernel scan"
+                result.notes.append(note)
+                result.incomplete.append(note)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -222,6 +252,8 @@ def record_table(graph: int, drv: Driver) -> dict[str, Any]:
                 row["name"] = read.name
                 row["layout"] = [list(pair) for pair in read.layout]
                 row["params"] = None if read.params is None else [p.hex() for p in read.params]
+                if read.undecoded:
+                    row["undecoded"] = read.undecoded
             elif kind in ("memset", "memcpy"):
                 row["pointers"] = list(drv.copy_pointers(node, kind))
             elif kind == "graph":
@@ -234,7 +266,11 @@ def record_table(graph: int, drv: Driver) -> dict[str, Any]:
 
 
 class RecordedDriver:
-    """A :class:`Driver` over a recorded node table (``{"root": id, "graphs": {id: [row, ...]}}``)."""
+    """A :class:`Driver` over a recorded node table (``{"root": id, "graphs": {id: [row, ...]}}``).
+
+    A kernel row has ``name``, ``layout`` and ``params`` (``None``: passed through ``extra``), and ``undecoded``
+    when its parameters could not all be read; a memset or memcpy row has ``pointers``; a child-graph row ``graph``.
+    """
 
     def __init__(self, table: Mapping[str, Any]) -> None:
         self.root = int(table["root"])
@@ -265,6 +301,7 @@ class RecordedDriver:
             name=str(row.get("name", "")),
             layout=tuple((int(o), int(s)) for o, s in row.get("layout", ())),
             params=None if params is None else tuple(bytes.fromhex(p) for p in params),
+            undecoded=str(row.get("undecoded", "")),
         )
 
     def copy_pointers(self, node: int, kind: str) -> tuple[int, ...]:
@@ -307,7 +344,8 @@ class CudaDriver:
             ) from exc
         self._cu: Any = cu
         self._success = cu.CUresult.CUDA_SUCCESS
-        self._layouts: dict[int, tuple[tuple[tuple[int, int], ...], str]] = {}
+        self._end = cu.CUresult.CUDA_ERROR_INVALID_VALUE  # what cuFuncGetParamInfo answers past the last parameter
+        self._layouts: dict[int, tuple[tuple[tuple[int, int], ...], str, str]] = {}
 
     def _call(self, what: str, result: Any) -> Any:
         err, *rest = result
@@ -327,20 +365,29 @@ class CudaDriver:
         kind = self._call("cuGraphNodeGetType", self._cu.cuGraphNodeGetType(node))
         return _NODE_TYPES.get(int(kind), f"type-{int(kind)}")
 
-    def _layout(self, func: int) -> tuple[tuple[tuple[int, int], ...], str]:
+    def _layout(self, func: int) -> tuple[tuple[tuple[int, int], ...], str, str]:
+        """The kernel's parameter layout, its name, and why the layout could not be read (``""``: it was)."""
         cached = self._layouts.get(func)
         if cached is not None:
             return cached
         cu = self._cu
         layout: list[tuple[int, int]] = []
-        while True:
-            err, offset, size = cu.cuFuncGetParamInfo(func, len(layout))
+        unreadable = ""
+        get_info = getattr(cu, "cuFuncGetParamInfo", None)
+        if get_info is None:
+            unreadable = (
+                "the driver bindings have no cuFuncGetParamInfo (CUDA 12.4 or newer), so its parameters are not read"
+            )
+        while get_info is not None:
+            err, offset, size = get_info(func, len(layout))
             if err != self._success:
-                break  # CUDA_ERROR_INVALID_VALUE past the last parameter
+                if err != self._end:  # CUDA_ERROR_INVALID_VALUE past the last parameter; anything else: unknown
+                    unreadable = f"cuFuncGetParamInfo failed with {err!r}, so its parameters are not all read"
+                break
             layout.append((int(offset), int(size)))
         err, name = cu.cuFuncGetName(func)
         text = name.decode(errors="replace") if err == self._success and isinstance(name, bytes) else str(name)
-        cached = (tuple(layout), text)
+        cached = (tuple(layout), text, unreadable)
         self._layouts[func] = cached
         return cached
 
@@ -350,15 +397,20 @@ class CudaDriver:
         func = int(params.func)
         if not func and int(params.kern):
             func = int(self._call("cuKernelGetFunction", cu.cuKernelGetFunction(params.kern)))
-        layout, name = self._layout(func)
+        layout, name, unreadable = self._layout(func)
         address = int(params.kernelParams)
         if not address:
             return GraphNode("kernel", name=name, layout=layout, params=None)
         values: list[bytes] = []
+        missing: list[int] = []
         for index, (_, size) in enumerate(layout):
             pointer = ctypes.c_void_p.from_address(address + index * ctypes.sizeof(ctypes.c_void_p)).value
+            if not pointer:
+                missing.append(index)
             values.append(ctypes.string_at(pointer, size) if pointer else bytes(size))
-        return GraphNode("kernel", name=name, layout=layout, params=tuple(values))
+        if missing and not unreadable:
+            unreadable = f"parameter(s) {missing} have no value pointer in kernelParams, so they are not read"
+        return GraphNode("kernel", name=name, layout=layout, params=tuple(values), undecoded=unreadable)
 
     def copy_pointers(self, node: int, kind: str) -> tuple[int, ...]:
         cu = self._cu
@@ -548,6 +600,66 @@ def live_tensors() -> Iterator[torch.Tensor]:
             yield obj
 
 
+#: The largest integer storage the scan reads to host for pointers (a device-side pointer array): 1 MiB.
+POINTER_ARRAY_BYTES = 1 << 20
+#: The dtypes of storages read as pointer arrays.
+POINTER_ARRAY_DTYPES = (torch.int64, torch.uint64)
+
+
+class ReadRanges:
+    """Merged ``[start, end)`` address ranges a graph reads: every storage (or allocator block, or bare address) a
+    node's word points into, and every one a pointer array read at scan time points into.
+
+    Kept per capture (8 bytes per bound, no tensors), so that whether a graph reads any byte of some memory is one
+    bisection, whatever classified the word then.
+    """
+
+    __slots__ = ("_ends", "_starts")
+
+    def __init__(self, ranges: Iterable[tuple[int, int]] = ()) -> None:
+        starts: list[int] = []
+        ends: list[int] = []
+        for start, end in sorted(r for r in ranges if r[1] > r[0]):
+            if ends and start <= ends[-1]:
+                ends[-1] = max(ends[-1], end)
+            else:
+                starts.append(start)
+                ends.append(end)
+        self._starts = array("Q", starts)
+        self._ends = array("Q", ends)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether any byte of ``[start, end)`` is in a range (an empty span counts as its first address)."""
+        end = max(end, start + 1)
+        index = bisect.bisect_left(self._starts, end) - 1  # the last range starting before ``end``
+        return index >= 0 and self._ends[index] > start
+
+
+def pointer_array_words(tensor: torch.Tensor) -> list[int]:
+    """The non-zero aligned 8-byte words of ``tensor``'s whole storage, read to host once (a device-side pointer
+    array: grouped-GEMM argument arrays, CUTLASS MoE stride and pointer tables made before capture)."""
+    storage = tensor.untyped_storage()
+    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    raw.set_(storage)
+    host = raw.cpu() if raw.device.type != "cpu" else raw
+    words = host[: host.numel() // POINTER_SIZE * POINTER_SIZE].view(torch.int64)
+    return [int(w) for w in words[words > 0].tolist()]
+
+
+def _pointer_array(payload: Any) -> torch.Tensor | None:
+    """``payload`` when it is a small integer tensor whose storage the scan reads for pointers, else ``None``."""
+    if not isinstance(payload, torch.Tensor) or payload.dtype not in POINTER_ARRAY_DTYPES:
+        return None
+    try:
+        nbytes = payload.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return payload if 0 < nbytes <= POINTER_ARRAY_BYTES else None
+
+
 @dataclass(slots=True)
 class ScanFacts:
     """What a scanned graph reads, by storage, with the counts the scan could not attribute."""
@@ -559,18 +671,37 @@ class ScanFacts:
     #: Freed ranges a node points into: (base, nbytes, kernel).
     freed: list[tuple[int, int, str]] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    #: Every range the graph reads, whatever it is (see :class:`ReadRanges`).
+    reads: ReadRanges = field(default_factory=ReadRanges)
+    #: Integer storages read to host as pointer arrays, and the words in them that point at located memory.
+    arrays: int = 0
+    indirect: int = 0
 
 
-def attribute(scan: GraphScan, view: StorageView) -> ScanFacts:
-    """Sort every candidate address of ``scan`` by what ``view`` says it is."""
+def attribute(scan: GraphScan, view: StorageView, *, arrays: bool = True) -> ScanFacts:
+    """Sort every candidate address of ``scan`` by what ``view`` says it is.
+
+    Every word's range (the storage, allocator block or bare address it falls in) joins :attr:`ScanFacts.reads`.
+    With ``arrays``, every small int64/uint64 storage a word locates in a model path, a registered input or output,
+    or an unowned tensor is read to host once (:func:`pointer_array_words`) and the ranges its words point into
+    join the reads too: a kernel reading a pointer array reads what it points to. Those indirect reads are not
+    attributed (no finding names them); they only keep memory from being taken for unread.
+    """
     facts = ScanFacts(scan)
     counts = facts.counts
     freed_seen: set[int] = set()
+    ranges: list[tuple[int, int]] = []
+    candidates: dict[int, torch.Tensor] = {}
     for node in scan.nodes:
         label = node.name or node.kind
         for word in node.words():
             where = view.locate(word)
             counts[where.what] = counts.get(where.what, 0) + 1
+            ranges.append((where.base, where.base + max(where.nbytes, 1)))
+            if where.what in (MODEL, UNOWNED, IGNORED) and arrays and where.base not in candidates:
+                array_tensor = _pointer_array(where.storage)
+                if array_tensor is not None:
+                    candidates[where.base] = array_tensor
             if where.what in (MODEL, UNOWNED):
                 table = facts.model if where.what == MODEL else facts.unowned
                 payload = where.storage
@@ -583,4 +714,13 @@ def attribute(scan: GraphScan, view: StorageView) -> ScanFacts:
             elif where.what == FREED and where.base not in freed_seen:
                 freed_seen.add(where.base)
                 facts.freed.append((where.base, where.nbytes, label))
+    for array_tensor in candidates.values():
+        facts.arrays += 1
+        for word in set(pointer_array_words(array_tensor)):
+            where = view.locate(word)
+            if where.what == FOREIGN and not where.nbytes:
+                continue  # an integer, or memory the allocator never handed out: no storage a model holds
+            facts.indirect += 1
+            ranges.append((where.base, where.base + max(where.nbytes, 1)))
+    facts.reads = ReadRanges(ranges)
     return facts

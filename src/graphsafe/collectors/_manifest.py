@@ -21,7 +21,7 @@ import gc
 import itertools
 import warnings
 import weakref
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -505,7 +505,9 @@ def _scan_capture(
     # reads alive, so it could never be found dead), nor the parameter bytes.
     facts.model.clear()
     facts.unowned.clear()
-    facts.scan = kscan.GraphScan([kscan.GraphNode(n.kind, n.name) for n in scan.nodes], scan.notes, scan.seconds)
+    facts.scan = kscan.GraphScan(
+        [kscan.GraphNode(n.kind, n.name) for n in scan.nodes], scan.notes, scan.seconds, scan.incomplete
+    )
     manifest._scans[capture] = facts
     notes = list(dict.fromkeys(scan.notes))
     if facts.freed:
@@ -672,23 +674,65 @@ class Manifest:
         """Which backend recorded each capture: ``"kernel-scan"`` or ``"dispatch"``."""
         return {name: "kernel-scan" if name in self._scans else "dispatch" for name in self._captures}
 
+    def truth(self) -> str | None:
+        """Why what the captured graphs read is not fully known, or ``None`` when it is (:attr:`complete`).
+
+        Known means: at least one capture, every capture read by the kernel scan, and every node of every scanned
+        graph read in full (no kernel with parameters passed through ``extra`` or whose parameter layout could not be
+        read, no node type the scan does not read). The first reason found is named, with its capture.
+        """
+        if not self._captures:
+            return "no capture was recorded under graphsafe (record_capture, graphsafe.capture or the vLLM plugin)"
+        for name in self._captures:
+            facts = self._scans.get(name)
+            if facts is None:
+                return f"capture {name!r} was recorded by the dispatch recorder, not read by the kernel scan"
+            if facts.scan.incomplete:
+                more = len(facts.scan.incomplete) - 1
+                return f"capture {name!r}: {facts.scan.incomplete[0]}" + (f" (and {more} more)" if more else "")
+        return None
+
     @property
     def complete(self) -> bool:
-        """Whether every recorded capture was read by the kernel scan (so what no capture reads is known)."""
-        return bool(self._captures) and all(name in self._scans for name in self._captures)
+        """Whether what the captured graphs read is fully known (see :meth:`truth`)."""
+        return self.truth() is None
+
+    def reads(self, start: int, end: int) -> bool:
+        """Whether a kernel-scanned graph reads any byte of ``[start, end)`` (an address range): a node's word, or a
+        pointer array's word read at scan time, falls into a storage, allocator block or address that overlaps it.
+        Captures recorded by the dispatch recorder are not asked (see :meth:`truth`)."""
+        return any(facts.reads.overlaps(start, end) for facts in self._scans.values())
+
+    def read_test(self) -> Callable[[Any], bool]:
+        """A test ``storage -> bool``: whether a captured graph reads any byte of that untyped storage. It does when
+        the storage is a recorded storage of some capture, or a scanned graph reads an address range overlapping its
+        memory (:meth:`reads`). Built once (a set of the recorded storages), then O(captures x log ranges) a call."""
+        read: dict[int, Any] = {}
+        for entry in self.entries():
+            storage = entry.storage_ref()
+            if storage is not None:
+                read[id(storage)] = entry.storage_ref
+        scans = [facts.reads for facts in self._scans.values()]
+
+        def reads_storage(storage: Any) -> bool:
+            ref = read.get(id(storage))
+            if ref is not None and ref() is storage:
+                return True
+            start = int(storage.data_ptr())
+            end = start + int(storage.nbytes())
+            return any(ranges.overlaps(start, end) for ranges in scans)
+
+        return reads_storage
 
     def unread(self, contract: SealedModel) -> list[SlotInfo] | None:
         """The contract's slots whose storage no captured graph reads; ``None`` unless :attr:`complete`.
 
-        O(slots + recorded storages): the slots are resolved once, no walk.
+        A slot is read when any byte of any storage it holds (a wrapper's inner tensors') is read by some capture
+        (:meth:`read_test`). O(slots x captures x log ranges): the slots are resolved once, no walk.
         """
         if not self.complete:
             return None
-        read: set[int] = set()
-        for entry in self.entries():
-            storage = entry.storage_ref()
-            if storage is not None:
-                read.add(id(storage))
+        reads_storage = self.read_test()
         layers = dict(contract.sealed_layers())
         unread: list[SlotInfo] = []
         for info in contract.slots():
@@ -696,7 +740,7 @@ class Manifest:
             value = SlotPath(info.path).resolve_or(layer, None) if layer is not None else None
             if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
                 continue
-            if all(id(part.untyped_storage()) not in read for part in _memory(value)):
+            if not any(reads_storage(part.untyped_storage()) for part in _memory(value)):
                 unread.append(info)
         return unread
 

@@ -34,6 +34,7 @@ from graphsafe.contract._slots import (
     address_range,
     reads_as_captured,
 )
+from graphsafe.contract._unread import UNREAD_POLICIES, SkipState, skip_unread
 from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.errors import (
     ContractViolation,
@@ -56,10 +57,20 @@ from graphsafe.registry import declarations_generation, declarations_of
 #: pytest shows the test's line and graphsafe's message, not this module's frames (``errors.hide_frames_in_pytest``).
 __tracebackhide__ = hide_frames_in_pytest
 
-__all__ = ["DETECT_POLICIES", "MODES", "Detect", "GraphContract", "Mode", "ReloadTransaction"]
+__all__ = [
+    "DETECT_POLICIES",
+    "MODES",
+    "UNREAD_POLICIES",
+    "Detect",
+    "GraphContract",
+    "Mode",
+    "ReloadTransaction",
+    "Unread",
+]
 
 Mode = Literal["strict", "recapture", "migrate"]
 Detect = Literal["every-reload", "sealed-paths", "declared-only"]
+Unread = Literal["restore", "skip"]
 MODES: tuple[str, ...] = ("strict", "recapture", "migrate")
 DETECT_POLICIES: tuple[str, ...] = ("every-reload", "sealed-paths", "declared-only")
 
@@ -115,6 +126,15 @@ class GraphContract:
     appeared after the seal, e.g. scratch allocated on the first forward), ``"sealed-paths"`` only re-resolves
     the paths found at seal (no walk per reload: O(declared + found)), ``"declared-only"`` tracks declared slots
     alone. Parameters and buffers are tracked under every policy (restored like declared slots).
+
+    ``unread`` decides what a reload does with slots no captured graph reads (by the kernel scan):
+    ``"restore"`` (default) copies them like every slot; ``"skip"`` skips their copies where it is safe (see
+    ``graphsafe.contract._unread`` for the exact rule): the new tensor PWAL made stays at the path and becomes the
+    slot's sealed memory, and the old captured storage is let go. Precondition of ``"skip"``: every graph that reads
+    the model is captured through graphsafe with the kernel scan (the torch adapter, ``record_capture(graph=...)``,
+    the vLLM plugin); a graph captured any other way would read freed memory. Where what the graphs read is not
+    fully known (a capture by the dispatch recorder, a kernel whose parameters the scan could not read), nothing is
+    skipped and the outcome says why (``skip_refused``).
     """
 
     def __init__(
@@ -125,6 +145,7 @@ class GraphContract:
         detect: Detect = "every-reload",
         budget: WalkBudget | None = None,
         devices: Collection[torch.device | str] | None = None,
+        unread: Unread = "restore",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"GraphContract needs an nn.Module, got {type(model).__name__}")
@@ -135,7 +156,14 @@ class GraphContract:
             )
         if detect not in DETECT_POLICIES:
             raise ValueError(f"unknown detect policy {detect!r}: choose one of {', '.join(DETECT_POLICIES)}")
+        if unread not in UNREAD_POLICIES:
+            raise ValueError(
+                f"GraphContract: unknown unread policy {unread!r}: choose 'restore' (copy every slot) or 'skip' (skip "
+                "the copies of slots no kernel-scanned graph reads)"
+            )
         self._model_ref = weakref.ref(model)
+        #: What a reload does with slots no captured graph reads: ``"restore"`` or ``"skip"`` (see the class docs).
+        self.unread: Unread = unread
         self.mode: Mode = mode
         self.detect: Detect = detect
         self.budget = budget if budget is not None else WalkBudget()
@@ -728,6 +756,7 @@ class ReloadTransaction:
         self._dataflow: Dataflow | None = None
         self._recording_thread = 0  # the thread whose dispatch-mode stack holds _dataflow
         self._unloaded: list[str] = []  # slots PWAL computed only from tensors this reload never wrote
+        self._skip = SkipState()  # unread="skip": what the skip step did (contract._unread)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -991,6 +1020,9 @@ class ReloadTransaction:
             layers=len(contract._layers),
             error=error,
             slots_unread=None if unread_slots is None else len(unread_slots),
+            slots_skipped=self._skip.skipped,
+            skip_refused=self._skip.refused if contract.unread == "skip" and error is None else None,
+            skip_notes=tuple(self._skip.notes),
         )
 
     # -- per layer ---------------------------------------------------------------------------------------------
@@ -1055,6 +1087,8 @@ class ReloadTransaction:
     def _restore_group(self, group: list[LayerSnapshot]) -> None:
         """Restore ``group`` (the whole model, or one ``after_layer``) as one plan: plan every copy, clone the sources
         a copy would overwrite, launch, check every slot reading a written storage, then rebind and verify."""
+        if self.contract.unread == "skip":  # before planning: a skipped slot is in place from here on
+            skip_unread(self.contract, [s for s in group if self._still_in_model(s.sealed, s.layer)], self._skip)
         auto_restore = self.contract.mode == "migrate"
         plan = RestorePlan(self.contract._shared)
         work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]] = []
