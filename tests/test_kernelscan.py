@@ -484,3 +484,13 @@ def test_vllm_capture_hook_falls_back_to_the_dispatch_recorder_without_the_scan(
     with torch.no_grad(), vllm_hooks._maybe_record(state, contract, None):  # type: ignore[arg-type]
         model(torch.randn(2, 4))
     assert isinstance(contract.manifest, Manifest) and contract.manifest.backends() == {"vllm": "dispatch"}
+
+
+def test_read_ranges_take_words_near_the_top_of_the_address_space() -> None:
+    """A kernel word like 0xffff_ffff_ffff_fff8 (a sentinel, -8) plus its span passes 2**64: the ranges keep it,
+    bounded, instead of failing the whole scan (seen on the H200 with a Marlin-style workspace kernel)."""
+    top = (1 << 64) - 8
+    ranges = kscan.ReadRanges([(top, top + 64), (0x1000, 0x2000)])
+    assert ranges.overlaps(top, top + 8)
+    assert ranges.overlaps(0x1800, 0x1801)
+    assert not ranges.overlaps(0x3000, 0x4000)

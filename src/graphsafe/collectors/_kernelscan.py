@@ -606,6 +606,9 @@ POINTER_ARRAY_BYTES = 1 << 20
 POINTER_ARRAY_DTYPES = (torch.int64, torch.uint64)
 
 
+_ADDRESS_END = (1 << 64) - 1  # the largest bound an unsigned 64-bit array holds
+
+
 class ReadRanges:
     """Merged ``[start, end)`` address ranges a graph reads: every storage (or allocator block, or bare address) a
     node's word points into, and every one a pointer array read at scan time points into.
@@ -619,7 +622,10 @@ class ReadRanges:
     def __init__(self, ranges: Iterable[tuple[int, int]] = ()) -> None:
         starts: list[int] = []
         ends: list[int] = []
-        for start, end in sorted(r for r in ranges if r[1] > r[0]):
+        # A word near the top of the address space plus its block size can pass 2**64: no allocation lies there,
+        # and the bounds are kept as unsigned 64-bit integers.
+        bounded = ((start, min(end, _ADDRESS_END)) for start, end in ranges if 0 <= start < _ADDRESS_END)
+        for start, end in sorted(r for r in bounded if r[1] > r[0]):
             if ends and start <= ends[-1]:
                 ends[-1] = max(ends[-1], end)
             else:
