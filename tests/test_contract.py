@@ -989,3 +989,50 @@ def test_a_restore_that_raises_leaves_the_collector_on_and_one_the_caller_disabl
     finally:
         gc.enable()
     assert contract.last_outcome is not None and contract.last_outcome.committed
+
+
+# -- a captured tensor PWAL handed to an untracked path is never written ------------------------------------------
+
+
+class _PingPong(nn.Module):
+    """PWAL swaps the declared ``cur`` with an undeclared ``other`` (a ping-pong buffer); ``write`` also writes each
+    in place afterwards. Found by the unread-skip differential fuzzer (it held under ``unread="restore"`` too)."""
+
+    def __init__(self, write: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4), requires_grad=False)
+        self.other = torch.zeros(4)  # undeclared; no captured graph reads it
+        self.write = write
+
+    @graph_visible("cur")
+    def process_weights_after_loading(self) -> None:
+        if not hasattr(self, "cur"):
+            self.cur = self.weight * 2
+            return
+        self.cur, self.other = self.other, self.cur
+        if self.write:
+            self.other.copy_(self.weight * 3)
+            self.cur.copy_(self.weight * 2)
+
+
+@pytest.mark.parametrize("write", [True, False], ids=["swap-then-write", "swap-only"])
+@pytest.mark.parametrize("detect", ["declared-only", "sealed-paths", "every-reload"])
+def test_a_captured_tensor_pwal_handed_to_an_untracked_path_is_never_written(write: bool, detect: str) -> None:
+    from graphsafe import record_capture
+
+    model = _PingPong(write)
+    model.process_weights_after_loading()
+    contract = GraphContract(model, "recapture", detect=detect).seal()  # type: ignore[arg-type]
+    with torch.no_grad(), record_capture(contract):
+        model.cur.sum()  # the graph reads cur only
+    captured_cur = model.cur
+    with contract.reload(), torch.no_grad():
+        model.weight.copy_(torch.full((4,), 5.0))
+        model.process_weights_after_loading()
+    expected_other = model.weight * 3 if write else torch.full((4,), 2.0)  # what the reload left there
+    assert model.other is captured_cur
+    # graphsafe wrote nothing into 'other' (values the reload never produced for it) ...
+    assert torch.equal(model.other, expected_other)
+    # ... and did not commit: the graph reads 'other''s values where it expects cur's.
+    outcome = contract.last_outcome
+    assert outcome is not None and not outcome.committed

@@ -1104,6 +1104,8 @@ class ReloadTransaction:
                 )
             elif not snapshot.in_place():
                 work.append((snapshot, snapshot.restore(auto_restore=auto_restore, plan=plan)))
+        if any(snapshot.suspects for snapshot, _ in work):
+            work = self._block_foreign_holders(work, plan)
         batch = CopyBatch()
         local = [s for s, _ in work if len(s.slots) > len(s.sealed.slots)]
         kept = [*self._kept, *(t for s, _ in work for t in s.kept), *self._untracked_holders(local)]
@@ -1145,6 +1147,59 @@ class ReloadTransaction:
             snapshot.captured = [None] * len(snapshot.captured)
             snapshot.overrides, snapshot.kept, snapshot.keep = {}, [], {}
         del work
+
+    def _block_foreign_holders(
+        self, work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]], plan: RestorePlan
+    ) -> list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]]:
+        """Take back the planned copies into captured storage that a path the contract does not track now holds.
+
+        PWAL can hand a slot's captured tensor to another path (a ping-pong buffer swapped into an undeclared
+        attribute) and give the slot a new one. Copying the slot's new values into its captured storage would then
+        write values the reload never produced for that path, and rebinding would leave two paths on one buffer.
+        Such a storage is not written: each slot planned into it keeps its new tensor and is ``alias-broken`` (the
+        graph reads the other path's values there; recapture). Only asked when :func:`held_outside` says something
+        besides the snapshot holds a captured tensor; the model is then walked once to find who.
+        """
+        suspects = {
+            id(snapshot.captured[index].untyped_storage()): (snapshot, index)  # type: ignore[union-attr]
+            for snapshot, _ in work
+            for index in snapshot.suspects
+        }
+        tracked = {
+            f"{sealed.qualname}.{slot.path.text}" if sealed.qualname else slot.path.text
+            for sealed in self.contract._layers
+            for slot in sealed.slots
+        }
+        holders: dict[int, str] = {}
+        for ref in walk(self.contract.model, budget=self.contract.budget, devices=self.contract.devices).refs:
+            if ref.path in tracked or ref.tensor.layout is not torch.strided:
+                continue
+            key = id(ref.tensor.untyped_storage())
+            if key in suspects:
+                holders.setdefault(key, ref.path)
+        if not holders:
+            return work
+        blocked = [move for move in plan.moves if move.storage in holders]
+        plan.moves = [move for move in plan.moves if move.storage not in holders]
+        undone = {(id(move.snapshot), move.index) for move in blocked}
+        for move in blocked:
+            snapshot, slot = move.snapshot, move.snapshot.slots[move.index]
+            snapshot.kept.append(move.new)
+            snapshot.findings.append(
+                snapshot.sealed.finding(
+                    FindingKind.ALIAS_BROKEN,
+                    slot,
+                    after=fingerprint(move.new),
+                    detail=f"PWAL gave its captured tensor to {holders[move.storage]!r}, which the contract does not "
+                    "track: restoring would write this slot's new values into that path's tensor, so nothing is "
+                    "copied, and the graph reads that path's values there. Rebuild that path as a new tensor in "
+                    "PWAL, or declare it; recapture",
+                )
+            )
+        return [
+            (snapshot, [(index, t) for index, t in rebinds if (id(snapshot), index) not in undone])
+            for snapshot, rebinds in work
+        ]
 
     def _doubt_abandoned(self, work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]]) -> None:
         """Memory a slot left for a new tensor no copy restored there (respecified, moved and kept, vanished, or

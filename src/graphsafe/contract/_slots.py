@@ -10,6 +10,7 @@ then compares cheap fields first and falls back to the full geometry comparison 
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from graphsafe.outcome import (
 from graphsafe.paths import MISSING, Getter, Setter, SlotPath, compile_getter, compile_setter
 from graphsafe.registry import Declaration, declarations_of
 
-__all__ = ["InputRef", "LayerSnapshot", "RestorePlan", "SealedLayer", "SealedSlot", "SharedIndex"]
+__all__ = ["InputRef", "LayerSnapshot", "RestorePlan", "SealedLayer", "SealedSlot", "SharedIndex", "held_outside"]
 
 _MISSING: Any = MISSING
 
@@ -551,6 +552,9 @@ class LayerSnapshot:
     fresh_due: list[tuple[int, SealedSlot, torch.Tensor, bool]] = field(default_factory=list)
     #: New tensors :meth:`restore` leaves at their paths (findings): the plan must not change what they read.
     kept: list[torch.Tensor] = field(default_factory=list)
+    #: Slots planned for a copy whose captured tensor, or another tensor on its storage, something besides the
+    #: snapshot still holds (see :func:`held_outside`): the contract looks for an untracked model path to it.
+    suspects: list[int] = field(default_factory=list)
     #: Slot index -> what an ``alias-broken`` slot keeps instead of its new tensor, whose memory a copy overwrote.
     keep: dict[int, torch.Tensor] = field(default_factory=dict)
     #: Each captured tensor's version counter when the snapshot was taken (-1: none, or a view rebuilt from the
@@ -824,6 +828,10 @@ class LayerSnapshot:
                     nbytes = dst.numel() * dst.element_size()
                     plan.add(self, index, dst, current, src, copy_group(dst), nbytes, copy=True)
                 continue
+            before = freshness.get(index)
+            # Ours: the snapshot's list, the rebind just planned, the freshness entry where it is the same object.
+            if held_outside(captured, own=3 if before is not None and before[0] is captured else 2):
+                self.suspects.append(index)
             source = current
             if overrides:
                 saved = overrides.get(index)
@@ -1142,6 +1150,27 @@ class _Reader:
 
 _NOTHING = torch.empty(0)  # stands in for a captured tensor the snapshot let go of
 _NO_SAMPLE = torch.empty(0, dtype=torch.uint8)  # a sample to be joined, for the moment the snapshot is taken
+
+
+_STORAGE_USE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def held_outside(tensor: torch.Tensor, *, own: int) -> bool:
+    """Whether anything besides ``own`` references of the caller's data holds the tensor object (and the caller's one
+    local name for it), or another tensor holds its storage.
+
+    The cheap test before a copy into captured memory whose slot PWAL moved: normally the snapshot alone still
+    holds the old captured tensor. A yes is only a reason to look (a ping-pong buffer kept at an untracked path, a
+    caller's reference, a quarantined tensor); it never decides anything by itself.
+    """
+    # sys.getrefcount counts its own argument and this function's parameter; the caller's local is one more.
+    if sys.getrefcount(tensor) - 3 > own:
+        return True
+    if _STORAGE_USE_COUNT is None:
+        return False
+    storage = tensor.untyped_storage()
+    # One use per tensor on the storage (a view's base is one more) and one for the Python storage object.
+    return int(_STORAGE_USE_COUNT(storage._cdata)) > 2 + (tensor._base is not None)
 
 
 def address_range(tensor: torch.Tensor) -> tuple[str, int, int]:
