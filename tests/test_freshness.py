@@ -1040,3 +1040,44 @@ def test_the_value_sample_is_the_defined_elements_whatever_the_layout(
     expected = _reference_sample(tensor, elements)
     assert sample.dim() == 1 and sample.shape == expected.shape and torch.equal(sample, expected)
     assert not sample.requires_grad
+
+
+class _InPlaceTrio(nn.Module):
+    """Three small derived slots of one dtype (their samples are taken and compared together); PWAL writes each in
+    place, ``d0`` changing only the lowest byte of one element, or (``skip``) leaves ``d0`` alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.skip = False
+
+    @graph_visible("d0", "d1", "d2")
+    def process_weights_after_loading(self) -> None:
+        if not hasattr(self, "d0"):
+            self.d0, self.d1, self.d2 = (self.weight + i for i in range(3))
+            return
+        if not self.skip:
+            bits = self.d0.view(torch.int32)
+            bits[2] ^= 1  # one bit of one element: a real write that changes one byte of the sample
+        self.d1.copy_(self.weight + 1)
+        self.d2.copy_(self.weight + 2)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_write_that_changes_one_byte_of_a_jointly_sampled_slot_is_a_refresh(skip: bool) -> None:
+    layer = _InPlaceTrio()
+    layer.process_weights_after_loading()
+    contract = GraphContract(layer, "recapture", detect="declared-only").seal()
+    with contract.reload(), torch.no_grad():  # the recording reload
+        layer.weight.copy_(torch.full((4,), 1.0))
+        layer.process_weights_after_loading()
+    layer.skip = skip
+    try:
+        with contract.reload(), torch.no_grad():
+            layer.weight.copy_(torch.full((4,), 2.0))
+            layer.process_weights_after_loading()
+    except ReloadFailedError:
+        pass
+    outcome = contract.last_outcome
+    assert outcome is not None
+    assert stale(outcome) == ({("", "d0")} if skip else set())

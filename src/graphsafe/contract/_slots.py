@@ -550,6 +550,8 @@ class LayerSnapshot:
     overrides: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     #: Freshness checks :meth:`restore` found due, run by :meth:`check_freshness` once the plan's copies landed.
     fresh_due: list[tuple[int, SealedSlot, torch.Tensor, bool]] = field(default_factory=list)
+    #: Slots :meth:`_note_fresh` found on their captured memory, with their samples, until :meth:`_judge_noted`.
+    _noted: list[tuple[int, SealedSlot, torch.Tensor, bool, Any]] = field(default_factory=list)
     #: New tensors :meth:`restore` leaves at their paths (findings): the plan must not change what they read.
     kept: list[torch.Tensor] = field(default_factory=list)
     #: Slots planned for a copy whose captured tensor, or another tensor on its storage, something besides the
@@ -863,6 +865,8 @@ class LayerSnapshot:
             known if known is not None else (captured is not None and reads_as_captured(slot.get(layer), captured))
             for known, slot, captured in zip(left, self.slots, captured_list, strict=True)
         ]
+        if self._noted:
+            self._judge_noted()
         return rebinds
 
     def _wrapper_pairs(
@@ -930,11 +934,45 @@ class LayerSnapshot:
         tensor, version, sample, _ = before
         if current.untyped_storage() is not tensor.untyped_storage():
             return  # PWAL put another tensor at the path (restore copies it): rebuilt
-        if isinstance(sample, _JoinedSample):
-            sample = sample.get()
-        if not _same_sample(sample, _signature(current, _SLOT_SIGNATURE_ELEMENTS)):
-            return  # written in place with other values
-        self.fresh_due.append((index, slot, current, current._version != version))
+        self._noted.append((index, slot, current, current._version != version, sample))
+
+    def _judge_noted(self) -> None:
+        """Keep, of the slots :meth:`_note_fresh` noted, those whose value sample PWAL left as it was (a write that
+        changed it is a refresh). Called at the end of :meth:`restore`, before any copy of the plan lands.
+
+        Samples taken joined (small dense slots) are compared in one pass per dtype and device, as bytes: one
+        host-device synchronisation for all of them instead of one per slot (an in-place PWAL on CUDA).
+        """
+        noted, self._noted = self._noted, []
+        joined: dict[Any, list[tuple[tuple[int, SealedSlot, torch.Tensor, bool, Any], torch.Tensor]]] = {}
+        for entry in noted:
+            _, _, current, _, sample = entry
+            flat = _joinable(current, _SLOT_SIGNATURE_ELEMENTS) if isinstance(sample, _JoinedSample) else None
+            if flat is not None and flat.numel() == sample.end - sample.start:
+                joined.setdefault((flat.dtype, flat.device), []).append((entry, flat))
+                continue
+            if isinstance(sample, _JoinedSample):
+                sample = sample.get()
+            if _same_sample(sample, _signature(current, _SLOT_SIGNATURE_ELEMENTS)):
+                self.fresh_due.append(entry[:4])
+        for group in joined.values():
+            if len(group) == 1:
+                ((entry, flat),) = group
+                if _same_sample(entry[4].get(), flat.clone().view(torch.uint8)):
+                    self.fresh_due.append(entry[:4])
+                continue
+            now = torch.cat([flat for _, flat in group]).view(torch.uint8)
+            was = torch.cat([entry[4].get() for entry, _ in group])
+            lengths = [flat.numel() * flat.element_size() for _, flat in group]  # bytes
+            # Per slot, how many of its bytes differ: one reduction, one transfer.
+            segment = torch.repeat_interleave(
+                torch.arange(len(group), device=now.device), torch.tensor(lengths, device=now.device)
+            )
+            differing = torch.zeros(len(group), dtype=torch.int64, device=now.device)
+            differing.index_add_(0, segment, (now != was).to(torch.int64))
+            for (entry, _), count in zip(group, differing.tolist(), strict=True):
+                if count == 0:
+                    self.fresh_due.append(entry[:4])
 
     def doubt_foreign_writes(self, foreign: Sequence[torch.Tensor]) -> None:
         """Flag a slot left on its captured memory whose bytes the reload wrote through another path's new tensor.
