@@ -1027,7 +1027,7 @@ def _reference_sample(tensor: torch.Tensor, elements: int) -> torch.Tensor:
 def test_the_value_sample_is_the_defined_elements_whatever_the_layout(
     shape: list[int], dtype: torch.dtype, view: str, elements: int
 ) -> None:
-    from graphsafe.contract._slots import _signature
+    from graphsafe.contract._slots import _joinable, _signature
 
     tensor = (torch.randn(*shape) * 10).to(dtype) if shape else torch.tensor(3.0).to(dtype)
     if view == "tail" and tensor.dim() and tensor.shape[0] > 1:
@@ -1040,6 +1040,10 @@ def test_the_value_sample_is_the_defined_elements_whatever_the_layout(
     expected = _reference_sample(tensor, elements)
     assert sample.dim() == 1 and sample.shape == expected.shape and torch.equal(sample, expected)
     assert not sample.requires_grad
+    flat = _joinable(tensor, elements)  # a sample taken with others (one torch.cat) holds the same bytes
+    if flat is not None:
+        joined = torch.cat([flat, flat]).view(torch.uint8)
+        assert torch.equal(joined[: expected.numel()], expected)
 
 
 class _InPlaceTrio(nn.Module):

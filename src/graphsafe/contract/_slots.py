@@ -307,18 +307,9 @@ def _signature(tensor: torch.Tensor, elements: int = _SIGNATURE_ELEMENTS) -> tor
     # A strided sample of the values: loaders commonly write through ``param.data.copy_``, which does not move the
     # parameter's version counter, so the values themselves are the only witness. Sampling keeps this a tiny
     # kernel; a change confined to unsampled elements can escape it (documented in docs/fault-matrix.md).
-    if (
-        type(tensor) in _PLAIN_TYPES
-        and tensor.layout is torch.strided
-        and not (tensor.is_conj() or tensor.is_neg())
-        and tensor.is_contiguous()
-    ):
-        # The common case in as few tensor ops as possible (each is a launch on CUDA); the same sample as the
-        # general path below: every element of a small tensor, every ``step``-th of a large one.
-        value = tensor.detach() if tensor.requires_grad else tensor
-        numel = value.numel()
-        sample = value.reshape(-1) if numel <= elements else value.as_strided((elements,), (numel // elements,))
-        return sample.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+    flat = _joinable(tensor, elements)
+    if flat is not None:  # the common case in as few tensor ops as possible (each is a launch on CUDA)
+        return flat.clone(memory_format=torch.contiguous_format).view(torch.uint8)
     parts = memory_tensors(tensor)
     if parts[0] is not tensor:  # a wrapper subclass: the values are its inner tensors'
         return torch.cat([_signature(part, elements) for part in parts])
@@ -379,7 +370,7 @@ _Freshness = tuple[torch.Tensor, int, "torch.Tensor | _JoinedSample", tuple[Any,
 
 
 class _JoinedSample:
-    """A slot's value sample kept as a span of one tensor that joins the samples of a layer's small dense slots of
+    """A slot's value sample kept as a span of one tensor that joins the samples of a layer's dense slots of
     one dtype and device: one copy for all of them at the snapshot (one launch on CUDA); a slot's own bytes are cut
     out only when asked (a slot PWAL left in place)."""
 
@@ -394,22 +385,28 @@ class _JoinedSample:
 
 
 def _joinable(tensor: torch.Tensor, elements: int) -> torch.Tensor | None:
-    """The flat values of a tensor whose whole value is its sample (small, dense, plain), else ``None``."""
+    """The elements of a dense plain tensor's value sample as one flat view (no copy: what :func:`_signature`
+    copies), for a sample taken with others in one copy; ``None`` for any other tensor."""
     if (
         type(tensor) in _PLAIN_TYPES
         and tensor.layout is torch.strided
-        and tensor.numel() <= elements
         and not (tensor.is_conj() or tensor.is_neg())
         and tensor.is_contiguous()
     ):
-        return (tensor.detach() if tensor.requires_grad else tensor).reshape(-1)
+        value = tensor.detach() if tensor.requires_grad else tensor
+        numel = value.numel()
+        return value.reshape(-1) if numel <= elements else value.as_strided((elements,), (numel // elements,))
     return None
 
 
 def _join_samples(freshness: dict[int, _Freshness], pending: dict[Any, list[tuple[int, torch.Tensor]]]) -> None:
     """Take the samples ``pending`` collected (per dtype and device: slot index, flat values) in one copy each."""
     for flats in pending.values():
-        joined = torch.cat([flat for _, flat in flats]) if len(flats) > 1 else flats[0][1].clone()
+        joined = (
+            torch.cat([flat for _, flat in flats])
+            if len(flats) > 1
+            else flats[0][1].clone(memory_format=torch.contiguous_format)
+        )
         start = 0
         for index, flat in flats:
             end = start + flat.numel()
@@ -958,7 +955,7 @@ class LayerSnapshot:
         for group in joined.values():
             if len(group) == 1:
                 ((entry, flat),) = group
-                if _same_sample(entry[4].get(), flat.clone().view(torch.uint8)):
+                if _same_sample(entry[4].get(), flat.clone(memory_format=torch.contiguous_format).view(torch.uint8)):
                     self.fresh_due.append(entry[:4])
                 continue
             now = torch.cat([flat for _, flat in group]).view(torch.uint8)
