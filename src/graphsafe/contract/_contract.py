@@ -1151,36 +1151,59 @@ class ReloadTransaction:
     def _block_foreign_holders(
         self, work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]], plan: RestorePlan
     ) -> list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]]:
-        """Take back the planned copies into captured storage that a path the contract does not track now holds.
+        """Take back the planned copies into captured storage that something besides its slots holds.
 
-        PWAL can hand a slot's captured tensor to another path (a ping-pong buffer swapped into an undeclared
-        attribute) and give the slot a new one. Copying the slot's new values into its captured storage would then
-        write values the reload never produced for that path, and rebinding would leave two paths on one buffer.
-        Such a storage is not written: each slot planned into it keeps its new tensor and is ``alias-broken`` (the
-        graph reads the other path's values there; recapture). Only asked when :func:`held_outside` says something
-        besides the snapshot holds a captured tensor; the model is then walked once to find who.
+        PWAL can hand a slot's captured tensor (or its base, a view of it, its raw storage) to another place (a
+        ping-pong buffer swapped into an undeclared attribute, a storage pool) and give the slot a new one. Copying
+        the slot's new values there would write values the reload never produced for that holder. Such a storage
+        is not written: each slot planned into it keeps its new tensor and is ``alias-broken`` (the graph reads the
+        holder's values there; recapture). Asked only when :func:`held_outside` saw another holder; then every
+        module of the model is walked once. A storage is blocked when the walk finds it at a path the contract does
+        not track, when the walk was cut short, or when its storage object is held (a storage pool). A tensor or
+        view held outside every model path (a dict key, a table outside the model) is not told from a caller's
+        reference to the slot, which the slot's new values rightly reach: that one is let be
+        (docs/fault-matrix.md).
         """
-        suspects = {
-            id(snapshot.captured[index].untyped_storage()): (snapshot, index)  # type: ignore[union-attr]
-            for snapshot, _ in work
-            for index in snapshot.suspects
-        }
+        contract = self.contract
+        suspects: dict[int, Any] = {}
+        seen: dict[int, set[str]] = {}  # per storage, what held_outside saw holding it
+        for snapshot, _ in work:
+            for index, held in snapshot.suspects:
+                captured = snapshot.captured[index]
+                if captured is not None:
+                    storage = captured.untyped_storage()
+                    suspects.setdefault(id(storage), storage)
+                    seen.setdefault(id(storage), set()).add(held)
         tracked = {
             f"{sealed.qualname}.{slot.path.text}" if sealed.qualname else slot.path.text
-            for sealed in self.contract._layers
+            for sealed in contract._layers
             for slot in sealed.slots
         }
-        holders: dict[int, str] = {}
-        for ref in walk(self.contract.model, budget=self.contract.budget, devices=self.contract.devices).refs:
-            if ref.path in tracked or ref.tensor.layout is not torch.strided:
-                continue
-            key = id(ref.tensor.untyped_storage())
-            if key in suspects:
-                holders.setdefault(key, ref.path)
-        if not holders:
+        why: dict[int, str] = {}
+        budget = WalkBudget(max_depth=64, max_objects=max(1_000_000, contract.budget.max_objects))
+        for qualname, module in contract.model.named_modules():
+            result = walk(module, budget=budget, devices=contract.devices, units=contract._units)
+            if result.exhausted is not None:
+                for key in suspects:
+                    why.setdefault(key, f"the search for other holders was cut short ({result.exhausted})")
+            for ref in result.refs:
+                tensor = ref.tensor
+                if tensor.layout is not torch.strided:
+                    continue
+                key = id(tensor.untyped_storage())
+                if key not in suspects:
+                    continue
+                path = f"{qualname}.{ref.path}" if qualname else ref.path
+                if path not in tracked:
+                    why.setdefault(key, f"{path!r}, which the contract does not track, holds it")
+        for key in suspects:
+            if key not in why and "storage-object" in seen[key]:
+                why[key] = "its storage object is held (a storage pool, or a reference outside every model path)"
+        del suspects, seen
+        if not why:
             return work
-        blocked = [move for move in plan.moves if move.storage in holders]
-        plan.moves = [move for move in plan.moves if move.storage not in holders]
+        blocked = [move for move in plan.moves if move.storage in why]
+        plan.moves = [move for move in plan.moves if move.storage not in why]
         undone = {(id(move.snapshot), move.index) for move in blocked}
         for move in blocked:
             snapshot, slot = move.snapshot, move.snapshot.slots[move.index]
@@ -1190,10 +1213,10 @@ class ReloadTransaction:
                     FindingKind.ALIAS_BROKEN,
                     slot,
                     after=fingerprint(move.new),
-                    detail=f"PWAL gave its captured tensor to {holders[move.storage]!r}, which the contract does not "
-                    "track: restoring would write this slot's new values into that path's tensor, so nothing is "
-                    "copied, and the graph reads that path's values there. Rebuild that path as a new tensor in "
-                    "PWAL, or declare it; recapture",
+                    detail=f"PWAL gave it a new tensor, and its captured memory is still held elsewhere: "
+                    f"{why[move.storage]}. Restoring would write this slot's new values into that holder, so nothing "
+                    "is copied and the graph reads the holder's values there. Rebuild the holder as a new tensor in "
+                    "PWAL (or declare it); recapture",
                 )
             )
         return [

@@ -35,7 +35,15 @@ from graphsafe.outcome import (
 from graphsafe.paths import MISSING, Getter, Setter, SlotPath, compile_getter, compile_setter
 from graphsafe.registry import Declaration, declarations_of
 
-__all__ = ["InputRef", "LayerSnapshot", "RestorePlan", "SealedLayer", "SealedSlot", "SharedIndex", "held_outside"]
+__all__ = [
+    "InputRef",
+    "LayerSnapshot",
+    "RestorePlan",
+    "SealedLayer",
+    "SealedSlot",
+    "SharedIndex",
+    "held_outside",
+]
 
 _MISSING: Any = MISSING
 
@@ -551,9 +559,9 @@ class LayerSnapshot:
     _noted: list[tuple[int, SealedSlot, torch.Tensor, bool, Any]] = field(default_factory=list)
     #: New tensors :meth:`restore` leaves at their paths (findings): the plan must not change what they read.
     kept: list[torch.Tensor] = field(default_factory=list)
-    #: Slots planned for a copy whose captured tensor, or another tensor on its storage, something besides the
-    #: snapshot still holds (see :func:`held_outside`): the contract looks for an untracked model path to it.
-    suspects: list[int] = field(default_factory=list)
+    #: Slots planned for a copy whose captured tensor, its base or its storage something besides the snapshot still
+    #: holds, and what (see :func:`held_outside`): the contract looks for who.
+    suspects: list[tuple[int, str]] = field(default_factory=list)
     #: Slot index -> what an ``alias-broken`` slot keeps instead of its new tensor, whose memory a copy overwrote.
     keep: dict[int, torch.Tensor] = field(default_factory=dict)
     #: Each captured tensor's version counter when the snapshot was taken (-1: none, or a view rebuilt from the
@@ -829,8 +837,9 @@ class LayerSnapshot:
                 continue
             before = freshness.get(index)
             # Ours: the snapshot's list, the rebind just planned, the freshness entry where it is the same object.
-            if held_outside(captured, own=3 if before is not None and before[0] is captured else 2):
-                self.suspects.append(index)
+            held = held_outside(captured, own=3 if before is not None and before[0] is captured else 2)
+            if held is not None:
+                self.suspects.append((index, held))
             source = current
             if overrides:
                 saved = overrides.get(index)
@@ -1190,22 +1199,30 @@ _NO_SAMPLE = torch.empty(0, dtype=torch.uint8)  # a sample to be joined, for the
 _STORAGE_USE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def held_outside(tensor: torch.Tensor, *, own: int) -> bool:
-    """Whether anything besides ``own`` references of the caller's data holds the tensor object (and the caller's one
-    local name for it), or another tensor holds its storage.
+def held_outside(tensor: torch.Tensor, *, own: int) -> str | None:
+    """What besides ``own`` references of the caller's data (and the caller's one local name) holds the captured
+    tensor: ``"object"`` (the tensor object itself), ``"base"`` (a view's base), ``"storage-object"`` (its storage's
+    Python object: a storage pool), ``"storage"`` (another tensor on its storage), or ``None``.
 
-    The cheap test before a copy into captured memory whose slot PWAL moved: normally the snapshot alone still
-    holds the old captured tensor. A yes is only a reason to look (a ping-pong buffer kept at an untracked path, a
-    caller's reference, a quarantined tensor); it never decides anything by itself.
+    The cheap look before a copy into captured memory whose slot PWAL moved: normally the snapshot alone still
+    holds the old captured tensor. An answer is only a reason to search (a ping-pong buffer kept at an untracked
+    path, a storage pool, a caller's reference); the contract's search decides.
     """
     # sys.getrefcount counts its own argument and this function's parameter; the caller's local is one more.
     if sys.getrefcount(tensor) - 3 > own:
-        return True
-    if _STORAGE_USE_COUNT is None:
-        return False
+        return "object"
+    view = tensor._base is not None
+    # A view's base: the temporary from ``_base`` and the argument are all when nothing else holds it.
+    if view and sys.getrefcount(tensor._base) > 2:
+        return "base"
     storage = tensor.untyped_storage()
+    # The storage's one Python object (torch keeps one per storage): this local, the argument and torch's own.
+    if sys.getrefcount(storage) > 3:
+        return "storage-object"
     # One use per tensor on the storage (a view's base is one more) and one for the Python storage object.
-    return int(_STORAGE_USE_COUNT(storage._cdata)) > 2 + (tensor._base is not None)
+    if _STORAGE_USE_COUNT is not None and int(_STORAGE_USE_COUNT(storage._cdata)) > 2 + view:
+        return "storage"
+    return None
 
 
 def address_range(tensor: torch.Tensor) -> tuple[str, int, int]:
