@@ -838,6 +838,10 @@ class LayerSnapshot:
             before = freshness.get(index)
             # Ours: the snapshot's list, the rebind just planned, the freshness entry where it is the same object.
             held = held_outside(captured, own=3 if before is not None and before[0] is captured else 2)
+            if held == "object":  # maybe only this snapshot's other entries (two slots, one tensor): count them
+                own = sum(t is captured for t in captured_list) + sum(t is captured for _, t in rebinds)
+                own += sum(b[0] is captured for b in freshness.values()) + plan.holds(captured)
+                held = held_outside(captured, own=own)
             if held is not None:
                 self.suspects.append((index, held))
             source = current
@@ -1311,6 +1315,10 @@ class RestorePlan:
         if spans is None:
             spans = self._dst_spans[key] = []
         spans.append(byte_span(dst) if span is None else span)
+
+    def holds(self, tensor: torch.Tensor) -> int:
+        """How many references to ``tensor`` the planned copies hold (as destination, new tensor or source)."""
+        return sum((move.dst is tensor) + (move.new is tensor) + (move.src is tensor) for move in self.moves)
 
     def overlaps_destination(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` reads bytes a copy of this plan writes."""
