@@ -1050,10 +1050,11 @@ class _InPlaceTrio(nn.Module):
     """Three small derived slots of one dtype (their samples are taken and compared together); PWAL writes each in
     place, ``d0`` changing only the lowest byte of one element, or (``skip``) leaves ``d0`` alone."""
 
-    def __init__(self) -> None:
+    def __init__(self, flip: tuple[int, int] = (2, 0)) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(4), requires_grad=False)
         self.skip = False
+        self.flip = flip  # (element, bit) changed in d0
 
     @graph_visible("d0", "d1", "d2")
     def process_weights_after_loading(self) -> None:
@@ -1062,14 +1063,18 @@ class _InPlaceTrio(nn.Module):
             return
         if not self.skip:
             bits = self.d0.view(torch.int32)
-            bits[2] ^= 1  # one bit of one element: a real write that changes one byte of the sample
+            element, bit = self.flip
+            bits[element] ^= 1 << bit  # one bit of one element: a real write that changes one byte of the sample
         self.d1.copy_(self.weight + 1)
         self.d2.copy_(self.weight + 2)
 
 
+@pytest.mark.parametrize("flip", [(2, 0), (0, 0), (3, 30)], ids=["middle", "first-byte", "last-byte"])
 @pytest.mark.parametrize("skip", [False, True])
-def test_a_write_that_changes_one_byte_of_a_jointly_sampled_slot_is_a_refresh(skip: bool) -> None:
-    layer = _InPlaceTrio()
+def test_a_write_that_changes_one_byte_of_a_jointly_sampled_slot_is_a_refresh(
+    skip: bool, flip: tuple[int, int]
+) -> None:
+    layer = _InPlaceTrio(flip)
     layer.process_weights_after_loading()
     contract = GraphContract(layer, "recapture", detect="declared-only").seal()
     with contract.reload(), torch.no_grad():  # the recording reload

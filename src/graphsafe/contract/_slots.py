@@ -950,8 +950,8 @@ class LayerSnapshot:
         """Keep, of the slots :meth:`_note_fresh` noted, those whose value sample PWAL left as it was (a write that
         changed it is a refresh). Called at the end of :meth:`restore`, before any copy of the plan lands.
 
-        Samples taken joined (small dense slots) are compared in one pass per dtype and device, as bytes: one
-        host-device synchronisation for all of them instead of one per slot (an in-place PWAL on CUDA).
+        Samples taken joined (dense slots) are compared per dtype and device as bytes, on the host after one
+        transfer: one host-device synchronisation for all of them instead of one per slot (an in-place PWAL on CUDA).
         """
         noted, self._noted = self._noted, []
         joined: dict[Any, list[tuple[tuple[int, SealedSlot, torch.Tensor, bool, Any], torch.Tensor]]] = {}
@@ -972,17 +972,16 @@ class LayerSnapshot:
                     self.fresh_due.append(entry[:4])
                 continue
             now = torch.cat([flat for _, flat in group]).view(torch.uint8)
-            was = torch.cat([entry[4].get() for entry, _ in group])
-            lengths = [flat.numel() * flat.element_size() for _, flat in group]  # bytes
-            # Per slot, how many of its bytes differ: one reduction, one transfer.
-            segment = torch.repeat_interleave(
-                torch.arange(len(group), device=now.device), torch.tensor(lengths, device=now.device)
-            )
-            differing = torch.zeros(len(group), dtype=torch.int64, device=now.device)
-            differing.index_add_(0, segment, (now != was).to(torch.int64))
-            for (entry, _), count in zip(group, differing.tolist(), strict=True):
-                if count == 0:
+            # Both sides in one tensor, brought to the host in one transfer; each slot compared there.
+            both = torch.cat([now, *(entry[4].get() for entry, _ in group)])
+            if both.device.type != "cpu":
+                both = both.cpu()
+            start, offset = 0, now.numel()
+            for entry, flat in group:
+                end = start + flat.numel() * flat.element_size()
+                if torch.equal(both[start:end], both[offset + start : offset + end]):
                     self.fresh_due.append(entry[:4])
+                start = end
 
     def doubt_foreign_writes(self, foreign: Sequence[torch.Tensor]) -> None:
         """Flag a slot left on its captured memory whose bytes the reload wrote through another path's new tensor.
