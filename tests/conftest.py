@@ -8,7 +8,7 @@ and compare with a model built cold on those values.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from graphsafe import graph_visible, stable_empty
+from graphsafe.collectors import RecordedDriver
+from graphsafe.collectors import _kernelscan as kscan
 from graphsafe.registry import declarations_of
 
 IN_FEATURES = 6
@@ -135,3 +137,23 @@ class Tiny:
 @pytest.fixture
 def tiny() -> Tiny:
     return Tiny()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """The kernel scan with ``state["table"]`` (a recorded node table) for a driver and each of ``state["tensors"]`` in
+    its own allocator block: the scan runs on CPU (tests/test_kernelscan.py, tests/test_unread_skip.py)."""
+    state: dict[str, Any] = {"table": None, "tensors": []}
+
+    def segments() -> list[dict[str, Any]]:
+        rows = []
+        for t in state["tensors"]:
+            storage = t.untyped_storage()
+            block = {"address": storage.data_ptr(), "size": storage.nbytes(), "state": "active_allocated"}
+            rows.append({"address": block["address"], "total_size": block["size"], "blocks": [block]})
+        return rows
+
+    monkeypatch.setattr(kscan, "driver", lambda: RecordedDriver(state["table"]))
+    monkeypatch.setattr(kscan, "allocator_segments", segments)
+    monkeypatch.setattr(kscan, "live_tensors", lambda: iter(state["tensors"]))
+    yield state

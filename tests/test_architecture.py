@@ -48,6 +48,8 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
         "graphsafe.contract._copy",
         "graphsafe.contract._slots",
     },
+    # the shared fake_cuda fixture: the kernel scan's driver, allocator view and live tensors from recorded tables
+    "tests/conftest.py": {"graphsafe.collectors._kernelscan"},
     # the kernel scan's driver, allocator view and live-tensor source are replaced by recorded tables (no GPU)
     # (and the vLLM hook's recording step runs on a fake runner, without vLLM)
     "tests/test_kernelscan.py": {"graphsafe.collectors._kernelscan", "graphsafe.adapters.vllm._hooks"},

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -245,25 +244,6 @@ def _table(*tensors: torch.Tensor) -> dict[str, Any]:
     params = [_word(t.untyped_storage().data_ptr()).hex() for t in tensors]
     layout = [[8 * i, 8] for i in range(len(tensors))]
     return {"root": 1, "graphs": {"1": [{"type": "kernel", "name": "fused", "layout": layout, "params": params}]}}
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
-    """The kernel scan with a recorded table for a driver and every given tensor in its own allocator block."""
-    state: dict[str, Any] = {"table": None, "tensors": []}
-
-    def segments() -> list[dict[str, Any]]:
-        rows = []
-        for t in state["tensors"]:
-            storage = t.untyped_storage()
-            block = {"address": storage.data_ptr(), "size": storage.nbytes(), "state": "active_allocated"}
-            rows.append({"address": block["address"], "total_size": block["size"], "blocks": [block]})
-        return rows
-
-    monkeypatch.setattr(kscan, "driver", lambda: RecordedDriver(state["table"]))
-    monkeypatch.setattr(kscan, "allocator_segments", segments)
-    monkeypatch.setattr(kscan, "live_tensors", lambda: iter(state["tensors"]))
-    yield state
 
 
 def test_kernel_scan_manifest_flags_unowned_alive_storage_and_counts_unread_slots(fake_cuda: dict[str, Any]) -> None:

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 from graphsafe import GraphContract, graph_visible, register_derived
-from graphsafe.collectors import RecordedDriver, record_capture
 from graphsafe.collectors import _kernelscan as kscan
+from graphsafe.collectors import record_capture
 from graphsafe.outcome import Status
 
 
@@ -41,25 +41,6 @@ class FakeGraph:
 
     def raw_cuda_graph(self) -> int:
         return 1
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
-    """The kernel scan over ``state["table"]``; ``state["tensors"]`` each get an allocator block of their own."""
-    state: dict[str, Any] = {"table": None, "tensors": []}
-
-    def segments() -> list[dict[str, Any]]:
-        rows = []
-        for t in state["tensors"]:
-            storage = t.untyped_storage()
-            block = {"address": storage.data_ptr(), "size": storage.nbytes(), "state": "active_allocated"}
-            rows.append({"address": block["address"], "total_size": block["size"], "blocks": [block]})
-        return rows
-
-    monkeypatch.setattr(kscan, "driver", lambda: RecordedDriver(state["table"]))
-    monkeypatch.setattr(kscan, "allocator_segments", segments)
-    monkeypatch.setattr(kscan, "live_tensors", lambda: iter(state["tensors"]))
-    yield state
 
 
 def _capture(
