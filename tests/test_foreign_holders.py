@@ -29,13 +29,14 @@ DETECTS = ["declared-only", "sealed-paths", "every-reload"]
 
 
 class _PingPong(nn.Module):
-    """PWAL swaps the declared ``cur`` with an undeclared ``other`` (a ping-pong buffer), then writes both in place:
-    ``other`` (the old captured tensor) gets ``weight * 3``, ``cur`` gets ``weight * 2``."""
+    """PWAL swaps the declared ``cur`` with an undeclared ``other`` (a ping-pong buffer), then (``write``) writes both
+    in place: ``other`` (the old captured tensor) gets ``weight * 3``, ``cur`` gets ``weight * 2``."""
 
-    def __init__(self) -> None:
+    def __init__(self, write: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(4), requires_grad=False)
-        self.other = torch.zeros(4)
+        self.other = torch.zeros(4)  # undeclared; no captured graph reads it
+        self.write = write
 
     @graph_visible("cur")
     def process_weights_after_loading(self) -> None:
@@ -43,8 +44,28 @@ class _PingPong(nn.Module):
             self.cur = self.weight * 2
             return
         self.cur, self.other = self.other, self.cur
-        self.other.copy_(self.weight * 3)
-        self.cur.copy_(self.weight * 2)
+        if self.write:
+            self.other.copy_(self.weight * 3)
+            self.cur.copy_(self.weight * 2)
+
+
+@pytest.mark.parametrize("write", [True, False], ids=["swap-then-write", "swap-only"])
+@pytest.mark.parametrize("detect", DETECTS)
+def test_a_captured_tensor_pwal_handed_to_an_untracked_path_is_never_written(write: bool, detect: str) -> None:
+    """The case the unread-skip fuzzer found (at the model root; it held under ``unread="restore"`` too)."""
+    model = _PingPong(write)
+    contract = _seal_and_capture(model, model, detect)
+    captured_cur = model.cur
+    with contract.reload(), torch.no_grad():
+        model.weight.copy_(torch.full((4,), 5.0))
+        model.process_weights_after_loading()
+    expected_other = model.weight * 3 if write else torch.full((4,), 2.0)  # what the reload left there
+    assert model.other is captured_cur
+    # graphsafe wrote nothing into 'other' (values the reload never produced for it) ...
+    assert torch.equal(model.other, expected_other)
+    # ... and did not commit: the graph reads 'other''s values where it expects cur's.
+    outcome = contract.last_outcome
+    assert outcome is not None and not outcome.committed
 
 
 class _Wrap(nn.Module):
