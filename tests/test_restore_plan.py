@@ -7,6 +7,7 @@ The accessors are shortcuts for the per-reload hot loop; each test runs the shor
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import namedtuple
 from dataclasses import dataclass
 from typing import Any
@@ -225,12 +226,22 @@ def test_the_sealed_span_is_the_span_of_the_tensor_as_sealed(
     """The restore plan uses the span computed at seal for a captured tensor still laid out as sealed: it must be
     the bytes the tensor spans (the overlap checks that order copies rely on it)."""
     from graphsafe.contract._copy import byte_span
-    from graphsafe.contract._slots import _sealed_span
-    from graphsafe.outcome import fingerprint
+    from graphsafe.contract._slots import SealedSlot
+    from graphsafe.outcome import Origin, fingerprint
+    from graphsafe.paths import SlotPath
 
     tensor = torch.zeros(*shape, dtype=dtype) if shape else torch.zeros((), dtype=dtype)
     if transposed and tensor.dim() >= 2:
         tensor = tensor.transpose(0, 1)
     if offset and tensor.dim() and tensor.shape[0] > 1:
         tensor = tensor[1:]
-    assert _sealed_span(fingerprint(tensor)) == byte_span(tensor)
+    slot = SealedSlot(SlotPath("t"), fingerprint(tensor), weakref.ref(tensor), Origin.DECLARED)
+    # The oracle: each element's own place in the storage, read off a tensor of element indices laid out alike.
+    if tensor.numel() == 0:
+        expected = (0, 0)
+    else:
+        where = torch.arange(tensor.untyped_storage().nbytes() // tensor.element_size())
+        where = where.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+        size = tensor.element_size()
+        expected = (int(where.min()) * size, (int(where.max()) + 1) * size)
+    assert slot.span == byte_span(tensor) == expected

@@ -19,11 +19,21 @@ times, which torch refuses).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["FOREACH_MAX_BYTES", "CopyBatch", "byte_span", "copy_group", "distinct_views", "spans_overlap"]
+__all__ = [
+    "FOREACH_MAX_BYTES",
+    "CopyBatch",
+    "byte_span",
+    "copy_group",
+    "distinct_views",
+    "plain_layout",
+    "span_of",
+    "spans_overlap",
+]
 
 #: Tensors at most this large go through the grouped ``_foreach_copy_`` path (H200 crossover: 4-16 MiB).
 FOREACH_MAX_BYTES = 4 << 20
@@ -63,21 +73,31 @@ def distinct_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, 
     return dst, src
 
 
+def plain_layout(conj: bool, neg: bool, stride: Sequence[int]) -> bool:
+    """Whether a plain ``copy_`` into a tensor so laid out writes each of its bytes once: no lazy conjugate or
+    negative bit, no broadcast (zero-stride) dimension."""
+    return not (conj or neg or 0 in stride)
+
+
 def _plain(dst: torch.Tensor) -> bool:
-    return not (dst.is_conj() or dst.is_neg() or 0 in dst.stride())
+    return plain_layout(dst.is_conj(), dst.is_neg(), dst.stride())
+
+
+def span_of(shape: Sequence[int], stride: Sequence[int], offset: int, itemsize: int) -> tuple[int, int]:
+    """:func:`byte_span` of a tensor laid out as given (elements: ``offset``; bytes: ``itemsize``)."""
+    if 0 in shape:
+        return 0, 0
+    extent = 1
+    for size, step in zip(shape, stride, strict=True):
+        extent += (int(size) - 1) * int(step)
+    start = int(offset) * itemsize
+    return start, start + extent * itemsize
 
 
 def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     """The bytes ``[start, end)`` of its storage a tensor can read or write: its strided extent (a superset of the
     bytes it really touches, so two spans that do not overlap are certain not to share a byte)."""
-    if tensor.numel() == 0:
-        return 0, 0
-    itemsize = tensor.element_size()
-    extent = 1
-    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
-        extent += (int(size) - 1) * int(stride)
-    start = int(tensor.storage_offset()) * itemsize
-    return start, start + extent * itemsize
+    return span_of(tensor.shape, tensor.stride(), int(tensor.storage_offset()), tensor.element_size())
 
 
 def spans_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:

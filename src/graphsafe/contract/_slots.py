@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe.contract._copy import CopyBatch, byte_span, copy_group, spans_overlap
+from graphsafe.contract._copy import CopyBatch, byte_span, copy_group, plain_layout, span_of, spans_overlap
 from graphsafe.outcome import (
     Finding,
     FindingKind,
@@ -101,9 +101,8 @@ class SealedSlot:
         self.wrapped = bool(fp.inner)
         self.group = (fp.device, fp.dtype, tensor.layout if tensor is not None else torch.strided)
         self.nbytes = fp.nbytes
-        self.span = _sealed_span(fp)
-        # A copy_ into the captured tensor as sealed writes each byte once: no lazy bit, no broadcast dimension.
-        self.plain = not (fp.conj or fp.neg or 0 in fp.stride)
+        self.span = span_of(fp.shape, fp.stride, fp.storage_offset, fp.dtype.itemsize)
+        self.plain = plain_layout(fp.conj, fp.neg, fp.stride)
         declaration = self.declaration
         # Declared derived slots, and tensors only the walker found (see LayerSnapshot.take for when those are
         # watched): a reload that changes the weights and leaves them as they were must not commit.
@@ -117,16 +116,6 @@ class SealedSlot:
         if tensor is not None:
             return tensor
         return _rebuild(self.fp)
-
-
-def _sealed_span(fp: Fingerprint) -> tuple[int, int]:
-    """:func:`byte_span` of a tensor laid out as ``fp`` says."""
-    if any(n == 0 for n in fp.shape):
-        return 0, 0
-    itemsize = fp.dtype.itemsize
-    extent = 1 + sum((n - 1) * st for n, st in zip(fp.shape, fp.stride, strict=True))
-    start = fp.storage_offset * itemsize
-    return start, start + extent * itemsize
 
 
 def _rebuild(fp: Fingerprint) -> torch.Tensor | None:
