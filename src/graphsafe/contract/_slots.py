@@ -399,11 +399,7 @@ def _joinable(tensor: torch.Tensor, elements: int) -> torch.Tensor | None:
 def _join_samples(freshness: dict[int, _Freshness], pending: dict[Any, list[tuple[int, torch.Tensor]]]) -> None:
     """Take the samples ``pending`` collected (per dtype and device: slot index, flat values) in one copy each."""
     for flats in pending.values():
-        joined = (
-            torch.cat([flat for _, flat in flats])
-            if len(flats) > 1
-            else flats[0][1].clone(memory_format=torch.contiguous_format)
-        )
+        joined = torch.cat([flat for _, flat in flats])  # a new contiguous tensor, also for one
         start = 0
         for index, flat in flats:
             end = start + flat.numel()
@@ -955,11 +951,6 @@ class LayerSnapshot:
             if _same_sample(sample, _signature(current, _SLOT_SIGNATURE_ELEMENTS)):
                 self.fresh_due.append(entry[:4])
         for group in joined.values():
-            if len(group) == 1:
-                ((entry, flat),) = group
-                if _same_sample(entry[4].get(), flat.clone(memory_format=torch.contiguous_format).view(torch.uint8)):
-                    self.fresh_due.append(entry[:4])
-                continue
             now = torch.cat([flat for _, flat in group]).view(torch.uint8)
             # Both sides in one tensor, brought to the host in one transfer; each slot compared there.
             both = torch.cat([now, *(entry[4].get() for entry, _ in group)])
