@@ -461,6 +461,18 @@ class _Inputs:
                 )
         return ()
 
+    def _recorded_keys(self, recorded: tuple[InputRef, ...]) -> tuple[Any, ...]:
+        """The keys of recorded inputs, each resolved and sampled once per layer and reload (named only then)."""
+        inputs = self.inputs
+        keys: list[Any] = []
+        for ref in recorded:
+            key = ref.key
+            if key not in inputs:
+                self._add(key, ref.label(self.qualname), ref.resolve)
+            if key not in keys:
+                keys.append(key)
+        return tuple(keys)
+
     def of(self, slot: SealedSlot) -> tuple[Any, ...]:
         """The keys of ``slot``'s inputs (see the section comment for which).
 
@@ -471,23 +483,10 @@ class _Inputs:
         layer = self.layer
         sources = slot.declaration.derived_from if slot.declaration is not None else None
         recorded = slot.inputs
-        if recorded is not None and not sources:
-            # The common case after a recording: plain loops (no generator frames), each input resolved once.
-            inputs = self.inputs
-            keys: list[Any] = []
-            for ref in recorded:
-                if not isinstance(ref.resolve(), torch.Tensor):
-                    break
-                key = ref.key
-                if key not in inputs:
-                    self._add(key, ref.label(self.qualname), ref.resolve)
-                if key not in keys:
-                    keys.append(key)
-            else:
-                return tuple(keys)
-            recorded = None
         if recorded is not None and not all(isinstance(ref.resolve(), torch.Tensor) for ref in recorded):
             recorded = None
+        if recorded is not None and not sources:
+            return self._recorded_keys(recorded)  # the common case after a recording
         paths = [_path(source) for source in sources or ()]
         if (recorded is None and sources is None) or not all(
             isinstance(_getter(path)(layer), torch.Tensor) for path in paths
@@ -507,13 +506,7 @@ class _Inputs:
             # No loaded state in the layer (a child holding derived tensors): its tensors are computed from the
             # weights of a module above it; its plain tensors stay inputs too.
             return tuple(dict.fromkeys((*others, *self._outer_fallback())))
-        keys = []
-        inputs = self.inputs
-        for ref in recorded or ():
-            key = ref.key
-            if key not in inputs:  # resolved and sampled once per layer and reload; named only then
-                self._add(key, ref.label(self.qualname), ref.resolve)
-            keys.append(key)
+        keys = list(self._recorded_keys(recorded)) if recorded is not None else []
         for path in paths:
             keys.append(self._add((id(layer), path.text), path.text, functools.partial(_getter(path), layer)))
         return tuple(dict.fromkeys(keys))
