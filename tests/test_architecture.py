@@ -62,8 +62,8 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     "tests/test_adversarial.py": {"graphsafe.contract._copy"},
     # the snapshot's per-layer steps are wrapped to see that no collection runs inside them
     "tests/test_contract.py": {"graphsafe.contract._slots"},
-    # the value sample's fast path against its definition (a reference implementation in the test)
-    "tests/test_freshness.py": {"graphsafe.contract._slots"},
+    # the value sample, taken alone or in a batch, against its definition (a reference implementation in the test)
+    "tests/test_freshness.py": {"graphsafe.contract._samples"},
     # the hook installer's wrappers and markers, and the pack's attribute, are checked on the real vLLM; the
     # plugin's once-per-process "off" line is reset between tests
     "tests/vllm/test_vllm_adapter.py": {

@@ -1027,7 +1027,7 @@ def _reference_sample(tensor: torch.Tensor, elements: int) -> torch.Tensor:
 def test_the_value_sample_is_the_defined_elements_whatever_the_layout(
     shape: list[int], dtype: torch.dtype, view: str, elements: int
 ) -> None:
-    from graphsafe.contract._slots import _joinable, _signature
+    from graphsafe.contract._samples import SampleBatch, signature, unchanged
 
     tensor = (torch.randn(*shape) * 10).to(dtype) if shape else torch.tensor(3.0).to(dtype)
     if view == "tail" and tensor.dim() and tensor.shape[0] > 1:
@@ -1036,14 +1036,29 @@ def test_the_value_sample_is_the_defined_elements_whatever_the_layout(
         tensor = tensor.transpose(0, 1)
     elif view == "parameter" and dtype.is_floating_point:
         tensor = nn.Parameter(tensor, requires_grad=True)
-    sample = _signature(tensor, elements)
+    sample = signature(tensor, elements)
     expected = _reference_sample(tensor, elements)
     assert sample.dim() == 1 and sample.shape == expected.shape and torch.equal(sample, expected)
     assert not sample.requires_grad
-    flat = _joinable(tensor, elements)  # a sample taken with others (one torch.cat) holds the same bytes
-    if flat is not None:
-        joined = torch.cat([flat, flat]).view(torch.uint8)
-        assert torch.equal(joined[: expected.numel()], expected)
+    # Taken in a batch with others (joined into one copy), alone in its batch, or twice: the same bytes, a copy.
+    other = torch.arange(5).to(dtype)
+    for company in ([], [other], [tensor, other]):
+        batch = SampleBatch()
+        taken = batch.take(tensor, elements)
+        for extra in company:
+            batch.take(extra, elements)
+        batch.flush()
+        assert torch.equal(taken.get(), expected)
+        assert unchanged([(taken, tensor)], elements) == [True]
+        if tensor.numel():  # the first element is always sampled
+            first = (0,) * tensor.dim()
+            kept = tensor[first].clone()
+            with torch.no_grad():
+                tensor[first] = ~kept if dtype == torch.bool else kept + 1
+            assert torch.equal(taken.get(), expected)  # a copy, not a view of the tensor
+            assert unchanged([(taken, tensor)], elements) == [False]
+            with torch.no_grad():
+                tensor[first] = kept
 
 
 class _InPlaceTrio(nn.Module):
@@ -1090,3 +1105,29 @@ def test_a_write_that_changes_one_byte_of_a_jointly_sampled_slot_is_a_refresh(
     outcome = contract.last_outcome
     assert outcome is not None
     assert stale(outcome) == ({("", "d0")} if skip else set())
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    asked=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.int8, torch.int64]),
+)
+def test_samples_compared_in_a_batch_agree_with_each_compared_alone(
+    sizes: list[int], asked: st.DataObject, dtype: torch.dtype
+) -> None:
+    """Any subset of a batch's samples (a few of many are compared as slices, most of them as the whole joined
+    tensor), some tensors written after the batch was taken: the batch verdict is each pair's own."""
+    from graphsafe.contract._samples import SampleBatch, signature, unchanged
+
+    tensors = [(torch.arange(n) * 3 + i).to(dtype) for i, n in enumerate(sizes)]
+    batch = SampleBatch()
+    samples = [batch.take(t, 16) for t in tensors]
+    before = [signature(t, 16) for t in tensors]
+    batch.flush()
+    chosen = asked.draw(st.lists(st.sampled_from(range(len(tensors))), unique=True))
+    for index in asked.draw(st.lists(st.sampled_from(range(len(tensors))), unique=True)):
+        if tensors[index].numel():
+            tensors[index][0] += 1  # the first element is always sampled
+    verdicts = unchanged([(samples[i], tensors[i]) for i in chosen], 16)
+    assert verdicts == [torch.equal(before[i], signature(tensors[i], 16)) for i in chosen]

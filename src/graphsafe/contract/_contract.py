@@ -24,6 +24,7 @@ from graphsafe.contract._access import submodule_is
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._copy import CopyBatch
 from graphsafe.contract._gcpause import collections_paused
+from graphsafe.contract._samples import SampleBatch
 from graphsafe.contract._slots import (
     InputRef,
     LayerSnapshot,
@@ -32,6 +33,8 @@ from graphsafe.contract._slots import (
     SealedSlot,
     SharedIndex,
     address_range,
+    check_freshness,
+    judge_noted,
     reads_as_captured,
 )
 from graphsafe.contract._unread import UNREAD_POLICIES, SkipState, skip_unread
@@ -757,6 +760,7 @@ class ReloadTransaction:
         self._recording_thread = 0  # the thread whose dispatch-mode stack holds _dataflow
         self._unloaded: list[str] = []  # slots PWAL computed only from tensors this reload never wrote
         self._skip = SkipState()  # unread="skip": what the skip step did (contract._unread)
+        self._samples = SampleBatch()  # the value samples of the snapshots being taken (see _snapshot)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -810,7 +814,8 @@ class ReloadTransaction:
                 start = time.perf_counter()
                 with collections_paused():
                     for sealed in contract._layers:
-                        self._snapshot(sealed)
+                        self._snapshot(sealed, flush=False)
+                    self._samples.flush()  # every layer's value samples in one copy per dtype, before the load
                 self._seconds += time.perf_counter() - start
         except BaseException:
             # Nothing was loaded yet: leave the contract as it was, not stuck with an open transaction.
@@ -879,7 +884,8 @@ class ReloadTransaction:
         try:
             with collections_paused():
                 for sealed in self.contract._layer_entries(layer):
-                    self._snapshot(sealed)
+                    self._snapshot(sealed, flush=False)
+                self._samples.flush()
         finally:
             if self._dataflow is not None:
                 self._dataflow.paused = False
@@ -1026,7 +1032,9 @@ class ReloadTransaction:
         )
 
     # -- per layer ---------------------------------------------------------------------------------------------
-    def _snapshot(self, sealed: SealedLayer) -> LayerSnapshot | None:
+    def _snapshot(self, sealed: SealedLayer, *, flush: bool = True) -> LayerSnapshot | None:
+        """Snapshot one sealed layer; its value samples are taken at once, or (``flush=False``) by the caller's
+        ``self._samples.flush()`` before the load."""
         layer = sealed.layer_ref()
         contract = self.contract
         if id(sealed) in self._gone:
@@ -1045,6 +1053,7 @@ class ReloadTransaction:
             sealed,
             layer,
             extras,
+            samples=self._samples,
             recorded=contract._recorded,
             outer=functools.partial(contract._outer, sealed.qualname),
         )
@@ -1063,6 +1072,8 @@ class ReloadTransaction:
                 )
             )
         self._snapshots[id(sealed)] = snapshot
+        if flush:
+            self._samples.flush()
         return snapshot
 
     def _still_in_model(self, sealed: SealedLayer, layer: nn.Module) -> bool:
@@ -1104,6 +1115,7 @@ class ReloadTransaction:
                 )
             elif not snapshot.in_place():
                 work.append((snapshot, snapshot.restore(auto_restore=auto_restore, plan=plan)))
+        judge_noted([snapshot for snapshot, _ in work])  # before any copy lands: the values PWAL left
         if any(snapshot.suspects for snapshot, _ in work):
             work = self._block_foreign_holders(work, plan)
         batch = CopyBatch()
@@ -1132,8 +1144,8 @@ class ReloadTransaction:
         if work:
             # New tensors left at their paths read what they read now; a later after_layer must not write it.
             self._kept.extend(t for s, _ in work for t in s.kept)
+        check_freshness([snapshot for snapshot, _ in work])
         for snapshot, rebinds in work:
-            snapshot.check_freshness()
             snapshot.rebind(rebinds)
             snapshot.verify()
         self._doubt_abandoned(work)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from graphsafe.contract._copy import CopyBatch, byte_span, copy_group, plain_layout, span_of, spans_overlap
+from graphsafe.contract._samples import INPUT_ELEMENTS, SLOT_ELEMENTS, Sample, SampleBatch, unchanged
 from graphsafe.outcome import (
     Finding,
     FindingKind,
@@ -42,7 +43,9 @@ __all__ = [
     "SealedLayer",
     "SealedSlot",
     "SharedIndex",
+    "check_freshness",
     "held_outside",
+    "judge_noted",
 ]
 
 _MISSING: Any = MISSING
@@ -291,58 +294,21 @@ def _getter(path: SlotPath) -> Getter:
     return compile_getter(path)
 
 
-_SIGNATURE_ELEMENTS = 256
-# A derived slot's own sample is larger: a real in-place write that leaves every sampled element as it was would
-# be taken for a no-op (stale), e.g. a requantization of a small weight delta that flips few packed values.
-_SLOT_SIGNATURE_ELEMENTS = 4096
-
-
-_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
-
-
-def _signature(tensor: torch.Tensor, elements: int = _SIGNATURE_ELEMENTS) -> torch.Tensor:
-    # A strided sample of the values: loaders commonly write through ``param.data.copy_``, which does not move the
-    # parameter's version counter, so the values themselves are the only witness. Sampling keeps this a tiny
-    # kernel; a change confined to unsampled elements can escape it (documented in docs/fault-matrix.md).
-    flat = _joinable(tensor, elements)
-    if flat is not None:  # the common case in as few tensor ops as possible (each is a launch on CUDA)
-        return flat.clone(memory_format=torch.contiguous_format).view(torch.uint8)
-    parts = memory_tensors(tensor)
-    if parts[0] is not tensor:  # a wrapper subclass: the values are its inner tensors'
-        return torch.cat([_signature(part, elements) for part in parts])
-    value = tensor.detach()
-    if value.is_contiguous():
-        flat = value.reshape(-1)
-        step = max(1, flat.numel() // elements)
-        sample = flat[: step * elements : step]  # == flat[::step][:elements], one view
-    else:  # a grid of about ``elements`` points: ``reshape(-1)`` of the whole view would copy all of it
-        per_dim = max(1, int(elements ** (1 / max(1, value.dim()))))
-        index = tuple(slice(None, None, max(1, n // per_dim)) for n in value.shape)
-        sample = value[index].reshape(-1)
-    # Compared as bytes: NaN equals NaN, and -0.0 differs from 0.0 (a write that changes any bit is a write).
-    # A contiguous copy: a strided sample (a respecified stride) cannot be viewed as bytes.
-    return sample.clone(memory_format=torch.contiguous_format).view(torch.uint8)
-
-
 def _strided(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.layout is torch.strided and value.device.type != "meta"
 
 
-def _same_sample(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a, b)
-
-
 # An input before PWAL: (storage, version, value sample), or None where the path held no tensor.
-_InputBefore = tuple["weakref.ReferenceType[Any]", int, torch.Tensor] | None
+_InputBefore = tuple["weakref.ReferenceType[Any]", int, Sample] | None
 # How an input changed: not at all; written with maybe the same values (its version counter moved, or another
 # storage now holds the same sampled values); or for sure (other sampled values, gone).
 _UNCHANGED, _MAYBE, _CHANGED = 0, 1, 2
 
 
-def _input_before(value: Any) -> _InputBefore:
+def _input_before(value: Any, samples: SampleBatch) -> _InputBefore:
     if not isinstance(value, torch.Tensor) or value.device.type == "meta":
         return None
-    return weakref.ref(value.untyped_storage()), value._version, _signature(value)
+    return weakref.ref(value.untyped_storage()), value._version, samples.take(value, INPUT_ELEMENTS)
 
 
 def _reads_storage(before: _InputBefore, storage: Any) -> bool:
@@ -350,62 +316,32 @@ def _reads_storage(before: _InputBefore, storage: Any) -> bool:
 
 
 def _input_change(before: _InputBefore, value: Any) -> int:
+    change = _input_change_unsampled(before, value)
+    if change is not None:
+        return change
+    assert before is not None
+    return _after_same_sample(before, value) if unchanged([(before[2], value)], INPUT_ELEMENTS)[0] else _CHANGED
+
+
+def _input_change_unsampled(before: _InputBefore, value: Any) -> int | None:
+    """How an input changed where that is plain without comparing values; ``None`` where the samples decide."""
     if before is None:
         return _UNCHANGED if not isinstance(value, torch.Tensor) else _CHANGED
     if not isinstance(value, torch.Tensor):
         return _CHANGED
-    storage, version, sample = before
-    if not _same_sample(sample, _signature(value)):
-        return _CHANGED
+    return None
+
+
+def _after_same_sample(before: tuple[Any, int, Sample], value: torch.Tensor) -> int:
+    """How an input whose value sample is as it was changed: not at all, or maybe (written again)."""
+    storage, version, _ = before
     return _UNCHANGED if storage() is value.untyped_storage() and value._version == version else _MAYBE
 
 
 # One input of a layer's snapshot: (name for messages, how to resolve it now, what it was before PWAL).
 _Input = tuple[str, Callable[[], Any], _InputBefore]
 # A declared slot before PWAL: (tensor at the path, its version, its value sample, the keys of its inputs).
-_Freshness = tuple[torch.Tensor, int, "torch.Tensor | _JoinedSample", tuple[Any, ...]]
-
-
-class _JoinedSample:
-    """A slot's value sample kept as a span of one tensor that joins the samples of a layer's dense slots of
-    one dtype and device: one copy for all of them at the snapshot (one launch on CUDA); a slot's own bytes are cut
-    out only when asked (a slot PWAL left in place)."""
-
-    __slots__ = ("end", "joined", "start")
-
-    def __init__(self, joined: torch.Tensor, start: int, end: int) -> None:
-        self.joined, self.start, self.end = joined, start, end
-
-    def get(self) -> torch.Tensor:
-        """The sample, as :func:`_signature` gives it."""
-        return self.joined[self.start : self.end].view(torch.uint8)
-
-
-def _joinable(tensor: torch.Tensor, elements: int) -> torch.Tensor | None:
-    """The elements of a dense plain tensor's value sample as one flat view (no copy: what :func:`_signature`
-    copies), for a sample taken with others in one copy; ``None`` for any other tensor."""
-    if (
-        type(tensor) in _PLAIN_TYPES
-        and tensor.layout is torch.strided
-        and not (tensor.is_conj() or tensor.is_neg())
-        and tensor.is_contiguous()
-    ):
-        value = tensor.detach() if tensor.requires_grad else tensor
-        numel = value.numel()
-        return value.reshape(-1) if numel <= elements else value.as_strided((elements,), (numel // elements,))
-    return None
-
-
-def _join_samples(freshness: dict[int, _Freshness], pending: dict[Any, list[tuple[int, torch.Tensor]]]) -> None:
-    """Take the samples ``pending`` collected (per dtype and device: slot index, flat values) in one copy each."""
-    for flats in pending.values():
-        joined = torch.cat([flat for _, flat in flats])  # a new contiguous tensor, also for one
-        start = 0
-        for index, flat in flats:
-            end = start + flat.numel()
-            tensor, version, _, keys = freshness[index]
-            freshness[index] = (tensor, version, _JoinedSample(joined, start, end), keys)
-            start = end
+_Freshness = tuple[torch.Tensor, int, Sample, tuple[Any, ...]]
 
 
 def _attribute(module: nn.Module, name: str) -> Callable[[], Any]:
@@ -438,6 +374,7 @@ class _Inputs:
 
     layer: nn.Module
     qualname: str
+    samples: SampleBatch
     inputs: dict[Any, _Input] = field(default_factory=dict)
     fallback: tuple[Any, ...] | None = None  # the keys of _layer_inputs, computed on first need
     loaded: set[Any] = field(default_factory=set)  # the keys of those that are parameters or buffers
@@ -447,7 +384,7 @@ class _Inputs:
 
     def _add(self, key: Any, name: str, resolve: Callable[[], Any]) -> Any:
         if key not in self.inputs:
-            self.inputs[key] = (name, resolve, _input_before(resolve()))
+            self.inputs[key] = (name, resolve, _input_before(resolve(), self.samples))
         return key
 
     def _outer_fallback(self) -> tuple[Any, ...]:
@@ -531,10 +468,10 @@ class LayerSnapshot:
     #: Slot index -> (the new tensor at its path, a clone of its values): taken when another layer's restore was
     #: about to write into the memory that tensor reads, before this layer was restored (layerwise reloads).
     overrides: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    #: Freshness checks :meth:`restore` found due, run by :meth:`check_freshness` once the plan's copies landed.
+    #: Freshness checks :func:`judge_noted` found due, run by :func:`check_freshness` once the plan's copies landed.
     fresh_due: list[tuple[int, SealedSlot, torch.Tensor, bool]] = field(default_factory=list)
-    #: Slots :meth:`_note_fresh` found on their captured memory, with their samples, until :meth:`_judge_noted`.
-    _noted: list[tuple[int, SealedSlot, torch.Tensor, bool, Any]] = field(default_factory=list)
+    #: Slots :meth:`_note_fresh` found on their captured memory, with their samples, until :func:`judge_noted`.
+    noted: list[tuple[int, SealedSlot, torch.Tensor, bool, Sample]] = field(default_factory=list)
     #: New tensors :meth:`restore` leaves at their paths (findings): the plan must not change what they read.
     kept: list[torch.Tensor] = field(default_factory=list)
     #: Slots planned for a copy whose captured tensor, its base or its storage something besides the snapshot still
@@ -559,6 +496,7 @@ class LayerSnapshot:
         layer: nn.Module,
         extra: Iterable[SealedSlot] = (),
         *,
+        samples: SampleBatch,
         recorded: bool = False,
         outer: Callable[[], list[tuple[str, nn.Module]]] | None = None,
     ) -> LayerSnapshot:
@@ -568,7 +506,8 @@ class LayerSnapshot:
         exists. A tensor only the walker found is then watched for freshness only if that recording saw PWAL compute
         it; one PWAL never touched is static (a scratch, a table, a KV cache). Before any recording nothing says
         which it is, so it is watched: a weight change that leaves it as it was is ``stale`` (fail closed).
-        ``outer`` lists the modules above the layer (see :attr:`_Inputs.outer`).
+        ``outer`` lists the modules above the layer (see :attr:`_Inputs.outer`). Value samples are taken through
+        ``samples``, which the caller flushes before the load.
         """
         slots = list(sealed.slots)
         slots.extend(extra)
@@ -576,7 +515,6 @@ class LayerSnapshot:
         versions: list[int] = []
         findings: list[Finding] = []
         freshness: dict[int, _Freshness] = {}
-        pending: dict[Any, list[tuple[int, torch.Tensor]]] = {}
         inputs: _Inputs | None = None
         tensor_type = torch.Tensor
         for index, slot in enumerate(slots):
@@ -600,16 +538,9 @@ class LayerSnapshot:
                 current = slot.get(layer)
                 if isinstance(current, tensor_type):
                     if inputs is None:
-                        inputs = _Inputs(layer, sealed.qualname, outer=outer)
-                    flat = _joinable(current, _SLOT_SIGNATURE_ELEMENTS)
-                    if flat is None:
-                        sample: torch.Tensor | _JoinedSample = _signature(current, _SLOT_SIGNATURE_ELEMENTS)
-                    else:
-                        sample = _NO_SAMPLE  # taken with the others of its dtype below
-                        pending.setdefault((flat.dtype, flat.device), []).append((index, flat))
+                        inputs = _Inputs(layer, sealed.qualname, samples, outer=outer)
+                    sample = samples.take(current, SLOT_ELEMENTS)
                     freshness[index] = (current, current._version, sample, inputs.of(slot))
-        if pending:
-            _join_samples(freshness, pending)
         shared = sealed.shares_storage or len(slots) > len(sealed.slots)
         return cls(sealed, layer, slots, captured, findings, freshness, inputs, shared=shared, versions=versions)
 
@@ -853,8 +784,6 @@ class LayerSnapshot:
             known if known is not None else (captured is not None and reads_as_captured(slot.get(layer), captured))
             for known, slot, captured in zip(left, self.slots, captured_list, strict=True)
         ]
-        if self._noted:
-            self._judge_noted()
         return rebinds
 
     def _wrapper_pairs(
@@ -901,17 +830,9 @@ class LayerSnapshot:
             pairs.append((dst, src))
         return pairs
 
-    def check_freshness(self) -> None:
-        """Judge the slots :meth:`restore` found on their captured memory with their old values (see
-        :meth:`_note_fresh`) against their inputs; call with the plan's copies done."""
-        due, self.fresh_due = self.fresh_due, []
-        after_inputs: dict[Any, int] = {}
-        for index, slot, current, rewritten in due:
-            self._check_fresh(index, slot, current, rewritten, after_inputs)
-
     def _note_fresh(self, index: int, slot: SealedSlot, current: torch.Tensor) -> None:
         """Note a declared slot PWAL neither rebuilt nor really wrote in place, read now, as PWAL left it (before
-        any copy of the plan lands): :meth:`check_freshness` judges it once every input is final.
+        any copy of the plan lands): :func:`judge_noted`, then :func:`check_freshness` once every input is final.
 
         Called for a slot found on its captured memory after PWAL. A write counts only if it changed the slot's
         value sample (``clamp_(-inf, inf)`` moves the version counter and keeps the old values).
@@ -922,39 +843,7 @@ class LayerSnapshot:
         tensor, version, sample, _ = before
         if current.untyped_storage() is not tensor.untyped_storage():
             return  # PWAL put another tensor at the path (restore copies it): rebuilt
-        self._noted.append((index, slot, current, current._version != version, sample))
-
-    def _judge_noted(self) -> None:
-        """Keep, of the slots :meth:`_note_fresh` noted, those whose value sample PWAL left as it was (a write that
-        changed it is a refresh). Called at the end of :meth:`restore`, before any copy of the plan lands.
-
-        Samples taken joined (dense slots) are compared per dtype and device as bytes, on the host after one
-        transfer: one host-device synchronisation for all of them instead of one per slot (an in-place PWAL on CUDA).
-        """
-        noted, self._noted = self._noted, []
-        joined: dict[Any, list[tuple[tuple[int, SealedSlot, torch.Tensor, bool, Any], torch.Tensor]]] = {}
-        for entry in noted:
-            _, _, current, _, sample = entry
-            flat = _joinable(current, _SLOT_SIGNATURE_ELEMENTS) if isinstance(sample, _JoinedSample) else None
-            if flat is not None and flat.numel() == sample.end - sample.start:
-                joined.setdefault((flat.dtype, flat.device), []).append((entry, flat))
-                continue
-            if isinstance(sample, _JoinedSample):
-                sample = sample.get()
-            if _same_sample(sample, _signature(current, _SLOT_SIGNATURE_ELEMENTS)):
-                self.fresh_due.append(entry[:4])
-        for group in joined.values():
-            now = torch.cat([flat for _, flat in group]).view(torch.uint8)
-            # Both sides in one tensor, brought to the host in one transfer; each slot compared there.
-            both = torch.cat([now, *(entry[4].get() for entry, _ in group)])
-            if both.device.type != "cpu":
-                both = both.cpu()
-            start, offset = 0, now.numel()
-            for entry, flat in group:
-                end = start + flat.numel() * flat.element_size()
-                if torch.equal(both[start:end], both[offset + start : offset + end]):
-                    self.fresh_due.append(entry[:4])
-                start = end
+        self.noted.append((index, slot, current, current._version != version, sample))
 
     def doubt_foreign_writes(self, foreign: Sequence[torch.Tensor]) -> None:
         """Flag a slot left on its captured memory whose bytes the reload wrote through another path's new tensor.
@@ -1011,7 +900,7 @@ class LayerSnapshot:
         return changed
 
     def _check_fresh(
-        self, index: int, slot: SealedSlot, current: torch.Tensor, rewritten: bool, after_inputs: dict[Any, int]
+        self, index: int, slot: SealedSlot, current: torch.Tensor, rewritten: bool, changes: Mapping[Any, int]
     ) -> None:
         """Flag a noted slot whose inputs changed.
 
@@ -1020,14 +909,10 @@ class LayerSnapshot:
         reload.
         """
         assert self.inputs is not None  # _note_fresh notes only slots with inputs
-        keys = self.freshness[index][3]
         changed: list[str] = []
         worst = _UNCHANGED
-        for key in keys:
-            change = after_inputs.get(key)
-            if change is None:  # the inputs do not change during restore: once per input and layer
-                _, resolve, input_before = self.inputs.inputs[key]
-                change = after_inputs[key] = _input_change(input_before, resolve())
+        for key in self.freshness[index][3]:
+            change = changes[key]
             if change != _UNCHANGED:
                 changed.append(self.inputs.inputs[key][0])
                 worst = max(worst, change)
@@ -1124,6 +1009,58 @@ class LayerSnapshot:
                 )
 
 
+def judge_noted(snapshots: Sequence[LayerSnapshot]) -> None:
+    """Keep, of the slots :meth:`LayerSnapshot.restore` noted on their captured memory, those whose value sample
+    PWAL left as it was: due for :func:`check_freshness` (a write that changed the sample is a refresh).
+
+    Call once every snapshot of a restore step is restored and before any copy of its plan lands: the samples of
+    every layer are compared in one batch (one host-device synchronisation per device, not one per layer or slot).
+    """
+    noted = [(snapshot, entry) for snapshot in snapshots for entry in snapshot.noted]
+    if not noted:
+        return
+    for snapshot in snapshots:
+        snapshot.noted = []
+    same = unchanged([(entry[4], entry[2]) for _, entry in noted], SLOT_ELEMENTS)
+    for (snapshot, entry), kept in zip(noted, same, strict=True):
+        if kept:
+            snapshot.fresh_due.append(entry[:4])
+
+
+def check_freshness(snapshots: Sequence[LayerSnapshot]) -> None:
+    """Judge the slots :func:`judge_noted` found due against their inputs (stale where an input changed); call with
+    the plan's copies done. Each input is judged once per layer, the value samples of all in one batch."""
+    due = [snapshot for snapshot in snapshots if snapshot.fresh_due]
+    if not due:
+        return
+    changes: list[dict[Any, int]] = []
+    asked: list[tuple[dict[Any, int], Any, tuple[Any, int, Sample], torch.Tensor]] = []
+    for snapshot in due:
+        inputs = snapshot.inputs
+        assert inputs is not None  # _note_fresh notes only slots with inputs
+        known: dict[Any, int] = {}
+        changes.append(known)
+        for index, _, _, _ in snapshot.fresh_due:
+            for key in snapshot.freshness[index][3]:
+                if key in known:
+                    continue
+                _, resolve, before = inputs.inputs[key]
+                value = resolve()
+                change = _input_change_unsampled(before, value)
+                known[key] = _CHANGED if change is None else change
+                if change is None:
+                    assert before is not None
+                    asked.append((known, key, before, value))
+    same = unchanged([(before[2], value) for _, _, before, value in asked], INPUT_ELEMENTS)
+    for (known, key, before, value), kept in zip(asked, same, strict=True):
+        if kept:
+            known[key] = _after_same_sample(before, value)
+    for snapshot, known in zip(due, changes, strict=True):
+        entries, snapshot.fresh_due = snapshot.fresh_due, []
+        for index, slot, current, rewritten in entries:
+            snapshot._check_fresh(index, slot, current, rewritten, known)
+
+
 #: Captured storage id -> ``(sealed layer, slot position)`` of every slot reading it, for storages two or more slots
 #: read (in one layer or several). Built at seal (``GraphContract._index_layers``).
 SharedIndex = Mapping[int, Sequence[tuple[SealedLayer, int]]]
@@ -1169,7 +1106,6 @@ class _Reader:
 
 
 _NOTHING = torch.empty(0)  # stands in for a captured tensor the snapshot let go of
-_NO_SAMPLE = torch.empty(0, dtype=torch.uint8)  # a sample to be joined, for the moment the snapshot is taken
 
 
 _STORAGE_USE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)

@@ -1,0 +1,220 @@
+"""Value samples: a fixed set of a tensor's elements, as bytes, taken before the load and compared after it.
+
+Loaders commonly write through ``param.data.copy_``, which does not move the parameter's version counter, so the
+values themselves are the only witness of a write. A sample is a strided pick of about ``elements`` values, so it is
+a tiny copy; a change confined to unsampled elements can escape it (documented in docs/fault-matrix.md). Samples
+are compared as bytes: NaN equals NaN, and -0.0 differs from 0.0 (a write that changes any bit is a write).
+
+Each tensor op is a launch on a GPU (5-20 us of host time on an H200 host), so samples are taken and compared in
+batches rather than one by one:
+
+* :class:`SampleBatch` collects the samples of one snapshot step (the whole model in ``begin()``, one layer in
+  ``before_layer()``) and takes them in one copy per dtype and device at :meth:`SampleBatch.flush`;
+* :func:`unchanged` compares many samples with the tensors as they are now: the current samples joined per dtype,
+  brought to the host with the old ones in one transfer per device (one synchronisation), compared there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphsafe.outcome import memory_tensors
+
+__all__ = ["INPUT_ELEMENTS", "SLOT_ELEMENTS", "Sample", "SampleBatch", "signature", "unchanged"]
+
+#: Elements sampled of a tensor a derived slot is computed from (a weight).
+INPUT_ELEMENTS = 256
+#: Elements sampled of a derived slot: larger, since a real in-place write that leaves every sampled element as it
+#: was would be taken for a no-op (stale), e.g. a requantization of a small weight delta that flips few values.
+SLOT_ELEMENTS = 4096
+
+_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+
+
+def signature(tensor: torch.Tensor, elements: int) -> torch.Tensor:
+    """The sample of ``tensor`` taken on its own: a new contiguous uint8 tensor on its device."""
+    flat = _flat(tensor, elements)
+    if flat is not None:  # the common case in as few tensor ops as possible (each is a launch on CUDA)
+        return flat.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+    parts = memory_tensors(tensor)
+    if parts[0] is not tensor:  # a wrapper subclass: the values are its inner tensors'
+        return torch.cat([signature(part, elements) for part in parts])
+    value = tensor.detach()
+    if value.is_contiguous():
+        flat = value.reshape(-1)
+        step = max(1, flat.numel() // elements)
+        sample = flat[: step * elements : step]  # == flat[::step][:elements], one view
+    else:  # a grid of about ``elements`` points: ``reshape(-1)`` of the whole view would copy all of it
+        per_dim = max(1, int(elements ** (1 / max(1, value.dim()))))
+        index = tuple(slice(None, None, max(1, n // per_dim)) for n in value.shape)
+        sample = value[index].reshape(-1)
+    # A contiguous copy: a strided sample (a respecified stride) cannot be viewed as bytes.
+    return sample.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain dense tensor whose sample is a flat pick of its elements (joinable)."""
+    return (
+        type(tensor) in _PLAIN_TYPES
+        and tensor.layout is torch.strided
+        and not (tensor.is_conj() or tensor.is_neg())
+        and tensor.is_contiguous()
+    )
+
+
+def _flat(tensor: torch.Tensor, elements: int) -> torch.Tensor | None:
+    """The elements of a dense tensor's sample as one flat view (no copy), or ``None`` for any other tensor."""
+    if not _dense(tensor):
+        return None
+    value = tensor.detach() if tensor.requires_grad else tensor
+    numel = value.numel()
+    return value.reshape(-1) if numel <= elements else value.as_strided((elements,), (numel // elements,))
+
+
+class Sample:
+    """One tensor's sample: bytes ``[start, end)`` of ``joined`` (a uint8 tensor that may hold other samples too).
+
+    Taken through a :class:`SampleBatch`, it holds nothing until the batch is flushed; reading it before is a bug
+    of the caller (the values would be the ones after the load) and raises.
+    """
+
+    __slots__ = ("end", "joined", "start")
+
+    def __init__(self, joined: torch.Tensor | None = None, start: int = 0, end: int = 0) -> None:
+        self.joined, self.start, self.end = joined, start, end
+
+    def get(self) -> torch.Tensor:
+        """The sample's bytes (a uint8 view; what :func:`signature` gives for the tensor as it was)."""
+        if self.joined is None:
+            raise RuntimeError("graphsafe contract: a value sample was read before its batch was taken (a bug)")
+        return self.joined[self.start : self.end]
+
+
+class SampleBatch:
+    """The samples of one snapshot step, taken together: :meth:`take` notes a tensor, :meth:`flush` copies the
+    samples of every dense tensor noted since the last flush in one ``torch.cat`` per dtype and device.
+
+    Call :meth:`flush` before anything can write the sampled tensors (before the load): until then a sample is
+    only a promise.
+    """
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        # (dtype, device, whole) -> the tensors and their samples; ``whole``: the sample is the whole tensor, which
+        # is joined in C++ (flatten_dense_tensors) without a Python view per tensor.
+        self._pending: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[Sample]]] = {}
+
+    def take(self, tensor: torch.Tensor, elements: int) -> Sample:
+        """The sample of ``tensor`` (``elements`` values), taken at the next :meth:`flush` where it can be joined,
+        now otherwise."""
+        if not _dense(tensor):
+            taken = signature(tensor, elements)
+            return Sample(taken, 0, taken.numel())
+        numel = tensor.numel()
+        whole = numel <= elements
+        if whole:
+            part = tensor
+        else:
+            value = tensor.detach() if tensor.requires_grad else tensor
+            part = value.as_strided((elements,), (numel // elements,))
+        sample = Sample()
+        key = (tensor.dtype, tensor.device, whole)
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = ([], [])
+        pending[0].append(part)
+        pending[1].append(sample)
+        return sample
+
+    def flush(self) -> None:
+        """Take every pending sample: one copy per dtype, device and kind."""
+        pending, self._pending = self._pending, {}
+        with torch.no_grad():
+            for (dtype, _, whole), (parts, samples) in pending.items():
+                joined = (_flatten(parts) if whole else torch.cat(parts)).view(torch.uint8)
+                width = dtype.itemsize
+                start = 0
+                for part, sample in zip(parts, samples, strict=True):
+                    end = start + part.numel() * width
+                    sample.joined, sample.start, sample.end = joined, start, end
+                    start = end
+
+
+def _flatten(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The elements of contiguous ``parts`` one after another, in a new tensor (one copy)."""
+    if len(parts) == 1:  # flatten_dense_tensors returns a view of a lone tensor, not a copy
+        return parts[0].reshape(-1).clone()
+    return torch._C._nn.flatten_dense_tensors(parts)
+
+
+def _host_bytes(tensor: torch.Tensor) -> bytes:
+    """The bytes of a contiguous uint8 tensor in host memory."""
+    count = tensor.numel()
+    return ctypes.string_at(tensor.data_ptr(), count) if count else b""
+
+
+def unchanged(pairs: Sequence[tuple[Sample, torch.Tensor]], elements: int) -> list[bool]:
+    """For each ``(sample taken before, tensor now)``: whether the tensor's sample now has the same bytes.
+
+    Dense tensors whose sample was taken joined are compared in a batch: their current samples are joined per
+    dtype and device, put with the old samples' joined tensors into one uint8 tensor per device and brought to the
+    host in one transfer; each pair is compared there. Any other pair is compared on its own.
+    """
+    result = [False] * len(pairs)
+    # device -> dtype -> (positions in ``pairs``, current flat samples)
+    batched: dict[Any, dict[Any, tuple[list[int], list[torch.Tensor]]]] = {}
+    for position, (sample, tensor) in enumerate(pairs):
+        flat = _flat(tensor, elements) if sample.joined is not None else None
+        if flat is not None and flat.numel() * flat.element_size() == sample.end - sample.start:
+            by_dtype = batched.setdefault(flat.device, {})
+            entry = by_dtype.get(flat.dtype)
+            if entry is None:
+                entry = by_dtype[flat.dtype] = ([], [])
+            entry[0].append(position)
+            entry[1].append(flat)
+            continue
+        before, now = sample.get(), signature(tensor, elements)
+        result[position] = before.shape == now.shape and torch.equal(before, now)
+    with torch.no_grad():
+        for by_dtype in batched.values():
+            pieces: list[torch.Tensor] = []
+            where: list[tuple[int, int, int]] = []  # (position, offset of its current bytes, their length)
+            offset = 0
+            for positions, flats in by_dtype.values():
+                now = torch.cat(flats).view(torch.uint8)
+                pieces.append(now)
+                width = flats[0].element_size()
+                for position, flat in zip(positions, flats, strict=True):
+                    count = flat.numel() * width
+                    where.append((position, offset, count))
+                    offset += count
+            base: dict[int, int] = {}  # position -> offset of its old bytes
+            needed: dict[int, tuple[torch.Tensor, list[int]]] = {}  # id(joined) -> (joined, positions)
+            for position, _, _ in where:
+                joined = pairs[position][0].joined
+                assert joined is not None
+                needed.setdefault(id(joined), (joined, []))[1].append(position)
+            for joined, positions in needed.values():
+                samples = [pairs[position][0] for position in positions]
+                if 2 * sum(sample.end - sample.start for sample in samples) < joined.numel():
+                    for position, sample in zip(positions, samples, strict=True):  # a few of many: their bytes only
+                        pieces.append(joined[sample.start : sample.end])
+                        base[position] = offset
+                        offset += sample.end - sample.start
+                else:
+                    for position, sample in zip(positions, samples, strict=True):
+                        base[position] = offset + sample.start
+                    pieces.append(joined)
+                    offset += joined.numel()
+            both = torch.cat(pieces)
+            data = _host_bytes(both.cpu() if both.device.type != "cpu" else both)
+            for position, start, count in where:
+                old = base[position]
+                result[position] = data[start : start + count] == data[old : old + count]
+    return result
