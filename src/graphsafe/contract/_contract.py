@@ -1147,6 +1147,7 @@ class ReloadTransaction:
         check_freshness([snapshot for snapshot, _ in work])
         for snapshot, rebinds in work:
             snapshot.rebind(rebinds)
+        for snapshot, _ in work:  # after every rebind: two layers' paths can reach one place (nested layers)
             snapshot.verify()
         self._doubt_abandoned(work)
         for snapshot in group:
@@ -1249,10 +1250,13 @@ class ReloadTransaction:
         abandoned = self._abandoned
         for snapshot, _ in work:
             layer = snapshot.layer
+            confirmed = snapshot.confirmed
             for index, slot in enumerate(snapshot.slots):
                 captured = snapshot.captured[index]
                 if captured is None or slot.origin is Origin.ALIAS or slot.watch_only or slot.wrapped:
                     continue
+                if confirmed[index]:
+                    continue  # verify just saw the captured object at its path, on its captured memory
                 fp = slot.fp
                 if captured.data_ptr() != fp.data_ptr:  # the captured object itself moved (.data =, set_)
                     abandoned.append((snapshot, index, str(fp.device), fp.data_ptr, fp.data_ptr + fp.nbytes))

@@ -378,6 +378,7 @@ class _Inputs:
     inputs: dict[Any, _Input] = field(default_factory=dict)
     fallback: tuple[Any, ...] | None = None  # the keys of _layer_inputs, computed on first need
     loaded: set[Any] = field(default_factory=set)  # the keys of those that are parameters or buffers
+    live: dict[Any, bool] = field(default_factory=dict)  # recorded input key -> whether it resolves to a tensor
     #: The modules above the layer, nearest first, ``(qualified name, module)``: where a layer with no weights of
     #: its own (a child holding a cache) takes its fallback inputs from.
     outer: Callable[[], list[tuple[str, nn.Module]]] | None = None
@@ -397,6 +398,13 @@ class _Inputs:
                     self._add(key, f"{name}:{label}" if name else label, resolve) for key, label, resolve in entries
                 )
         return ()
+
+    def _resolves(self, ref: InputRef) -> bool:
+        """Whether a recorded input resolves to a tensor now (asked once per input and snapshot: slots share them)."""
+        live = self.live.get(ref.key)
+        if live is None:
+            live = self.live[ref.key] = isinstance(ref.resolve(), torch.Tensor)
+        return live
 
     def _recorded_keys(self, recorded: tuple[InputRef, ...]) -> tuple[Any, ...]:
         """The keys of recorded inputs, each resolved and sampled once per layer and reload (named only then)."""
@@ -420,7 +428,7 @@ class _Inputs:
         layer = self.layer
         sources = slot.declaration.derived_from if slot.declaration is not None else None
         recorded = slot.inputs
-        if recorded is not None and not all(isinstance(ref.resolve(), torch.Tensor) for ref in recorded):
+        if recorded is not None and not all(map(self._resolves, recorded)):
             recorded = None
         if recorded is not None and not sources:
             return self._recorded_keys(recorded)  # the common case after a recording
@@ -488,6 +496,8 @@ class LayerSnapshot:
     written: list[bool] = field(default_factory=list)
     #: Per slot, whether PWAL left it reading its captured memory as captured (set at restore, before copies).
     left: list[bool] = field(default_factory=list)
+    #: Per slot, whether :meth:`verify` found the captured object at its path on its captured memory as sealed.
+    confirmed: list[bool] = field(default_factory=list)
 
     @classmethod
     def take(
@@ -972,6 +982,7 @@ class LayerSnapshot:
         layer = self.layer
         captured = self.captured
         tensor_type = torch.Tensor
+        confirmed = self.confirmed = [False] * len(self.slots)
         for index, slot in enumerate(self.slots):
             if (flagged and slot.path.text in flagged) or slot.watch_only:
                 continue
@@ -992,8 +1003,10 @@ class LayerSnapshot:
                 and current.data_ptr() == slot.fp.data_ptr
                 and _view(current) == slot.layout
             ):
-                continue  # the captured object on its captured memory (``.data =``, ``set_`` or a storage
-                # ``resize_`` can move the same object elsewhere)
+                # The captured object on its captured memory (``.data =``, ``set_`` or a storage ``resize_`` can
+                # move the same object elsewhere).
+                confirmed[index] = True
+                continue
             try:
                 after = fingerprint(current)
             except (TypeError, RuntimeError) as exc:  # no storage and no flattenable inner tensors
