@@ -1009,8 +1009,10 @@ def _reference_sample(tensor: torch.Tensor, elements: int) -> torch.Tensor:
     value = tensor.detach()
     if value.is_contiguous():
         flat = value.reshape(-1)
-        step = max(1, flat.numel() // elements)
-        sample = flat[::step][:elements]
+        step = max(1, math.ceil(flat.numel() / elements))  # spread over all of it: the tail is sampled too
+        sample = flat[::step]
+        last = (sample.numel() - 1) * step  # the last sampled element: within the last ``step`` of them
+        assert sample.numel() <= elements and (not flat.numel() or flat.numel() - 1 - last < step)
     else:
         per_dim = max(1, int(elements ** (1 / max(1, value.dim()))))
         sample = value[tuple(slice(None, None, max(1, n // per_dim)) for n in value.shape)].reshape(-1)

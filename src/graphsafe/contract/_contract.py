@@ -876,7 +876,11 @@ class ReloadTransaction:
         self.finish(error=exc)
 
     def before_layer(self, layer: nn.Module) -> None:
-        """Snapshot ``layer`` (and sealed layers under it) before it is re-materialised."""
+        """Snapshot ``layer`` (and sealed layers under it) before it is re-materialised.
+
+        A sealed layer snapshotted and not yet restored keeps its snapshot (a parent visited after its child was
+        loaded, a loader that calls this once per weight): a snapshot taken now would see the loaded state.
+        """
         self._require_open("before_layer()")
         start = time.perf_counter()
         if self._dataflow is not None:
@@ -884,6 +888,11 @@ class ReloadTransaction:
         try:
             with collections_paused():
                 for sealed in self.contract._layer_entries(layer):
+                    pending = self._snapshots.get(id(sealed))
+                    if pending is not None and not pending.done:
+                        # Snapshotted and not restored yet (a second before_layer for the layer, or its parent's
+                        # after the child was loaded): a snapshot now would take the loaded state for the old one.
+                        continue
                     self._snapshot(sealed, flush=False)
                 self._samples.flush()
         finally:

@@ -1,8 +1,9 @@
 """Value samples: a fixed set of a tensor's elements, as bytes, taken before the load and compared after it.
 
 Loaders commonly write through ``param.data.copy_``, which does not move the parameter's version counter, so the
-values themselves are the only witness of a write. A sample is a strided pick of about ``elements`` values, so it is
-a tiny copy; a change confined to unsampled elements can escape it (documented in docs/fault-matrix.md). Samples
+values themselves are the only witness of a write. A sample is a strided pick of at most ``elements`` values spread
+over the whole tensor, so it is a tiny copy; a change confined to unsampled elements can escape it, and so can a
+write that refreshes only part of a slot (both documented in docs/fault-matrix.md). Samples
 are compared as bytes: NaN equals NaN, and -0.0 differs from 0.0 (a write that changes any bit is a write).
 
 Each tensor op is a launch on a GPU (5-20 us of host time on an H200 host), so samples are taken and compared in
@@ -36,6 +37,13 @@ SLOT_ELEMENTS = 4096
 _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
 
 
+def _stride(numel: int, elements: int) -> tuple[int, int]:
+    """``(count, step)`` of the sample of ``numel`` contiguous elements: every ``step``-th, spread over all of them
+    (the last ``step`` elements always hold a sampled one), at most ``elements``."""
+    step = max(1, -(-numel // elements))
+    return -(-numel // step), step
+
+
 def signature(tensor: torch.Tensor, elements: int) -> torch.Tensor:
     """The sample of ``tensor`` taken on its own: a new contiguous uint8 tensor on its device."""
     flat = _flat(tensor, elements)
@@ -47,8 +55,7 @@ def signature(tensor: torch.Tensor, elements: int) -> torch.Tensor:
     value = tensor.detach()
     if value.is_contiguous():
         flat = value.reshape(-1)
-        step = max(1, flat.numel() // elements)
-        sample = flat[: step * elements : step]  # == flat[::step][:elements], one view
+        sample = flat[:: _stride(flat.numel(), elements)[1]]
     else:  # a grid of about ``elements`` points: ``reshape(-1)`` of the whole view would copy all of it
         per_dim = max(1, int(elements ** (1 / max(1, value.dim()))))
         index = tuple(slice(None, None, max(1, n // per_dim)) for n in value.shape)
@@ -73,7 +80,10 @@ def _flat(tensor: torch.Tensor, elements: int) -> torch.Tensor | None:
         return None
     value = tensor.detach() if tensor.requires_grad else tensor
     numel = value.numel()
-    return value.reshape(-1) if numel <= elements else value.as_strided((elements,), (numel // elements,))
+    if numel <= elements:
+        return value.reshape(-1)
+    count, step = _stride(numel, elements)
+    return value.as_strided((count,), (step,))
 
 
 class Sample:
@@ -122,7 +132,8 @@ class SampleBatch:
             part = tensor
         else:
             value = tensor.detach() if tensor.requires_grad else tensor
-            part = value.as_strided((elements,), (numel // elements,))
+            count, step = _stride(numel, elements)
+            part = value.as_strided((count,), (step,))
         sample = Sample()
         key = (tensor.dtype, tensor.device, whole)
         pending = self._pending.get(key)

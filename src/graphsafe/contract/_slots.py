@@ -480,6 +480,8 @@ class LayerSnapshot:
     fresh_due: list[tuple[int, SealedSlot, torch.Tensor, bool]] = field(default_factory=list)
     #: Slots :meth:`_note_fresh` found on their captured memory, with their samples, until :func:`judge_noted`.
     noted: list[tuple[int, SealedSlot, torch.Tensor, bool, Sample]] = field(default_factory=list)
+    #: Slots :func:`judge_noted` found on their captured memory with another value sample than before the load.
+    resampled: set[int] = field(default_factory=set)
     #: New tensors :meth:`restore` leaves at their paths (findings): the plan must not change what they read.
     kept: list[torch.Tensor] = field(default_factory=list)
     #: Slots planned for a copy whose captured tensor, its base or its storage something besides the snapshot still
@@ -853,6 +855,8 @@ class LayerSnapshot:
         tensor, version, sample, _ = before
         if current.untyped_storage() is not tensor.untyped_storage():
             return  # PWAL put another tensor at the path (restore copies it): rebuilt
+        if not current.numel():
+            return  # no values: nothing to be stale
         self.noted.append((index, slot, current, current._version != version, sample))
 
     def doubt_foreign_writes(self, foreign: Sequence[torch.Tensor]) -> None:
@@ -872,7 +876,8 @@ class LayerSnapshot:
             if captured is None or not watched or slot.wrapped:
                 continue
             version = self.versions[index] if index < len(self.versions) else -1
-            if version < 0 or captured._version == version:
+            # Its sample changed: written, also where the version counter did not move (a write through ``.data``).
+            if index not in self.resampled and (version < 0 or captured._version == version):
                 continue  # nothing wrote its memory
             current = slot.get(layer)
             if current is not captured and not (
@@ -1038,6 +1043,8 @@ def judge_noted(snapshots: Sequence[LayerSnapshot]) -> None:
     for (snapshot, entry), kept in zip(noted, same, strict=True):
         if kept:
             snapshot.fresh_due.append(entry[:4])
+        else:
+            snapshot.resampled.add(entry[0])
 
 
 def check_freshness(snapshots: Sequence[LayerSnapshot]) -> None:
