@@ -447,20 +447,52 @@ class WideLinear(nn.Module):
             register_derived(self, "w_t", derived_from="weight")
 
 
-def test_known_limit_a_value_only_write_confined_to_unsampled_elements_escapes() -> None:
-    # docs/fault-matrix.md ("stale value") documents this: through ``.data`` the sample is the only witness.
+def test_a_value_only_write_confined_to_unsampled_elements_is_caught_by_the_digest() -> None:
+    # Through ``.data`` the version counter stays; the value sample skips element 1 (stride 16). The digest of every
+    # byte of the weight sees it (it escaped before digests: docs/fault-matrix.md, "stale value").
     layer = WideLinear()
     contract = seal(layer)
-    with contract.reload():
-        layer.weight.data[0, 1] += 1.0  # element 1 is between two sampled elements (stride 16)
+    with pytest.raises(ReloadFailedError), contract.reload():
+        layer.weight.data[0, 1] += 1.0
         layer.process_weights_after_loading()
-    assert contract.last_outcome is not None and contract.last_outcome.committed
-    # The same write through the parameter moves the version counter and is caught.
+    assert stale(contract.last_outcome) == {("", "w_t")}
+
+
+def test_the_same_unsampled_write_through_the_parameter_is_caught() -> None:
+    layer = WideLinear()
+    contract = seal(layer)
     with pytest.raises(ReloadFailedError), contract.reload():
         with torch.no_grad():
             layer.weight[0, 1] += 1.0
         layer.process_weights_after_loading()
     assert stale(contract.last_outcome) == {("", "w_t")}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    numel=st.integers(1, 5000),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.int64, torch.bool, torch.complex64]),
+    offset=st.integers(0, 3),
+    data=st.data(),
+)
+def test_a_digest_changes_with_any_one_element_and_not_otherwise(
+    numel: int, dtype: torch.dtype, offset: int, data: st.DataObject
+) -> None:
+    """Any single element changed (any position, any dtype, any byte alignment of the view): another digest; the
+    same bytes in another tensor: the same digest."""
+    from graphsafe.contract._samples import digest, same_digests
+
+    base = (torch.arange(numel + offset) % 7).to(dtype)
+    tensor = base[offset:]
+    before = digest(tensor)
+    assert before is not None
+    twin = tensor.clone()
+    assert same_digests([(before, digest(twin))]) == [True]
+    index = data.draw(st.integers(0, numel - 1))
+    with torch.no_grad():
+        tensor[index] = ~tensor[index] if dtype == torch.bool else tensor[index] + 1
+    assert same_digests([(before, digest(tensor))]) == [False]
+    assert base[:offset].equal((torch.arange(offset) % 7).to(dtype))  # nothing but the view was read or written
 
 
 # ----------------------------------------------------------------------------------------------------

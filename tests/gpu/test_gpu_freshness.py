@@ -132,3 +132,55 @@ def test_exactly_the_slots_pwal_left_alone_are_stale_on_the_device(device: torch
         contract.reseal(recaptured=True)
         assert _replays_eager(graph, out, model, device)
     assert 0 < stale_steps < 8  # both kinds of step were seen
+
+
+class _Wide(nn.Module):
+    """One large bf16 weight and a slot derived from it; PWAL can skip the recompute (``skip``)."""
+
+    def __init__(self, device: torch.device, numel: int = 1 << 24) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16, device=device), requires_grad=False)
+        self.skip = False
+
+    @graph_visible("scaled")
+    def process_weights_after_loading(self) -> None:
+        if not hasattr(self, "scaled"):
+            self.scaled = self.weight * 2
+        elif not self.skip:
+            self.scaled.copy_(self.weight * 2)
+
+
+def test_a_weight_change_the_sample_skips_is_seen_by_the_digest_without_a_copy_of_the_weight(
+    device: torch.device,
+) -> None:
+    """A 32 MiB weight: its 256-element sample skips element 1. A loader that writes only element 1 through
+    ``.data`` while PWAL skips the recompute is ``stale`` (the digest of every byte sees it); a reload that writes
+    every element commits. The digest reads the weight in place: the reload's peak memory stays within the derived
+    slot's new tensor and the digests (far below another copy of the weight)."""
+    layer = _Wide(device)
+    layer.process_weights_after_loading()
+    contract = GraphContract(layer, "recapture", detect="declared-only").seal()
+    with torch.no_grad(), contract.reload():  # the recording reload
+        layer.weight.fill_(1.0)
+        layer.process_weights_after_loading()
+    layer.skip = True
+    with pytest.raises(ReloadFailedError), torch.no_grad(), contract.reload():
+        layer.weight.data[1] = 5.0
+        layer.process_weights_after_loading()
+    outcome = contract.last_outcome
+    assert outcome is not None
+    assert {(f.layer, f.path) for f in outcome.findings if f.kind is FindingKind.STALE} == {("", "scaled")}
+    contract.reseal(recaptured=True)  # no graph here: the reseal stands in for a recapture
+    layer.skip = False
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    with torch.no_grad(), contract.reload():
+        layer.weight.fill_(3.0)
+        layer.process_weights_after_loading()
+    torch.cuda.synchronize(device)
+    assert contract.last_outcome is not None and contract.last_outcome.status is Status.COMMITTED
+    weight_bytes = layer.weight.numel() * layer.weight.element_size()
+    # PWAL's temporary (weight * 2) is one weight's size; anything else the contract adds must be small.
+    assert torch.cuda.max_memory_allocated(device) - start < weight_bytes * 1.2
+    assert torch.equal(layer.scaled, layer.weight * 2)

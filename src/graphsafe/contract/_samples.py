@@ -13,6 +13,9 @@ batches rather than one by one:
   ``before_layer()``) and takes them in one copy per dtype and device at :meth:`SampleBatch.flush`;
 * :func:`unchanged` compares many samples with the tensors as they are now: the current samples joined per dtype,
   brought to the host with the old ones in one transfer per device (one synchronisation), compared there.
+
+A sample misses a change confined to the elements it skips. For the tensors a derived slot is computed from (the
+weights) a :func:`digest` of every byte is kept too: where the sample says "the same values", the digests decide.
 """
 
 from __future__ import annotations
@@ -26,7 +29,17 @@ from torch import nn
 
 from graphsafe.outcome import memory_tensors
 
-__all__ = ["INPUT_ELEMENTS", "SLOT_ELEMENTS", "Sample", "SampleBatch", "signature", "unchanged"]
+__all__ = [
+    "DIGEST_ROW",
+    "INPUT_ELEMENTS",
+    "SLOT_ELEMENTS",
+    "Sample",
+    "SampleBatch",
+    "digest",
+    "same_digests",
+    "signature",
+    "unchanged",
+]
 
 #: Elements sampled of a tensor a derived slot is computed from (a weight).
 INPUT_ELEMENTS = 256
@@ -228,4 +241,60 @@ def unchanged(pairs: Sequence[tuple[Sample, torch.Tensor]], elements: int) -> li
             for position, start, count in where:
                 old = base[position]
                 result[position] = data[start : start + count] == data[old : old + count]
+    return result
+
+
+#: Words (4 bytes where the tensor's bytes allow) summed into one entry of a :func:`digest`.
+DIGEST_ROW = 1024
+
+
+def digest(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A digest of every byte of a dense tensor: wrapping integer sums of its raw words in rows of
+    :data:`DIGEST_ROW` (a new tensor about 1/1024 of its size, on its device), or ``None`` for any other tensor.
+
+    Any change to one word changes its row's sum; only changes that cancel within one row escape. Integer sums
+    wrap the same way in any order, so equal bytes always give equal digests (no floating-point reassociation).
+    Reads the whole tensor (one reduction, bandwidth-bound on a GPU), without a temporary copy where the byte
+    count allows 4-byte or 2-byte words and the tensor starts where such a word can.
+    """
+    if not _dense(tensor) or tensor.device.type == "meta":
+        return None
+    raw = tensor.detach().reshape(-1).view(torch.uint8)
+    count = raw.numel()
+    # The word size follows the byte count only, so the same bytes give the same digest wherever they lie.
+    width = 4 if count % 4 == 0 else 2 if count % 2 == 0 else 1
+    with torch.no_grad():
+        if raw.storage_offset() % width:
+            raw = raw.clone()  # a view at an offset the words cannot start at (a slice of a packed tensor): copied
+        if width == 4:
+            words, total = raw.view(torch.int32), torch.int32
+        elif width == 2:
+            words, total = raw.view(torch.int16), torch.int16
+        else:  # an odd byte count: bytes summed as int32 (a temporary of 4x the tensor: odd sizes are small)
+            words, total = raw, torch.int32
+        full = words.numel() // DIGEST_ROW * DIGEST_ROW
+        rows = words[:full].view(-1, DIGEST_ROW).sum(1, dtype=total)
+        if full == words.numel():
+            return rows
+        return torch.cat([rows, words[full:].sum(dtype=total).reshape(1)])
+
+
+def same_digests(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
+    """For each pair of digests: whether they are equal; compared on the host after one transfer per device."""
+    result = [False] * len(pairs)
+    by_device: dict[Any, list[int]] = {}
+    for position, (a, b) in enumerate(pairs):
+        if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+            continue
+        by_device.setdefault(a.device, []).append(position)
+    with torch.no_grad():
+        for positions in by_device.values():
+            pieces = [t.view(-1).view(torch.uint8) for p in positions for t in pairs[p]]
+            both = torch.cat(pieces)
+            data = _host_bytes(both.cpu() if both.device.type != "cpu" else both)
+            start = 0
+            for position in positions:
+                count = pairs[position][0].numel() * pairs[position][0].element_size()
+                result[position] = data[start : start + count] == data[start + count : start + 2 * count]
+                start += 2 * count
     return result

@@ -20,7 +20,15 @@ import torch
 from torch import nn
 
 from graphsafe.contract._copy import CopyBatch, byte_span, copy_group, plain_layout, span_of, spans_overlap
-from graphsafe.contract._samples import INPUT_ELEMENTS, SLOT_ELEMENTS, Sample, SampleBatch, unchanged
+from graphsafe.contract._samples import (
+    INPUT_ELEMENTS,
+    SLOT_ELEMENTS,
+    Sample,
+    SampleBatch,
+    digest,
+    same_digests,
+    unchanged,
+)
 from graphsafe.outcome import (
     Finding,
     FindingKind,
@@ -298,17 +306,18 @@ def _strided(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.layout is torch.strided and value.device.type != "meta"
 
 
-# An input before PWAL: (storage, version, value sample), or None where the path held no tensor.
-_InputBefore = tuple["weakref.ReferenceType[Any]", int, Sample] | None
+# An input before PWAL: (storage, version, value sample, digest of every byte or None), or None where the path held
+# no tensor.
+_InputBefore = tuple["weakref.ReferenceType[Any]", int, Sample, "torch.Tensor | None"] | None
 # How an input changed: not at all; written with maybe the same values (its version counter moved, or another
-# storage now holds the same sampled values); or for sure (other sampled values, gone).
+# storage now holds the same values); or for sure (other values, gone).
 _UNCHANGED, _MAYBE, _CHANGED = 0, 1, 2
 
 
 def _input_before(value: Any, samples: SampleBatch) -> _InputBefore:
     if not isinstance(value, torch.Tensor) or value.device.type == "meta":
         return None
-    return weakref.ref(value.untyped_storage()), value._version, samples.take(value, INPUT_ELEMENTS)
+    return weakref.ref(value.untyped_storage()), value._version, samples.take(value, INPUT_ELEMENTS), digest(value)
 
 
 def _reads_storage(before: _InputBefore, storage: Any) -> bool:
@@ -320,11 +329,13 @@ def _input_change(before: _InputBefore, value: Any) -> int:
     if change is not None:
         return change
     assert before is not None
-    return _after_same_sample(before, value) if unchanged([(before[2], value)], INPUT_ELEMENTS)[0] else _CHANGED
+    if not unchanged([(before[2], value)], INPUT_ELEMENTS)[0]:
+        return _CHANGED
+    return _changes_of_same_samples([(before, value)])[0]
 
 
 def _input_change_unsampled(before: _InputBefore, value: Any) -> int | None:
-    """How an input changed where that is plain without comparing values; ``None`` where the samples decide."""
+    """How an input changed where that is plain without comparing values; ``None`` where the values decide."""
     if before is None:
         return _UNCHANGED if not isinstance(value, torch.Tensor) else _CHANGED
     if not isinstance(value, torch.Tensor):
@@ -332,13 +343,24 @@ def _input_change_unsampled(before: _InputBefore, value: Any) -> int | None:
     return None
 
 
-def _after_same_sample(before: tuple[Any, int, Sample], value: torch.Tensor) -> int:
-    """How an input whose value sample is as it was changed: not at all, or maybe (written again)."""
-    storage, version, _ = before
-    return _UNCHANGED if storage() is value.untyped_storage() and value._version == version else _MAYBE
+def _changes_of_same_samples(asked: Sequence[tuple[Any, torch.Tensor]]) -> list[int]:
+    """How inputs whose value sample is as it was changed: for sure where the digest of every byte differs (a change
+    the sample skipped), else not at all or maybe (written again: the version counter or the storage)."""
+    changes: list[int] = []
+    digests: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]] = []
+    for position, (before, value) in enumerate(asked):
+        storage, version, _, old = before
+        changes.append(_UNCHANGED if storage() is value.untyped_storage() and value._version == version else _MAYBE)
+        now = digest(value) if old is not None else None
+        if old is None or now is None:
+            continue  # no digest (a layout without one): the sample alone decides
+        digests.append((position, (old, now)))
+    for (position, _), same in zip(digests, same_digests([pair for _, pair in digests]), strict=True):
+        if not same:
+            changes[position] = _CHANGED
+    return changes
 
 
-# One input of a layer's snapshot: (name for messages, how to resolve it now, what it was before PWAL).
 _Input = tuple[str, Callable[[], Any], _InputBefore]
 # A declared slot before PWAL: (tensor at the path, its version, its value sample, the keys of its inputs).
 _Freshness = tuple[torch.Tensor, int, Sample, tuple[Any, ...]]
@@ -1054,7 +1076,7 @@ def check_freshness(snapshots: Sequence[LayerSnapshot]) -> None:
     if not due:
         return
     changes: list[dict[Any, int]] = []
-    asked: list[tuple[dict[Any, int], Any, tuple[Any, int, Sample], torch.Tensor]] = []
+    asked: list[tuple[dict[Any, int], Any, tuple[Any, int, Sample, torch.Tensor | None], torch.Tensor]] = []
     for snapshot in due:
         inputs = snapshot.inputs
         assert inputs is not None  # _note_fresh notes only slots with inputs
@@ -1072,9 +1094,9 @@ def check_freshness(snapshots: Sequence[LayerSnapshot]) -> None:
                     assert before is not None
                     asked.append((known, key, before, value))
     same = unchanged([(before[2], value) for _, _, before, value in asked], INPUT_ELEMENTS)
-    for (known, key, before, value), kept in zip(asked, same, strict=True):
-        if kept:
-            known[key] = _after_same_sample(before, value)
+    kept = [entry for entry, sampled_same in zip(asked, same, strict=True) if sampled_same]
+    for (known, key, _, _), change in zip(kept, _changes_of_same_samples([(b, v) for _, _, b, v in kept]), strict=True):
+        known[key] = change
     for snapshot, known in zip(due, changes, strict=True):
         entries, snapshot.fresh_due = snapshot.fresh_due, []
         for index, slot, current, rewritten in entries:
