@@ -725,7 +725,7 @@ class LayerSnapshot:
                     continue  # every inner tensor in place
                 inner_pairs = problem
                 exact = False
-            elif current.untyped_storage() is captured.untyped_storage():
+            elif (new_storage := current.untyped_storage()) is (captured_storage := captured.untyped_storage()):
                 if current.data_ptr() == slot.fp.data_ptr and geometry_key(current) == geometry_key(captured):
                     if index in freshness:
                         self._note_fresh(index, slot, current)
@@ -780,11 +780,13 @@ class LayerSnapshot:
                 continue
             before = freshness.get(index)
             # Ours: the snapshot's list, the rebind just planned, the freshness entry where it is the same object.
-            held = held_outside(captured, own=3 if before is not None and before[0] is captured else 2)
+            held = held_outside(
+                captured, own=3 if before is not None and before[0] is captured else 2, storage=captured_storage
+            )
             if held == "object":  # maybe only this snapshot's other entries (two slots, one tensor): count them
                 own = sum(t is captured for t in captured_list) + sum(t is captured for _, t in rebinds)
                 own += sum(b[0] is captured for b in freshness.values()) + plan.holds(captured)
-                held = held_outside(captured, own=own)
+                held = held_outside(captured, own=own, storage=captured_storage)
             if held is not None:
                 self.suspects.append((index, held))
             source = current
@@ -810,6 +812,8 @@ class LayerSnapshot:
                     copy=copy,
                     span=slot.span if at_seal else None,
                     plain=slot.plain,
+                    storage=captured_storage,
+                    source_storage=new_storage if source is current else None,
                 )
             else:  # the captured tensor is not laid out as sealed: size and group from what it is now
                 nbytes = captured.numel() * captured.element_size()
@@ -1122,6 +1126,8 @@ class _Move:
     copy: bool  # False for a repeat of a (captured, new) pair already planned
     storage: int  # id() of the captured tensor's storage (alive while the plan is: the move holds the tensor)
     plain: bool | None  # whether a plain copy_ writes every byte of dst (None: the batch finds out)
+    #: id() of ``src``'s storage where the planner knew it (alive: the move holds ``src``); ``None``: ask ``src``.
+    src_storage: int | None = None
 
     @property
     def ref(self) -> str:
@@ -1153,7 +1159,7 @@ _NOTHING = torch.empty(0)  # stands in for a captured tensor the snapshot let go
 _STORAGE_USE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def held_outside(tensor: torch.Tensor, *, own: int) -> str | None:
+def held_outside(tensor: torch.Tensor, *, own: int, storage: Any = None) -> str | None:
     """What besides ``own`` references of the caller's data (and the caller's one local name) holds the captured
     tensor: ``"object"`` (the tensor object itself), ``"base"`` (a view's base), ``"storage-object"`` (its storage's
     Python object: a storage pool), ``"storage"`` (another tensor on its storage), or ``None``.
@@ -1169,9 +1175,11 @@ def held_outside(tensor: torch.Tensor, *, own: int) -> str | None:
     # A view's base: the temporary from ``_base`` and the argument are all when nothing else holds it.
     if view and sys.getrefcount(tensor._base) > 2:
         return "base"
-    storage = tensor.untyped_storage()
+    passed = storage is not None  # the caller's local holds it too
+    if storage is None:
+        storage = tensor.untyped_storage()
     # The storage's one Python object (torch keeps one per storage): this local, the argument and torch's own.
-    if sys.getrefcount(storage) > 3:
+    if sys.getrefcount(storage) > 3 + passed:
         return "storage-object"
     # One use per tensor on the storage (a view's base is one more) and one for the Python storage object.
     if _STORAGE_USE_COUNT is not None and int(_STORAGE_USE_COUNT(storage._cdata)) > 2 + view:
@@ -1256,11 +1264,15 @@ class RestorePlan:
         copy: bool,
         span: tuple[int, int] | None = None,
         plain: bool | None = None,
+        storage: Any = None,
+        source_storage: Any = None,
     ) -> None:
         """Plan ``dst.copy_(src)`` for slot ``index`` of ``snapshot`` (``new`` is the tensor at its path); ``span``
-        (``byte_span(dst)``) and ``plain`` (see :meth:`CopyBatch.add`) where the caller knows them already."""
-        key = id(dst.untyped_storage())
-        self.moves.append(_Move(snapshot, index, dst, new, src, group, nbytes, copy, key, plain))
+        (``byte_span(dst)``), ``plain`` (see :meth:`CopyBatch.add`) and the storages of ``dst`` and ``src`` where
+        the caller knows them already."""
+        key = id(dst.untyped_storage() if storage is None else storage)
+        source_key = None if source_storage is None else id(source_storage)
+        self.moves.append(_Move(snapshot, index, dst, new, src, group, nbytes, copy, key, plain, source_key))
         spans = self._dst_spans.get(key)
         if spans is None:
             spans = self._dst_spans[key] = []
@@ -1270,9 +1282,10 @@ class RestorePlan:
         """How many references to ``tensor`` the planned copies hold (as destination, new tensor or source)."""
         return sum((move.dst is tensor) + (move.new is tensor) + (move.src is tensor) for move in self.moves)
 
-    def overlaps_destination(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` reads bytes a copy of this plan writes."""
-        spans = self._dst_spans.get(id(tensor.untyped_storage()))
+    def overlaps_destination(self, tensor: torch.Tensor, storage: int | None = None) -> bool:
+        """Whether ``tensor`` (on the storage whose id() is ``storage``, where known) reads bytes a copy of this
+        plan writes."""
+        spans = self._dst_spans.get(id(tensor.untyped_storage()) if storage is None else storage)
         if spans is None:
             return False
         span = byte_span(tensor)
@@ -1283,7 +1296,7 @@ class RestorePlan:
         clones: dict[int, torch.Tensor] = {}
         for move in self.moves:
             src = move.src
-            if self.overlaps_destination(src):
+            if self.overlaps_destination(src, move.src_storage if src is move.new else None):
                 clone = clones.get(id(src))
                 if clone is None:
                     clone = clones[id(src)] = src.detach().clone()
