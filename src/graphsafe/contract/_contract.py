@@ -53,7 +53,17 @@ from graphsafe.errors import (
     hide_frames_in_pytest,
 )
 from graphsafe.handles import RemovableHandle
-from graphsafe.outcome import Finding, FindingKind, Origin, ReloadOutcome, SlotInfo, SlotRef, Status, fingerprint
+from graphsafe.outcome import (
+    Finding,
+    FindingKind,
+    Origin,
+    ReloadOutcome,
+    SlotInfo,
+    SlotRef,
+    Status,
+    fingerprint,
+    memory_tensors,
+)
 from graphsafe.paths import SlotPath
 from graphsafe.registry import declarations_generation, declarations_of
 
@@ -1190,12 +1200,15 @@ class ReloadTransaction:
         suspects: dict[int, Any] = {}
         seen: dict[int, set[str]] = {}  # per storage, what held_outside saw holding it
         for snapshot, _ in work:
-            for index, held in snapshot.suspects:
+            for index, held, storage in snapshot.suspects:
                 captured = snapshot.captured[index]
-                if captured is not None:
-                    storage = captured.untyped_storage()
-                    suspects.setdefault(id(storage), storage)
-                    seen.setdefault(id(storage), set()).add(held)
+                if captured is None:
+                    continue
+                # A wrapper object held elsewhere: every storage under it is searched for.
+                storages = [storage] if storage is not None else [p.untyped_storage() for p in memory_tensors(captured)]
+                for found in storages:
+                    suspects.setdefault(id(found), found)
+                    seen.setdefault(id(found), set()).add(held)
         tracked = {
             f"{sealed.qualname}.{slot.path.text}" if sealed.qualname else slot.path.text
             for sealed in contract._layers
@@ -1209,25 +1222,37 @@ class ReloadTransaction:
                 for key in suspects:
                     why.setdefault(key, f"the search for other holders was cut short ({result.exhausted})")
             for ref in result.refs:
-                tensor = ref.tensor
-                if tensor.layout is not torch.strided:
+                try:
+                    parts = memory_tensors(ref.tensor)  # a wrapper's inner tensors hold its memory
+                except TypeError:
                     continue
-                key = id(tensor.untyped_storage())
-                if key not in suspects:
-                    continue
-                path = f"{qualname}.{ref.path}" if qualname else ref.path
-                if path not in tracked:
-                    why.setdefault(key, f"{path!r}, which the contract does not track, holds it")
+                for part in parts:
+                    if part.layout is not torch.strided:
+                        continue
+                    key = id(part.untyped_storage())
+                    if key not in suspects:
+                        continue
+                    path = f"{qualname}.{ref.path}" if qualname else ref.path
+                    if path not in tracked:
+                        why.setdefault(key, f"{path!r}, which the contract does not track, holds it")
         for key in suspects:
             if key not in why and "storage-object" in seen[key]:
                 why[key] = "its storage object is held (a storage pool, or a reference outside every model path)"
         del suspects, seen
         if not why:
             return work
-        blocked = [move for move in plan.moves if move.storage in why]
-        plan.moves = [move for move in plan.moves if move.storage not in why]
-        undone = {(id(move.snapshot), move.index) for move in blocked}
+        # A slot is restored whole or not at all: every copy of a slot with one blocked copy (a wrapper's inner
+        # tensors) is taken back with it.
+        reasons = {(id(m.snapshot), m.index): why[m.storage] for m in plan.moves if m.storage in why}
+        blocked = [move for move in plan.moves if (id(move.snapshot), move.index) in reasons]
+        plan.moves = [move for move in plan.moves if (id(move.snapshot), move.index) not in reasons]
+        undone = set(reasons)
+        reported: set[tuple[int, int]] = set()
         for move in blocked:
+            entry = (id(move.snapshot), move.index)
+            if entry in reported:
+                continue
+            reported.add(entry)
             snapshot, slot = move.snapshot, move.snapshot.slots[move.index]
             snapshot.kept.append(move.new)
             snapshot.findings.append(
@@ -1236,7 +1261,7 @@ class ReloadTransaction:
                     slot,
                     after=fingerprint(move.new),
                     detail=f"PWAL gave it a new tensor, and its captured memory is still held elsewhere: "
-                    f"{why[move.storage]}. Restoring would write this slot's new values into that holder, so nothing "
+                    f"{reasons[entry]}. Restoring would write this slot's new values into that holder, so nothing "
                     "is copied and the graph reads the holder's values there. Rebuild the holder as a new tensor in "
                     "PWAL (or declare it); recapture",
                 )
@@ -1335,8 +1360,14 @@ class ReloadTransaction:
                 if not isinstance(current, tensor_type) or current is captured:
                     continue
                 saved = snapshot.overrides.get(index)
-                if (saved is None or saved[0] is not current) and plan.overlaps_destination(current):
-                    snapshot.overrides[index] = (current, current.detach().clone())
+                if saved is not None and saved[0] is current:
+                    continue
+                try:
+                    parts = memory_tensors(current)  # a wrapper's memory is its inner tensors'
+                except TypeError:
+                    continue  # no tensors to read: its restore says why
+                if any(plan.overlaps_destination(part) for part in parts):
+                    snapshot.overrides[index] = (current, tuple(part.detach().clone() for part in parts))
 
     def _manifest_extras(self, sealed: SealedLayer) -> list[SealedSlot]:
         """Under ``detect="declared-only"`` with a capture manifest: the layer's paths the manifest saw holding a

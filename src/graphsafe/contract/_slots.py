@@ -497,7 +497,8 @@ class LayerSnapshot:
     shared: bool = False
     #: Slot index -> (the new tensor at its path, a clone of its values): taken when another layer's restore was
     #: about to write into the memory that tensor reads, before this layer was restored (layerwise reloads).
-    overrides: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: A wrapper's are clones of its inner tensors, in flatten order (see :func:`memory_tensors`).
+    overrides: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
     #: Freshness checks :func:`judge_noted` found due, run by :func:`check_freshness` once the plan's copies landed.
     fresh_due: list[tuple[int, SealedSlot, torch.Tensor, bool]] = field(default_factory=list)
     #: Slots :meth:`_note_fresh` found on their captured memory, with their samples, until :func:`judge_noted`.
@@ -508,7 +509,7 @@ class LayerSnapshot:
     kept: list[torch.Tensor] = field(default_factory=list)
     #: Slots planned for a copy whose captured tensor, its base or its storage something besides the snapshot still
     #: holds, and what (see :func:`held_outside`): the contract looks for who.
-    suspects: list[tuple[int, str]] = field(default_factory=list)
+    suspects: list[tuple[int, str, Any]] = field(default_factory=list)  # (slot index, what, its storage object)
     #: Slot index -> what an ``alias-broken`` slot keeps instead of its new tensor, whose memory a copy overwrote.
     keep: dict[int, torch.Tensor] = field(default_factory=dict)
     #: Each captured tensor's version counter when the snapshot was taken (-1: none, or a view rebuilt from the
@@ -724,6 +725,11 @@ class LayerSnapshot:
                         self._note_fresh(index, slot, current)
                     continue  # every inner tensor in place
                 inner_pairs = problem
+                saved = overrides.get(index) if overrides else None
+                if saved is not None and saved[0] is current:
+                    # Its inner values before an earlier restore wrote into the memory they read (layerwise).
+                    clones = dict(zip(map(id, memory_tensors(current)), saved[1], strict=True))
+                    inner_pairs = [(dst, clones.get(id(src), src)) for dst, src in inner_pairs]
                 exact = False
             elif (new_storage := current.untyped_storage()) is (captured_storage := captured.untyped_storage()):
                 if current.data_ptr() == slot.fp.data_ptr and geometry_key(current) == geometry_key(captured):
@@ -742,6 +748,12 @@ class LayerSnapshot:
                     and current.storage_offset() == slot.fp.storage_offset
                     and _view(captured) == layout
                 )
+                lost = _memory_lost(captured, captured_storage, slot)
+                if lost is not None:
+                    self.kept.append(current)
+                    after = fingerprint(current)
+                    self.findings.append(sealed.finding(FindingKind.DEAD, slot, after=after, detail=lost))
+                    continue
             if (
                 inner_pairs is None
                 and not exact
@@ -773,10 +785,20 @@ class LayerSnapshot:
             rebinds.append((index, captured))
             if inner_pairs is not None:
                 # A wrapper's inner tensors, each its own copy (no source override, no pair dedup: the wrapper
-                # object is the slot's, its parts are not shared with a plain slot's pair).
+                # object is the slot's, its parts are not shared with a plain slot's pair). Each captured inner
+                # tensor gets the holder look a plain slot gets (PWAL can hand the old wrapper, or one of its
+                # inner tensors, to a spare): ours are the wrapper's attribute and the pairs list.
+                before = freshness.get(index)
+                if sys.getrefcount(captured) - 2 > (3 if before is not None and before[0] is captured else 2):
+                    self.suspects.append((index, "object", None))  # the old wrapper itself is held elsewhere
                 for dst, src in inner_pairs:
+                    inner_storage = dst.untyped_storage()
+                    held = held_outside(dst, own=2, storage=inner_storage)
+                    if held is not None:
+                        self.suspects.append((index, held, inner_storage))
                     nbytes = dst.numel() * dst.element_size()
-                    plan.add(self, index, dst, current, src, copy_group(dst), nbytes, copy=True)
+                    plan.add(self, index, dst, current, src, copy_group(dst), nbytes, copy=True, storage=inner_storage)
+                del inner_storage
                 continue
             before = freshness.get(index)
             # Ours: the snapshot's list, the rebind just planned, the freshness entry where it is the same object.
@@ -788,12 +810,12 @@ class LayerSnapshot:
                 own += sum(b[0] is captured for b in freshness.values()) + plan.holds(captured)
                 held = held_outside(captured, own=own, storage=captured_storage)
             if held is not None:
-                self.suspects.append((index, held))
+                self.suspects.append((index, held, captured_storage))
             source = current
             if overrides:
                 saved = overrides.get(index)
                 if saved is not None and saved[0] is current:
-                    source = saved[1]  # its values before an earlier restore wrote into the memory it reads
+                    (source,) = saved[1]  # its values before an earlier restore wrote into the memory it reads
             copy = True
             if seen_pairs is not None:
                 pair_key = (id(captured), id(current))
@@ -847,7 +869,11 @@ class LayerSnapshot:
             )
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for (name, sealed_part), dst, src in zip(_leaf_names(slot.fp), held, new_parts, strict=True):
-            if dst.data_ptr() != sealed_part.data_ptr or dst.untyped_storage() is not sealed_part.storage_ref():
+            if (
+                dst.data_ptr() != sealed_part.data_ptr
+                or dst.untyped_storage() is not sealed_part.storage_ref()
+                or not storage_covers(dst)
+            ):
                 # The captured wrapper object itself was given another inner tensor: its captured memory is no
                 # longer reachable from it, so nothing can be copied there.
                 return sealed.finding(
@@ -883,6 +909,8 @@ class LayerSnapshot:
             return  # PWAL put another tensor at the path (restore copies it): rebuilt
         if not current.numel():
             return  # no values: nothing to be stale
+        if not storage_covers(current):
+            return  # PWAL freed or shrank its storage: nothing to read (verify flags it)
         self.noted.append((index, slot, current, current._version != version, sample))
 
     def doubt_foreign_writes(self, foreign: Sequence[torch.Tensor]) -> None:
@@ -1187,6 +1215,31 @@ def held_outside(tensor: torch.Tensor, *, own: int, storage: Any = None) -> str 
     return None
 
 
+def _memory_lost(captured: torch.Tensor, storage: Any, slot: SealedSlot) -> str | None:
+    """Why a copy into ``captured`` (on ``storage``) would not land on the memory the graph reads, or ``None``.
+
+    PWAL can free or shrink the old storage in place (``untyped_storage().resize_(0)``, as offloading code does)
+    or point the captured object elsewhere (``.data =``, ``set_``): a copy then writes freed memory, past the end of
+    an allocation, or into another tensor's storage. Nothing is copied; the graph's memory is gone.
+    """
+    if captured.data_ptr() != slot.fp.data_ptr:
+        return (
+            "PWAL moved or freed the captured tensor's memory during the reload (.data =, set_, or its storage "
+            "resized); the graph reads memory no copy can reach: nothing copied, recapture"
+        )
+    if storage.nbytes() < byte_span(captured)[1]:
+        return (
+            f"PWAL shrank the captured storage to {storage.nbytes()} bytes during the reload (resize_); a copy "
+            "would write past its end: nothing copied, recapture"
+        )
+    return None
+
+
+def storage_covers(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s storage still holds every byte it spans (PWAL can ``resize_`` a storage in place)."""
+    return tensor.untyped_storage().nbytes() >= byte_span(tensor)[1]
+
+
 def address_range(tensor: torch.Tensor) -> tuple[str, int, int]:
     """``(device, first byte address, end address)`` of the memory a plain strided tensor spans."""
     extent = sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True)) + 1 if tensor.numel() else 0
@@ -1216,11 +1269,17 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if torch.equal(a, b):
-        return True
-    if a.shape != b.shape or a.dtype != b.dtype or not (a.is_floating_point() or a.is_complex()):
+    """Whether ``a`` and ``b`` read the same bits element for element: +0.0 and -0.0 differ (a copy of one over the
+    other changes what ``1 / x`` reads), a NaN agrees with the same NaN (scratch still agrees with itself)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return bool(((a == b) | (a.isnan() & b.isnan())).all())  # NaN scratch still agrees with itself
+    return torch.equal(_raw_bytes(a), _raw_bytes(b))
+
+
+def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``tensor``'s values as read (lazy bits resolved), flat."""
+    flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return flat.view(torch.uint8)
 
 
 class RestorePlan:
@@ -1325,8 +1384,8 @@ class RestorePlan:
         def hold(
             view: torch.Tensor | None, owner: tuple[SealedLayer, SealedSlot, int | None, int] | None = None
         ) -> None:
-            if view is None or not self.overlaps_destination(view):
-                return
+            if view is None or not self.overlaps_destination(view) or not storage_covers(view):
+                return  # (a storage PWAL freed or shrank has no bytes to keep: verify flags its slot)
             if owner is None:
                 readers.append(_Reader(view, view.detach().clone()))
                 return
