@@ -11,7 +11,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, Literal, Protocol
@@ -188,6 +188,8 @@ class GraphContract:
         self._units: frozenset[int] = frozenset()  # ids of the model's modules at seal: each its own reload unit
         self._by_layer: dict[int, list[int]] = {}  # id(layer) -> indices into _layers (for before/after_layer)
         self._shared: SharedIndex = {}  # captured storage id -> every (sealed layer, slot position) reading it
+        #: (id(sealed layer), slot position) of slots whose captured memory also lies under another storage object.
+        self._cross: set[tuple[int, int]] = set()
         self._slot_keys: set[tuple[str, str]] = set()  # (layer, path) of every sealed slot
         self._sealed = False
         self._unsafe_reason: str | None = "not sealed yet: call seal() after the first load, before capture"
@@ -381,6 +383,7 @@ class GraphContract:
         (in one layer or across layers), which a restore checks as one (``RestorePlan.watch``)."""
         by_layer: dict[int, list[int]] = {}
         readers: dict[int, list[tuple[SealedLayer, int]]] = {}
+        storages: dict[int, Any] = {}
         for position, sealed in enumerate(self._layers):
             by_layer.setdefault(id(sealed.layer_ref()), []).append(position)
             for index, slot in enumerate(sealed.slots):  # live storages have distinct ids
@@ -388,6 +391,7 @@ class GraphContract:
                     storage = part.storage_ref()
                     if storage is not None:
                         readers.setdefault(id(storage), []).append((sealed, index))
+                        storages[id(storage)] = storage
         shared = {key: entries for key, entries in readers.items() if len(entries) > 1}
         for entries in shared.values():
             if any(sealed is not entries[0][0] for sealed, _ in entries):
@@ -395,6 +399,21 @@ class GraphContract:
                     sealed.shared_across_layers = True
         self._by_layer = by_layer
         self._shared = shared
+        # Two storage objects on one memory, each read by a slot the contract restores from PWAL's tensors (not
+        # loaded state: an arena buffer a tensor is carved from holds that tensor's values): a tie no restore can
+        # check, since every check of shared memory goes by storage identity.
+        derived = {
+            key
+            for key, entries in readers.items()
+            if any(sealed.slots[index].origin not in _LOADED for sealed, index in entries)
+        }
+        self._cross = {
+            (id(sealed), index)
+            for pair in _storages_sharing_memory(storages)
+            if derived.issuperset(pair)
+            for key in pair
+            for sealed, index in readers[key]
+        }
 
     # -- what PWAL reads -----------------------------------------------------------------------------------------
     @contextmanager
@@ -680,6 +699,36 @@ class GraphContract:
         if error is not None:
             return  # the transaction re-raises the original error
         raise _violation(outcome, self)
+
+
+def _storages_sharing_memory(storages: Mapping[int, Any]) -> list[tuple[int, int]]:
+    """Pairs of ids of storage objects whose memory overlaps (a DLPack import of a captured tensor, a tensor carved
+    out of an arena: a second storage object on the same bytes): storage identity cannot tell that they share it."""
+    pairs: list[tuple[int, int]] = []
+    by_device: dict[str, list[tuple[int, int, int]]] = {}
+    for key, storage in storages.items():
+        start = storage.data_ptr()
+        if storage.nbytes():
+            by_device.setdefault(str(storage.device), []).append((start, start + storage.nbytes(), key))
+    for ranges in by_device.values():
+        ranges.sort()
+        active: list[tuple[int, int]] = []  # (end, key) of the ranges begun so far
+        for start, end, key in ranges:
+            active = [(last, other) for last, other in active if last > start]
+            pairs.extend((other, key) for _, other in active)
+            active.append((end, key))
+    return pairs
+
+
+_LOADED = (Origin.PARAMETER, Origin.BUFFER)
+
+
+def _overlapping(spans: list[tuple[str, int, int, int]], tensor: torch.Tensor) -> list[int]:
+    """The keys of ``spans`` (device, first address, end, key) whose memory ``tensor`` reads any byte of."""
+    if not tensor.numel():
+        return []
+    device, start, end = address_range(tensor)
+    return [key for where, first, last, key in spans if where == device and first < end and start < last]
 
 
 def _next_step(reason: str | None) -> str:
@@ -1137,6 +1186,14 @@ class ReloadTransaction:
         judge_noted([snapshot for snapshot, _ in work])  # before any copy lands: the values PWAL left
         if any(snapshot.suspects for snapshot, _ in work):
             work = self._block_foreign_holders(work, plan)
+        cross = self.contract._cross
+        if cross and plan.moves:
+            shared = (
+                "its captured memory also lies under another storage object (a DLPack import, say), where the "
+                "contract cannot check that every slot reading it agrees"
+            )
+            crossed = [m for m in plan.moves if (id(m.snapshot.sealed), m.index) in cross]
+            work = self._take_back(work, plan, {(id(m.snapshot), m.index): shared for m in crossed})
         batch = CopyBatch()
         local = [s for s, _ in work if len(s.slots) > len(s.sealed.slots)]
         kept = [*self._kept, *(t for s, _ in work for t in s.kept), *self._untracked_holders(local)]
@@ -1215,6 +1272,11 @@ class ReloadTransaction:
             for slot in sealed.slots
         }
         why: dict[int, str] = {}
+        # The same memory can lie under another storage object (a DLPack import): matched by address too.
+        spans = [
+            (str(storage.device), storage.data_ptr(), storage.data_ptr() + storage.nbytes(), key)
+            for key, storage in suspects.items()
+        ]
         budget = WalkBudget(max_depth=64, max_objects=max(1_000_000, contract.budget.max_objects))
         for qualname, module in contract.model.named_modules():
             result = walk(module, budget=budget, devices=contract.devices, units=contract._units)
@@ -1230,23 +1292,40 @@ class ReloadTransaction:
                     if part.layout is not torch.strided:
                         continue
                     key = id(part.untyped_storage())
-                    if key not in suspects:
+                    keys = [key] if key in suspects else _overlapping(spans, part)
+                    if not keys:
                         continue
                     path = f"{qualname}.{ref.path}" if qualname else ref.path
                     if path not in tracked:
-                        why.setdefault(key, f"{path!r}, which the contract does not track, holds it")
+                        for found in keys:
+                            why.setdefault(found, f"{path!r}, which the contract does not track, holds it")
         for key in suspects:
             if key not in why and "storage-object" in seen[key]:
                 why[key] = "its storage object is held (a storage pool, or a reference outside every model path)"
         del suspects, seen
         if not why:
             return work
-        # A slot is restored whole or not at all: every copy of a slot with one blocked copy (a wrapper's inner
-        # tensors) is taken back with it.
-        reasons = {(id(m.snapshot), m.index): why[m.storage] for m in plan.moves if m.storage in why}
+        return self._take_back(
+            work,
+            plan,
+            {
+                (id(m.snapshot), m.index): f"its captured memory is still held elsewhere: {why[m.storage]}"
+                for m in plan.moves
+                if m.storage in why
+            },
+        )
+
+    def _take_back(
+        self,
+        work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]],
+        plan: RestorePlan,
+        reasons: dict[tuple[int, int], str],
+    ) -> list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]]:
+        """Take back every planned copy of the slots in ``reasons`` ((id(snapshot), slot index) -> why): nothing is
+        written into their captured memory, each keeps its new tensor and is ``alias-broken``. A slot is restored
+        whole or not at all (a wrapper's inner copies go together)."""
         blocked = [move for move in plan.moves if (id(move.snapshot), move.index) in reasons]
         plan.moves = [move for move in plan.moves if (id(move.snapshot), move.index) not in reasons]
-        undone = set(reasons)
         reported: set[tuple[int, int]] = set()
         for move in blocked:
             entry = (id(move.snapshot), move.index)
@@ -1260,14 +1339,13 @@ class ReloadTransaction:
                     FindingKind.ALIAS_BROKEN,
                     slot,
                     after=fingerprint(move.new),
-                    detail=f"PWAL gave it a new tensor, and its captured memory is still held elsewhere: "
-                    f"{reasons[entry]}. Restoring would write this slot's new values into that holder, so nothing "
-                    "is copied and the graph reads the holder's values there. Rebuild the holder as a new tensor in "
-                    "PWAL (or declare it); recapture",
+                    detail=f"PWAL gave it a new tensor, and {reasons[entry]}. Restoring would write this slot's new "
+                    "values where something else reads them, so nothing is copied and the graph reads the old "
+                    "values there. Rebuild the holder as a new tensor in PWAL (or declare it); recapture",
                 )
             )
         return [
-            (snapshot, [(index, t) for index, t in rebinds if (id(snapshot), index) not in undone])
+            (snapshot, [(index, t) for index, t in rebinds if (id(snapshot), index) not in reported])
             for snapshot, rebinds in work
         ]
 

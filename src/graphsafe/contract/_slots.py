@@ -1190,7 +1190,8 @@ _STORAGE_USE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Us
 def held_outside(tensor: torch.Tensor, *, own: int, storage: Any = None) -> str | None:
     """What besides ``own`` references of the caller's data (and the caller's one local name) holds the captured
     tensor: ``"object"`` (the tensor object itself), ``"base"`` (a view's base), ``"storage-object"`` (its storage's
-    Python object: a storage pool), ``"storage"`` (another tensor on its storage), or ``None``.
+    Python object: a storage pool), ``"storage"`` (another tensor on its storage), or ``None``. (A DLPack import
+    holds the tensor object: ``"object"``; the search then matches its other storage object by address.)
 
     The cheap look before a copy into captured memory whose slot PWAL moved: normally the snapshot alone still
     holds the old captured tensor. An answer is only a reason to search (a ping-pong buffer kept at an untracked
