@@ -1257,15 +1257,18 @@ class ReloadTransaction:
         suspects: dict[int, Any] = {}
         seen: dict[int, set[str]] = {}  # per storage, what held_outside saw holding it
         for snapshot, _ in work:
-            for index, held, storage in snapshot.suspects:
+            for index, held, which in snapshot.suspects:
                 captured = snapshot.captured[index]
                 if captured is None:
                     continue
-                # A wrapper object held elsewhere: every storage under it is searched for.
-                storages = [storage] if storage is not None else [p.untyped_storage() for p in memory_tensors(captured)]
-                for found in storages:
-                    suspects.setdefault(id(found), found)
-                    seen.setdefault(id(found), set()).add(held)
+                # A wrapper held as a whole (-1): every storage under it is searched for; else one part's, or the
+                # plain tensor's own.
+                holders = memory_tensors(captured) if which is not None else [captured]
+                if which is not None and which >= 0:
+                    holders = holders[which : which + 1]
+                for storage in (holder.untyped_storage() for holder in holders):
+                    suspects.setdefault(id(storage), storage)
+                    seen.setdefault(id(storage), set()).add(held)
         tracked = {
             f"{sealed.qualname}.{slot.path.text}" if sealed.qualname else slot.path.text
             for sealed in contract._layers

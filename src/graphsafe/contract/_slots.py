@@ -509,7 +509,10 @@ class LayerSnapshot:
     kept: list[torch.Tensor] = field(default_factory=list)
     #: Slots planned for a copy whose captured tensor, its base or its storage something besides the snapshot still
     #: holds, and what (see :func:`held_outside`): the contract looks for who.
-    suspects: list[tuple[int, str, Any]] = field(default_factory=list)  # (slot index, what, its storage object)
+    #: ``(slot index, what, part)``: ``part`` is the position of a wrapper's inner tensor (in flatten order) whose
+    #: storage is held, ``-1`` for every part of a wrapper held as a whole, ``None`` for a plain tensor. (Not the
+    #: storage object itself: a reference to it would make the next slot on that storage look held.)
+    suspects: list[tuple[int, str, int | None]] = field(default_factory=list)
     #: Slot index -> what an ``alias-broken`` slot keeps instead of its new tensor, whose memory a copy overwrote.
     keep: dict[int, torch.Tensor] = field(default_factory=dict)
     #: Each captured tensor's version counter when the snapshot was taken (-1: none, or a view rebuilt from the
@@ -790,15 +793,16 @@ class LayerSnapshot:
                 # inner tensors, to a spare): ours are the wrapper's attribute and the pairs list.
                 before = freshness.get(index)
                 if sys.getrefcount(captured) - 2 > (3 if before is not None and before[0] is captured else 2):
-                    self.suspects.append((index, "object", None))  # the old wrapper itself is held elsewhere
+                    self.suspects.append((index, "object", -1))  # the old wrapper itself is held elsewhere
+                parts = {id(part): position for position, part in enumerate(memory_tensors(captured))}
                 for dst, src in inner_pairs:
                     inner_storage = dst.untyped_storage()
                     held = held_outside(dst, own=2, storage=inner_storage)
                     if held is not None:
-                        self.suspects.append((index, held, inner_storage))
+                        self.suspects.append((index, held, parts.get(id(dst), -1)))
                     nbytes = dst.numel() * dst.element_size()
                     plan.add(self, index, dst, current, src, copy_group(dst), nbytes, copy=True, storage=inner_storage)
-                del inner_storage
+                del inner_storage, parts
                 continue
             before = freshness.get(index)
             # Ours: the snapshot's list, the rebind just planned, the freshness entry where it is the same object.
@@ -810,7 +814,7 @@ class LayerSnapshot:
                 own += sum(b[0] is captured for b in freshness.values()) + plan.holds(captured)
                 held = held_outside(captured, own=own, storage=captured_storage)
             if held is not None:
-                self.suspects.append((index, held, captured_storage))
+                self.suspects.append((index, held, None))
             source = current
             if overrides:
                 saved = overrides.get(index)
