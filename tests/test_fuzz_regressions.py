@@ -477,3 +477,17 @@ def test_a_tie_to_an_untracked_tensor_pwal_freed_is_stale() -> None:
         manifest=True,
     )
     _assert_honest(scenario)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_skipped_tensor_whose_only_declared_view_is_empty_is_stale(mode: str) -> None:
+    """Undeclared d0 (``scale``: one element for a one-row weight) and declared d1, its empty tail (``d0[1:]``);
+    the weight is loaded through ``.data`` and PWAL skips both. The empty view was the only watched witness of
+    d0's staleness: a rule that took empty slots for never stale (2026-12-02, from an adversarial review's "false
+    alarm") made the reload commit with d0 stale (found by the long fuzz run as ``skip``)."""
+    slots = (
+        SlotSpec("d0", source="scale", holder="list", mutation="skip"),
+        SlotSpec("d1", kind="tail", of=0, holder="child", declare="graph_visible", mutation="skip"),
+    )
+    layer = LayerSpec(rows=1, cols=4, slots=slots, loader="data_copy", buffer=True)
+    _assert_honest(Scenario(layers=(layer,), mode=mode, detect="every-reload", manifest=False))

@@ -94,21 +94,23 @@ def test_tie_to_an_earlier_layer_that_appears_after_seal(mode: str, detect: str,
     if how == "declared":
         register_derived(l1, "cache")  # declared on the first forward (adopted at the next snapshot)
     captured = l0.w_t
-    ptr = captured.data_ptr()
     old = captured.clone()
     # new weights
     new0, new1 = w(11), w(12)
     exp_w_t0 = new0 * 2.0 + 1.0
     exp_cache1 = new1 * 3.0
-    with contextlib.suppress(ContractViolation, GraphSafeError):
-        with contract.reload(layerwise=layerwise) as txn, torch.no_grad():
-            for layer, new in ((l0, new0), (l1, new1)):
-                if layerwise:
-                    txn.before_layer(layer)
-                layer.weight.copy_(new)
-                layer.process_weights_after_loading()
-                if layerwise:
-                    txn.after_layer(layer)
+    with (
+        contextlib.suppress(ContractViolation, GraphSafeError),
+        contract.reload(layerwise=layerwise) as txn,
+        torch.no_grad(),
+    ):
+        for layer, new in ((l0, new0), (l1, new1)):
+            if layerwise:
+                txn.before_layer(layer)
+            layer.weight.copy_(new)
+            layer.process_weights_after_loading()
+            if layerwise:
+                txn.after_layer(layer)
     out = outcome_of(contract)
     # promise 2: the captured tensor holds what PWAL left in it (old values) or what PWAL produced for w_t of
     # layer 0, never layer 1's cache values.
@@ -163,15 +165,18 @@ def test_earlier_layer_keeps_a_later_layers_tensor_after_seal(detect: str, layer
     new0, new1 = w(21), w(22)
     exp_cache0 = new0 * 3.0
     exp_w_t1 = new1 * 5.0 + 1.0
-    with contextlib.suppress(ContractViolation, GraphSafeError):
-        with contract.reload(layerwise=layerwise) as txn, torch.no_grad():
-            for layer, new in ((l0, new0), (l1, new1)):
-                if layerwise:
-                    txn.before_layer(layer)
-                layer.weight.copy_(new)
-                layer.process_weights_after_loading()
-                if layerwise:
-                    txn.after_layer(layer)
+    with (
+        contextlib.suppress(ContractViolation, GraphSafeError),
+        contract.reload(layerwise=layerwise) as txn,
+        torch.no_grad(),
+    ):
+        for layer, new in ((l0, new0), (l1, new1)):
+            if layerwise:
+                txn.before_layer(layer)
+            layer.weight.copy_(new)
+            layer.process_weights_after_loading()
+            if layerwise:
+                txn.after_layer(layer)
     out = outcome_of(contract)
     errors = []
     if not any(torch.equal(captured, v) for v in (old, exp_cache0, exp_w_t1)):
@@ -262,7 +267,7 @@ def test_wrapper_handed_to_an_untracked_spare_is_never_written(mode: str, detect
     model.process_weights_after_loading()
     contract = GraphContract(model, mode, detect=detect).seal()  # type: ignore[arg-type]
     captured = model.cur
-    cq, cs = captured.qdata, captured.scale
+    cq = captured.qdata
     new = w(31)
     exp_spare = quant_of(new, 9)
     exp_cur = quant_of(new, 1)
@@ -274,8 +279,9 @@ def test_wrapper_handed_to_an_untracked_spare_is_never_written(mode: str, detect
     spare_q = model.spare.qdata if hand == "wrapper" else model.spare_q
     assert spare_q is cq
     if not torch.equal(spare_q, exp_spare.qdata):
-        errors.append(f"graphsafe wrote {spare_q.tolist()} into the spare, whose PWAL values are "
-                      f"{exp_spare.qdata.tolist()}")
+        errors.append(
+            f"graphsafe wrote {spare_q.tolist()} into the spare, whose PWAL values are {exp_spare.qdata.tolist()}"
+        )
     if not (torch.equal(model.cur.qdata, exp_cur.qdata) and torch.equal(model.cur.scale, exp_cur.scale)):
         errors.append("cur does not read its PWAL values")
     if out.status is Status.COMMITTED and not torch.equal(cq, exp_cur.qdata):
@@ -379,14 +385,15 @@ def test_overlapping_windows_slot(mode: str, layerwise: bool) -> None:
                 txn.after_layer(model)
     except ContractViolation:
         pass
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raised = exc
     out = contract.last_outcome
     errors = []
     exp_win, exp_other = (new * 2.0).unfold(0, 3, 1), new * 4.0
     if not torch.equal(model.win, exp_win) or not torch.equal(model.other, exp_other):
         errors.append("a path does not read its PWAL values")
-    for name, cap, before, exp in (("win", cap_win, before_win, exp_win), ("other", cap_other, before_other, exp_other)):
+    rows = (("win", cap_win, before_win, exp_win), ("other", cap_other, before_other, exp_other))
+    for name, cap, before, exp in rows:
         if not (torch.equal(cap, before) or torch.equal(cap, exp)):
             errors.append(f"captured {name} holds {cap.tolist()}")
     if out is first or out is None:
@@ -525,7 +532,7 @@ def _frees_scenario(mode: str, layerwise: bool, shrink: int) -> list[str]:
                     txn.after_layer(layer)
     except ContractViolation:
         pass
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raised = exc
     out = contract.last_outcome
     errors = []
@@ -558,7 +565,7 @@ def test_pwal_frees_the_old_captured_storage(mode: str, layerwise: bool, shrink:
     env = {**os.environ, "PYTHONPATH": "src"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     tail = (proc.stdout + proc.stderr)[-1500:]
-    assert proc.returncode == 0, f"child exited {proc.returncode} (a negative code is the signal that killed it):\n{tail}"
+    assert proc.returncode == 0, f"child exited {proc.returncode} (a negative code is a killing signal):\n{tail}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -911,8 +911,6 @@ class LayerSnapshot:
         tensor, version, sample, _ = before
         if current.untyped_storage() is not tensor.untyped_storage():
             return  # PWAL put another tensor at the path (restore copies it): rebuilt
-        if not current.numel():
-            return  # no values: nothing to be stale
         if not storage_covers(current):
             return  # PWAL freed or shrank its storage: nothing to read (verify flags it)
         self.noted.append((index, slot, current, current._version != version, sample))
