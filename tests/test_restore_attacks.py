@@ -1,4 +1,5 @@
-"""Attack round 5: shared captured storages, rotations, layerwise sharing, walker finds, wrappers, odd layouts.
+"""Attacks on the restore plan (an adversarial review, 2026-12-02): shared captured storages, rotations, layerwise
+sharing, walker finds, wrappers, odd layouts.
 
 Every test reloads DIFFERENT weights and judges with an oracle independent of graphsafe: clones of every tensor
 held before the reload, and the values PWAL is recomputed to produce eagerly.
@@ -7,10 +8,10 @@ The promise:
 (1) never COMMITTED while a captured tensor holds values other than the ones this reload's PWAL produced for it;
 (2) graphsafe never writes into any tensor values other than the ones the reload produced for it.
 
-Red (the library lies): 3 wrapper ping-pong written + committed; 4 wrapper slots exchanged between layers,
-layerwise, commit stale; 6 one memory under two storage objects (DLPack): an un-tied tie commits, a spare is
-written; 7 a captured storage PWAL freed/shrank is copied into (segfault / heap overflow); 8 (low) +0.0/-0.0 tie.
-Green (tricky ground that holds): 1, 2 late cross-layer ties (layerwise and whole), 4 plain exchange, 5 windows.
+Each of these lied before the fixes of that day (docs/fault-matrix.md): a wrapper in a ping-pong written and
+committed; wrapper slots exchanged between layers, layerwise, committed stale; one memory under two storage
+objects (DLPack): an un-tied tie committed, a spare was written; a captured storage PWAL freed or shrank was copied
+into (a crash, a write past the allocation); a +0.0/-0.0 tie committed one sign under both paths.
 """
 
 from __future__ import annotations
