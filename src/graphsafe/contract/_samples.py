@@ -21,6 +21,7 @@ weights) a :func:`digest` of every byte is kept too: where the sample says "the 
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -249,7 +250,7 @@ DIGEST_ROW = 1024
 
 
 def digest(tensor: torch.Tensor) -> torch.Tensor | None:
-    """A digest of every byte of a dense tensor: wrapping integer sums of its raw words in rows of
+    """A digest of every byte of a dense tensor: wrapping integer sums of its raw words in rows of at most
     :data:`DIGEST_ROW` (a new tensor about 1/1024 of its size, on its device), or ``None`` for any other tensor.
 
     Any change to one word changes its row's sum; only changes that cancel within one row escape. Integer sums
@@ -272,11 +273,23 @@ def digest(tensor: torch.Tensor) -> torch.Tensor | None:
             words, total = raw.view(torch.int16), torch.int16
         else:  # an odd byte count: bytes summed as int32 (a temporary of 4x the tensor: odd sizes are small)
             words, total = raw, torch.int32
-        full = words.numel() // DIGEST_ROW * DIGEST_ROW
+        count = words.numel()
+        row = _row_length(count)
+        if row:  # whole rows: one reduction
+            return words.view(-1, row).sum(1, dtype=total)
+        full = count // DIGEST_ROW * DIGEST_ROW
         rows = words[:full].view(-1, DIGEST_ROW).sum(1, dtype=total)
-        if full == words.numel():
-            return rows
         return torch.cat([rows, words[full:].sum(dtype=total).reshape(1)])
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_length(count: int) -> int:
+    """The longest row of at most :data:`DIGEST_ROW` words, at least a quarter of that, that divides ``count`` (one
+    reduction over whole rows), or 0 where none does (rows and a tail: three launches)."""
+    for row in range(min(DIGEST_ROW, count), DIGEST_ROW // 4 - 1, -1):
+        if count % row == 0:
+            return row
+    return 0
 
 
 def same_digests(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
