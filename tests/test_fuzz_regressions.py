@@ -491,3 +491,15 @@ def test_a_skipped_tensor_whose_only_declared_view_is_empty_is_stale(mode: str) 
     )
     layer = LayerSpec(rows=1, cols=4, slots=slots, loader="data_copy", buffer=True)
     _assert_honest(Scenario(layers=(layer,), mode=mode, detect="every-reload", manifest=False))
+
+
+@pytest.mark.parametrize("detect", ["every-reload", "declared-only"])
+def test_shared_memory_compared_bit_for_bit_takes_any_stride(detect: str) -> None:
+    """A one-element derived slot PWAL rebuilds with another stride (``respec_stride``) next to a stashed buffer
+    weight: the bit-for-bit comparison of shared memory (2026-12-02) viewed a stride-2 one-element tensor as bytes
+    and raised out of the restore (found by the long fuzz run as a crash)."""
+    slot = SlotSpec(
+        "d0", source="scale", factor=3, holder="child", declare="register_derived", mutation="respec_stride"
+    )
+    layer = LayerSpec(rows=1, cols=3, slots=(slot,), loader="stash", buffer=True)
+    _assert_honest(Scenario(layers=(layer,), mode="migrate", detect=detect, manifest=detect == "declared-only"))
