@@ -33,7 +33,8 @@ import graphsafe.contract._contract as contract_module
 import graphsafe.contract._slots as slots_module
 
 PHASES: dict[Any, list[str]] = {
-    slots_module.LayerSnapshot: ["take", "restore", "check_freshness", "rebind", "verify", "doubt_foreign_writes"],
+    slots_module.LayerSnapshot: ["take", "restore", "rebind", "verify", "doubt_foreign_writes"],
+    contract_module: ["judge_noted", "check_freshness"],  # module functions, as the contract module holds them
     slots_module.RestorePlan: ["protect", "watch", "launch", "check"],
     contract_module.ReloadTransaction: ["begin", "_finish", "_restore_group", "_doubt_abandoned"],
 }
@@ -47,7 +48,9 @@ def _instrument(totals: dict[str, float]) -> Callable[[], None]:
             original = owner.__dict__[name]
             func = original.__func__ if isinstance(original, classmethod) else original
 
-            def timed(*args: Any, _f: Any = func, _label: str = f"{owner.__name__}.{name}", **kwargs: Any) -> Any:
+            label = f"{owner.__name__.rsplit('.', 1)[-1]}.{name}"
+
+            def timed(*args: Any, _f: Any = func, _label: str = label, **kwargs: Any) -> Any:
                 start = time.perf_counter()
                 try:
                     return _f(*args, **kwargs)
@@ -65,16 +68,57 @@ def _instrument(totals: dict[str, float]) -> Callable[[], None]:
     return restore
 
 
+def _count_ops(method: Contract, weights: Any) -> dict[str, collections.Counter[str]]:
+    """The aten ops ``begin()`` and the restore (``finish()`` up to the decision) dispatch in one reload."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: collections.Counter[str] = collections.Counter()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.counts[str(func.overloadpacket).removeprefix("aten.")] += 1
+            return func(*args, **(kwargs or {}))
+
+    found: dict[str, collections.Counter[str]] = {}
+    owner = contract_module.ReloadTransaction
+    originals = {"begin": owner.begin, "restore": owner._settle}
+
+    def counted(name: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with Count() as mode:
+                result = originals[name](*args, **kwargs)
+            found[name] = mode.counts
+            return result
+
+        return run
+
+    owner.begin = counted("begin")  # type: ignore[method-assign]
+    owner._settle = counted("restore")  # type: ignore[method-assign]
+    try:
+        method.cycle(weights, split=True)
+    finally:
+        owner.begin = originals["begin"]  # type: ignore[method-assign]
+        owner._settle = originals["restore"]  # type: ignore[method-assign]
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", choices=("large", "small"), default="large")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--inplace", action="store_true", help="small model: PWAL writes into last time's tensors (stable storage)"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.model == "large":
         side = 4096 if device.type == "cuda" else 1024
         shape = Shape("large", 8, 2, side, side, kinds=("transposed",))
+    elif args.inplace:
+        shape = Shape("small-inplace", 200, 20, 32, 32, inplace=True)
     else:
         shape = Shape("small", 200, 20, 64, 32)
     method = Contract(shape, device, "declared-only")
@@ -82,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(3):
         method.cycle(weights[i % 2], split=True)
 
+    ops = _count_ops(method, weights[0])
     totals: dict[str, float] = {}
     undo = _instrument(totals)
     split: list[dict[str, float]] = []
@@ -95,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("begin", "finish", "restore"):
         values = sorted(s[key] for s in split)
         print(f"- {key}: median {values[len(values) // 2] * 1e3:.3f} ms")
+    print("\n| phase | tensor ops (each computing one is a kernel launch on CUDA) |\n|---|---|")
+    for phase, counts in ops.items():
+        shown = ", ".join(f"{n} {name}" for name, n in counts.most_common(6))
+        print(f"| {phase} | {sum(counts.values())}: {shown} |")
     print("\n| phase (host, wrapped) | ms per reload | us per slot |\n|---|---|---|")
     for label, seconds in sorted(totals.items(), key=lambda item: -item[1]):
         print(f"| {label} | {seconds / n * 1e3:.3f} | {seconds / n / slots * 1e6:.2f} |")

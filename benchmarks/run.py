@@ -254,8 +254,14 @@ def section_small(args: argparse.Namespace, device: torch.device) -> dict[str, A
             row["seal_bytes"] = m.seal_bytes
         rows.append(row)
     decl = section_declare_cost(shape, device, args.repeats)
-    return {"shape": shape.__dict__, "bytes": loop_bytes, "flat_copy_ms": flat * 1e3, "values_equal": same,
-            "rows": rows, "redeclare_us_per_slot": decl}
+    return {
+        "shape": shape.__dict__,
+        "bytes": loop_bytes,
+        "flat_copy_ms": flat * 1e3,
+        "values_equal": same,
+        "rows": rows,
+        "redeclare_us_per_slot": decl,
+    }
 
 
 def section_declare_cost(shape: Shape, device: torch.device, repeats: int) -> float:
@@ -285,10 +291,23 @@ def section_large(args: argparse.Namespace, device: torch.device) -> dict[str, A
     rows = []
     for m in methods[1:]:
         t, finish = times[m.name]["restore"], times[m.name]["finish"]
-        rows.append({"method": m.name, "restore_ms": t * 1e3, "GBps": nbytes / t / 1e9, "vs_flat_copy": flat / t,
-                     "finish_ms": finish * 1e3, "finish_vs_flat_copy": flat / finish})
-    return {"shape": shape.__dict__, "bytes": nbytes, "flat_copy_ms": flat * 1e3,
-            "flat_GBps": nbytes / flat / 1e9, "rows": rows}
+        rows.append(
+            {
+                "method": m.name,
+                "restore_ms": t * 1e3,
+                "GBps": nbytes / t / 1e9,
+                "vs_flat_copy": flat / t,
+                "finish_ms": finish * 1e3,
+                "finish_vs_flat_copy": flat / finish,
+            }
+        )
+    return {
+        "shape": shape.__dict__,
+        "bytes": nbytes,
+        "flat_copy_ms": flat * 1e3,
+        "flat_GBps": nbytes / flat / 1e9,
+        "rows": rows,
+    }
 
 
 def section_cycle(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -412,8 +431,10 @@ def section_walker(args: argparse.Namespace, device: torch.device) -> dict[str, 
     for name, model in (
         ("MoE-like 64 layers x 64 experts", MoEModel(64, 64, device)),
         ("tensor-dense MoE 64 layers x 64 experts x 3 tensors", DenseMoEModel(64, 64, device)),
-        (f"synthetic {args.small_layers} x {args.small_k}", build(Shape("s", args.small_layers, args.small_k, 32, 32),
-                                                               device, declare=False)),
+        (
+            f"synthetic {args.small_layers} x {args.small_k}",
+            build(Shape("s", args.small_layers, args.small_k, 32, 32), device, declare=False),
+        ),
     ):
         modules = [m for _, m in model.named_modules()]
         samples = []
@@ -436,9 +457,19 @@ def section_walker(args: argparse.Namespace, device: torch.device) -> dict[str, 
             if round_:
                 reload_samples.append(time.perf_counter() - t0)
         t_reload = med(reload_samples)
-        rows.append({"model": name, "modules": len(modules), "objects": objects, "tensor_refs": refs,
-                     "walk_ms": t * 1e3, "objects_per_s": objects / t, "refs_per_s": refs / t,
-                     "reload_walk_ms": t_reload * 1e3, "reload_objects_per_s": objects / t_reload})
+        rows.append(
+            {
+                "model": name,
+                "modules": len(modules),
+                "objects": objects,
+                "tensor_refs": refs,
+                "walk_ms": t * 1e3,
+                "objects_per_s": objects / t,
+                "refs_per_s": refs / t,
+                "reload_walk_ms": t_reload * 1e3,
+                "reload_objects_per_s": objects / t_reload,
+            }
+        )
     return {"rows": rows}
 
 
@@ -885,15 +916,27 @@ def render(report: dict[str, Any]) -> str:
             "",
             table(
                 s["rows"],
-                [("method", "method"), ("cycle_ms", "cycle ms"), ("overhead_pct", "cycle +% vs baseline"),
-                 ("restore_ms", "restore ms"), ("restore_us_per_slot", "restore us/slot"),
-                 ("host_us_per_slot", "host us/slot"), ("vs_loop", "x faster than loop"),
-                 ("GBps", "GB/s"), ("vs_flat_copy", "vs flat copy_")],
+                [
+                    ("method", "method"),
+                    ("cycle_ms", "cycle ms"),
+                    ("overhead_pct", "cycle +% vs baseline"),
+                    ("restore_ms", "restore ms"),
+                    ("restore_us_per_slot", "restore us/slot"),
+                    ("host_us_per_slot", "host us/slot"),
+                    ("vs_loop", "x faster than loop"),
+                    ("GBps", "GB/s"),
+                    ("vs_flat_copy", "vs flat copy_"),
+                ],
             ),
             "",
-            table([r for r in s["rows"] if r.get("begin_us_per_slot") is not None],
-                  [("method", "method"), ("begin_us_per_slot", "begin (snapshot) us/slot"),
-                   ("finish_us_per_slot", "finish (restore + verify) us/slot")]),
+            table(
+                [r for r in s["rows"] if r.get("begin_us_per_slot") is not None],
+                [
+                    ("method", "method"),
+                    ("begin_us_per_slot", "begin (snapshot) us/slot"),
+                    ("finish_us_per_slot", "finish (restore + verify) us/slot"),
+                ],
+            ),
             "",
             f"Values after a graphsafe reload equal the baseline's: {fmt(s['values_equal'])}. One flat `copy_` of "
             f"the same bytes: {s['flat_copy_ms']:.3f} ms. Re-declaring in PWAL (`register_derived`, part of the "
@@ -903,10 +946,21 @@ def render(report: dict[str, Any]) -> str:
         if any("peak_extra_bytes" in r for r in s["rows"]):
             lines += [
                 table(
-                    [dict(r, peak=mib(r.get("peak_extra_bytes")), kept=mib(r.get("kept_bytes")),
-                          seal=mib(r.get("seal_bytes"))) for r in s["rows"]],
-                    [("method", "method"), ("peak", "reload peak MiB over start"), ("kept", "kept MiB"),
-                     ("seal", "seal MiB")],
+                    [
+                        dict(
+                            r,
+                            peak=mib(r.get("peak_extra_bytes")),
+                            kept=mib(r.get("kept_bytes")),
+                            seal=mib(r.get("seal_bytes")),
+                        )
+                        for r in s["rows"]
+                    ],
+                    [
+                        ("method", "method"),
+                        ("peak", "reload peak MiB over start"),
+                        ("kept", "kept MiB"),
+                        ("seal", "seal MiB"),
+                    ],
                 ),
                 "",
             ]
@@ -916,9 +970,17 @@ def render(report: dict[str, Any]) -> str:
             f"### Large slots: {s['shape']['layers'] * s['shape']['k']} bf16 tensors, {s['bytes'] / 2**20:.0f} MiB "
             f"(one flat copy_: {s['flat_copy_ms']:.3f} ms, {s['flat_GBps']:.0f} GB/s)",
             "",
-            table(s["rows"], [("method", "method"), ("restore_ms", "restore ms"), ("GBps", "GB/s"),
-                              ("vs_flat_copy", "fraction of flat copy_"), ("finish_ms", "finish ms"),
-                              ("finish_vs_flat_copy", "finish: fraction of flat copy_")]),
+            table(
+                s["rows"],
+                [
+                    ("method", "method"),
+                    ("restore_ms", "restore ms"),
+                    ("GBps", "GB/s"),
+                    ("vs_flat_copy", "fraction of flat copy_"),
+                    ("finish_ms", "finish ms"),
+                    ("finish_vs_flat_copy", "finish: fraction of flat copy_"),
+                ],
+            ),
             "",
         ]
     s = report.get("cycle")
@@ -928,12 +990,28 @@ def render(report: dict[str, Any]) -> str:
             "strides)",
             "",
             table(
-                [dict(r, peak=mib(r.get("peak_extra_bytes")), kept=mib(r.get("kept_bytes")),
-                      seal=mib(r.get("seal_bytes"))) for r in s["rows"]],
-                [("derived", "derived"), ("source", "weights from"), ("method", "method"),
-                 ("weights_MiB", "weights MiB"), ("derived_MiB", "restored MiB"), ("cycle_ms", "cycle ms"),
-                 ("overhead_pct", "+% vs baseline"), ("restore_ms", "contract ms"), ("peak", "peak MiB"),
-                 ("kept", "kept MiB"), ("seal", "seal MiB")],
+                [
+                    dict(
+                        r,
+                        peak=mib(r.get("peak_extra_bytes")),
+                        kept=mib(r.get("kept_bytes")),
+                        seal=mib(r.get("seal_bytes")),
+                    )
+                    for r in s["rows"]
+                ],
+                [
+                    ("derived", "derived"),
+                    ("source", "weights from"),
+                    ("method", "method"),
+                    ("weights_MiB", "weights MiB"),
+                    ("derived_MiB", "restored MiB"),
+                    ("cycle_ms", "cycle ms"),
+                    ("overhead_pct", "+% vs baseline"),
+                    ("restore_ms", "contract ms"),
+                    ("peak", "peak MiB"),
+                    ("kept", "kept MiB"),
+                    ("seal", "seal MiB"),
+                ],
             ),
             "",
         ]
@@ -942,9 +1020,17 @@ def render(report: dict[str, Any]) -> str:
         lines += [
             "### Contract reload vs re-capturing the graph set",
             "",
-            table(s["rows"], [("model", "model"), ("graphs", "graphs"), ("recapture_ms", "recapture ms"),
-                              ("contract_restore_ms", "contract restore ms"), ("ratio", "recapture / contract"),
-                              ("replay_equals_eager", "replay == eager after reload")]),
+            table(
+                s["rows"],
+                [
+                    ("model", "model"),
+                    ("graphs", "graphs"),
+                    ("recapture_ms", "recapture ms"),
+                    ("contract_restore_ms", "contract restore ms"),
+                    ("ratio", "recapture / contract"),
+                    ("replay_equals_eager", "replay == eager after reload"),
+                ],
+            ),
             "",
         ]
     s = report.get("engine")
@@ -955,11 +1041,20 @@ def render(report: dict[str, Any]) -> str:
         lines += [
             "### Walker",
             "",
-            table(s["rows"], [("model", "model"), ("modules", "modules"), ("objects", "objects"),
-                              ("tensor_refs", "tensor refs"), ("walk_ms", "walk ms"),
-                              ("objects_per_s", "objects/s"), ("refs_per_s", "refs/s"),
-                              ("reload_walk_ms", "every-reload walk ms"),
-                              ("reload_objects_per_s", "every-reload objects/s")]),
+            table(
+                s["rows"],
+                [
+                    ("model", "model"),
+                    ("modules", "modules"),
+                    ("objects", "objects"),
+                    ("tensor_refs", "tensor refs"),
+                    ("walk_ms", "walk ms"),
+                    ("objects_per_s", "objects/s"),
+                    ("refs_per_s", "refs/s"),
+                    ("reload_walk_ms", "every-reload walk ms"),
+                    ("reload_objects_per_s", "every-reload objects/s"),
+                ],
+            ),
             "",
         ]
     s = report.get("threshold")
@@ -967,10 +1062,17 @@ def render(report: dict[str, Any]) -> str:
         lines += [
             "### Copy threshold: per-tensor cost of a copy_ loop vs one _foreach_copy_",
             "",
-            table([dict(r, KiB=r["bytes"] / 1024) for r in s],
-                  [("KiB", "KiB"), ("tensors", "tensors"), ("copy_loop_us_per_tensor", "copy_ us/tensor"),
-                   ("foreach_us_per_tensor", "foreach us/tensor"), ("copy_loop_GBps", "copy_ GB/s"),
-                   ("foreach_GBps", "foreach GB/s")]),
+            table(
+                [dict(r, KiB=r["bytes"] / 1024) for r in s],
+                [
+                    ("KiB", "KiB"),
+                    ("tensors", "tensors"),
+                    ("copy_loop_us_per_tensor", "copy_ us/tensor"),
+                    ("foreach_us_per_tensor", "foreach us/tensor"),
+                    ("copy_loop_GBps", "copy_ GB/s"),
+                    ("foreach_GBps", "foreach GB/s"),
+                ],
+            ),
             "",
         ]
     return "\n".join(lines)

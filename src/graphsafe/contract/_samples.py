@@ -192,18 +192,23 @@ def unchanged(pairs: Sequence[tuple[Sample, torch.Tensor]], elements: int) -> li
     host in one transfer; each pair is compared there. Any other pair is compared on its own.
     """
     result = [False] * len(pairs)
-    # device -> dtype -> (positions in ``pairs``, current flat samples)
-    batched: dict[Any, dict[Any, tuple[list[int], list[torch.Tensor]]]] = {}
+    # device -> (dtype, whole) -> (positions in ``pairs``, tensors or their strided sample views)
+    batched: dict[Any, dict[tuple[Any, bool], tuple[list[int], list[torch.Tensor]]]] = {}
     for position, (sample, tensor) in enumerate(pairs):
-        flat = _flat(tensor, elements) if sample.joined is not None else None
-        if flat is not None and flat.numel() * flat.element_size() == sample.end - sample.start:
-            by_dtype = batched.setdefault(flat.device, {})
-            entry = by_dtype.get(flat.dtype)
-            if entry is None:
-                entry = by_dtype[flat.dtype] = ([], [])
-            entry[0].append(position)
-            entry[1].append(flat)
-            continue
+        if sample.joined is not None and _dense(tensor):
+            numel = tensor.numel()
+            whole = numel <= elements
+            if whole:
+                part = tensor  # joined in C++ below, no view per tensor
+            else:
+                value = tensor.detach() if tensor.requires_grad else tensor
+                count, step = _stride(numel, elements)
+                part = value.as_strided((count,), (step,))
+            if part.numel() * part.element_size() == sample.end - sample.start:
+                entry = batched.setdefault(tensor.device, {}).setdefault((tensor.dtype, whole), ([], []))
+                entry[0].append(position)
+                entry[1].append(part)
+                continue
         before, now = sample.get(), signature(tensor, elements)
         result[position] = before.shape == now.shape and torch.equal(before, now)
     with torch.no_grad():
@@ -211,12 +216,12 @@ def unchanged(pairs: Sequence[tuple[Sample, torch.Tensor]], elements: int) -> li
             pieces: list[torch.Tensor] = []
             where: list[tuple[int, int, int]] = []  # (position, offset of its current bytes, their length)
             offset = 0
-            for positions, flats in by_dtype.values():
-                now = torch.cat(flats).view(torch.uint8)
+            for (_, whole), (positions, parts) in by_dtype.items():
+                now = (_flatten(parts) if whole else torch.cat(parts)).view(torch.uint8)
                 pieces.append(now)
-                width = flats[0].element_size()
-                for position, flat in zip(positions, flats, strict=True):
-                    count = flat.numel() * width
+                width = parts[0].element_size()
+                for position, part in zip(positions, parts, strict=True):
+                    count = part.numel() * width
                     where.append((position, offset, count))
                     offset += count
             base: dict[int, int] = {}  # position -> offset of its old bytes

@@ -911,8 +911,8 @@ class LayerSnapshot:
         tensor, version, sample, _ = before
         if current.untyped_storage() is not tensor.untyped_storage():
             return  # PWAL put another tensor at the path (restore copies it): rebuilt
-        if not storage_covers(current):
-            return  # PWAL freed or shrank its storage: nothing to read (verify flags it)
+        if current.data_ptr() != slot.fp.data_ptr and not storage_covers(current):
+            return  # PWAL freed or shrank its storage (a resize moves the pointer): nothing to read (verify flags it)
         self.noted.append((index, slot, current, current._version != version, sample))
 
     def doubt_foreign_writes(self, foreign: Sequence[torch.Tensor]) -> None:
