@@ -1194,6 +1194,13 @@ class ReloadTransaction:
             )
             crossed = [m for m in plan.moves if (id(m.snapshot.sealed), m.index) in cross]
             work = self._take_back(work, plan, {(id(m.snapshot), m.index): shared for m in crossed})
+        crossing = plan.crossing()  # the same, for memory two copies write (ties made after the seal too)
+        if crossing:
+            both = (
+                "another copy of this reload writes the same memory under another storage object (a DLPack import, "
+                "say), so the slots sharing it cannot be checked to agree"
+            )
+            work = self._take_back(work, plan, {(id(m.snapshot), m.index): both for m in crossing})
         batch = CopyBatch()
         local = [s for s, _ in work if len(s.slots) > len(s.sealed.slots)]
         kept = [*self._kept, *(t for s, _ in work for t in s.kept), *self._untracked_holders(local)]

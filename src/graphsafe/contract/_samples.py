@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe.outcome import memory_tensors
+from graphsafe.outcome import inner_tensors, memory_tensors
 
 __all__ = [
     "DIGEST_ROW",
@@ -78,21 +78,28 @@ def signature(tensor: torch.Tensor, elements: int) -> torch.Tensor:
     return sample.clone(memory_format=torch.contiguous_format).view(torch.uint8)
 
 
-def _dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a plain dense tensor whose sample is a flat pick of its elements (joinable)."""
-    return (
-        type(tensor) in _PLAIN_TYPES
-        and tensor.layout is torch.strided
-        and not (tensor.is_conj() or tensor.is_neg())
-        and tensor.is_contiguous()
-    )
+def _dense(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor`` as a plain dense tensor on the same memory, whose sample is a flat pick of its elements (joinable)
+    and whose bytes a digest reads, or ``None``. A subclass that owns its storage (a ``Parameter`` subclass, as
+    vLLM's weight parameters) is read through a plain alias; a wrapper subclass (no storage of its own) is not."""
+    if type(tensor) not in _PLAIN_TYPES:
+        try:
+            if inner_tensors(tensor) is not None:
+                return None
+        except TypeError:
+            return None
+        tensor = tensor.as_subclass(torch.Tensor)
+    if tensor.layout is not torch.strided or tensor.is_conj() or tensor.is_neg() or not tensor.is_contiguous():
+        return None
+    return tensor
 
 
 def _flat(tensor: torch.Tensor, elements: int) -> torch.Tensor | None:
     """The elements of a dense tensor's sample as one flat view (no copy), or ``None`` for any other tensor."""
-    if not _dense(tensor):
+    plain = _dense(tensor)
+    if plain is None:
         return None
-    value = tensor.detach() if tensor.requires_grad else tensor
+    value = plain.detach() if plain.requires_grad else plain
     numel = value.numel()
     if numel <= elements:
         return value.reshape(-1)
@@ -137,9 +144,11 @@ class SampleBatch:
     def take(self, tensor: torch.Tensor, elements: int) -> Sample:
         """The sample of ``tensor`` (``elements`` values), taken at the next :meth:`flush` where it can be joined,
         now otherwise."""
-        if not _dense(tensor):
+        plain = _dense(tensor)
+        if plain is None:
             taken = signature(tensor, elements)
             return Sample(taken, 0, taken.numel())
+        tensor = plain
         numel = tensor.numel()
         whole = numel <= elements
         if whole:
@@ -174,7 +183,9 @@ class SampleBatch:
 def _flatten(parts: list[torch.Tensor]) -> torch.Tensor:
     """The elements of contiguous ``parts`` one after another, in a new tensor (one copy)."""
     if len(parts) == 1:  # flatten_dense_tensors returns a view of a lone tensor, not a copy
-        return parts[0].reshape(-1).clone()
+        part = parts[0]
+        # A fresh buffer: clone() keeps a size-1 dimension's odd stride, which a later view() as bytes refuses.
+        return torch.empty(part.numel(), dtype=part.dtype, device=part.device).copy_(part.reshape(-1))
     return torch._C._nn.flatten_dense_tensors(parts)
 
 
@@ -195,7 +206,9 @@ def unchanged(pairs: Sequence[tuple[Sample, torch.Tensor]], elements: int) -> li
     # device -> (dtype, whole) -> (positions in ``pairs``, tensors or their strided sample views)
     batched: dict[Any, dict[tuple[Any, bool], tuple[list[int], list[torch.Tensor]]]] = {}
     for position, (sample, tensor) in enumerate(pairs):
-        if sample.joined is not None and _dense(tensor):
+        plain = _dense(tensor) if sample.joined is not None else None
+        if plain is not None:
+            tensor = plain
             numel = tensor.numel()
             whole = numel <= elements
             if whole:
@@ -263,9 +276,10 @@ def digest(tensor: torch.Tensor) -> torch.Tensor | None:
     Reads the whole tensor (one reduction, bandwidth-bound on a GPU), without a temporary copy where the byte
     count allows 4-byte or 2-byte words and the tensor starts where such a word can.
     """
-    if not _dense(tensor) or tensor.device.type == "meta":
+    plain = _dense(tensor)
+    if plain is None or plain.device.type == "meta":
         return None
-    raw = tensor.detach().reshape(-1).view(torch.uint8)
+    raw = plain.detach().reshape(-1).view(torch.uint8)
     count = raw.numel()
     # The word size follows the byte count only, so the same bytes give the same digest wherever they lie.
     width = 4 if count % 4 == 0 else 2 if count % 2 == 0 else 1

@@ -751,6 +751,10 @@ class LayerSnapshot:
                     and current.storage_offset() == slot.fp.storage_offset
                     and _view(captured) == layout
                 )
+                if index in freshness and current.data_ptr() == captured.data_ptr():
+                    # Another storage object on the captured bytes (PWAL re-imported its slot through DLPack or
+                    # from_numpy): no new values, so judged as left in place (the copy below is of the same bytes).
+                    self._note_fresh(index, slot, current)
                 lost = _memory_lost(captured, captured_storage, slot)
                 if lost is not None:
                     self.kept.append(current)
@@ -909,7 +913,7 @@ class LayerSnapshot:
         if before is None or self.inputs is None:
             return
         tensor, version, sample, _ = before
-        if current.untyped_storage() is not tensor.untyped_storage():
+        if current.untyped_storage() is not tensor.untyped_storage() and current.data_ptr() != tensor.data_ptr():
             return  # PWAL put another tensor at the path (restore copies it): rebuilt
         if current.data_ptr() != slot.fp.data_ptr and not storage_covers(current):
             return  # PWAL freed or shrank its storage (a resize moves the pointer): nothing to read (verify flags it)
@@ -1158,6 +1162,8 @@ class _Move:
     plain: bool | None  # whether a plain copy_ writes every byte of dst (None: the batch finds out)
     #: id() of ``src``'s storage where the planner knew it (alive: the move holds ``src``); ``None``: ask ``src``.
     src_storage: int | None = None
+    #: Where ``dst``'s bytes lie: ``(device, first address, end)`` (its storage's address plus its byte span).
+    memory: tuple[Any, int, int] = (None, 0, 0)
 
     @property
     def ref(self) -> str:
@@ -1334,13 +1340,42 @@ class RestorePlan:
         """Plan ``dst.copy_(src)`` for slot ``index`` of ``snapshot`` (``new`` is the tensor at its path); ``span``
         (``byte_span(dst)``), ``plain`` (see :meth:`CopyBatch.add`) and the storages of ``dst`` and ``src`` where
         the caller knows them already."""
-        key = id(dst.untyped_storage() if storage is None else storage)
+        if storage is None:
+            storage = dst.untyped_storage()
+        key = id(storage)
         source_key = None if source_storage is None else id(source_storage)
-        self.moves.append(_Move(snapshot, index, dst, new, src, group, nbytes, copy, key, plain, source_key))
+        if span is None:
+            span = byte_span(dst)
+        base = storage.data_ptr()
+        memory = (dst.device, base + span[0], base + span[1])
+        self.moves.append(_Move(snapshot, index, dst, new, src, group, nbytes, copy, key, plain, source_key, memory))
         spans = self._dst_spans.get(key)
         if spans is None:
             spans = self._dst_spans[key] = []
-        spans.append(byte_span(dst) if span is None else span)
+        spans.append(span)
+
+    def crossing(self) -> list[_Move]:
+        """The moves whose destination bytes overlap another move's under another storage object (a DLPack import, a
+        tensor carved out of a parameter with ``from_numpy``): every check of shared memory here goes by storage
+        identity, so these cannot be checked, and the last copy would win."""
+        by_device: dict[Any, list[tuple[int, int, _Move]]] = {}
+        for move in self.moves:
+            device, start, end = move.memory
+            if end > start:
+                by_device.setdefault(device, []).append((start, end, move))
+        found: dict[int, _Move] = {}
+        for ranges in by_device.values():
+            if len(ranges) < 2:
+                continue
+            ranges.sort(key=lambda r: r[0])
+            active: list[tuple[int, _Move]] = []  # (end, move) of the ranges begun so far
+            for start, end, move in ranges:
+                active = [(last, other) for last, other in active if last > start]
+                for _, other in active:
+                    if other.storage != move.storage:
+                        found[id(other)], found[id(move)] = other, move
+                active.append((end, move))
+        return list(found.values())
 
     def holds(self, tensor: torch.Tensor) -> int:
         """How many references to ``tensor`` the planned copies hold (as destination, new tensor or source)."""
