@@ -325,13 +325,24 @@ def _reads_storage(before: _InputBefore, storage: Any) -> bool:
 
 
 def _input_change(before: _InputBefore, value: Any) -> int:
-    change = _input_change_unsampled(before, value)
-    if change is not None:
-        return change
-    assert before is not None
-    if not unchanged([(before[2], value)], INPUT_ELEMENTS)[0]:
-        return _CHANGED
-    return _changes_of_same_samples([(before, value)])[0]
+    return _input_changes([(before, value)])[0]
+
+
+def _input_changes(asked: Sequence[tuple[_InputBefore, Any]]) -> list[int]:
+    """How each input ``(before, now)`` changed; the value samples, then the digests, of all compared in a batch."""
+    changes: list[int] = []
+    sampled: list[tuple[int, tuple[Any, int, Sample, torch.Tensor | None], torch.Tensor]] = []
+    for position, (before, value) in enumerate(asked):
+        change = _input_change_unsampled(before, value)
+        changes.append(_CHANGED if change is None else change)
+        if change is None:
+            assert before is not None
+            sampled.append((position, before, value))
+    same = unchanged([(before[2], value) for _, before, value in sampled], INPUT_ELEMENTS)
+    kept = [entry for entry, sampled_same in zip(sampled, same, strict=True) if sampled_same]
+    for (position, _, _), change in zip(kept, _changes_of_same_samples([(b, v) for _, b, v in kept]), strict=True):
+        changes[position] = change
+    return changes
 
 
 def _input_change_unsampled(before: _InputBefore, value: Any) -> int | None:
@@ -508,8 +519,8 @@ class LayerSnapshot:
     #: New tensors :meth:`restore` leaves at their paths (findings): the plan must not change what they read.
     kept: list[torch.Tensor] = field(default_factory=list)
     #: Slots planned for a copy whose captured tensor, its base or its storage something besides the snapshot still
-    #: holds, and what (see :func:`held_outside`): the contract looks for who.
-    #: ``(slot index, what, part)``: ``part`` is the position of a wrapper's inner tensor (in flatten order) whose
+    #: holds (see :func:`held_outside`), for the contract to look for who: ``(slot index, what, part)``. ``part`` is
+    #: the position of a wrapper's inner tensor (in flatten order) whose
     #: storage is held, ``-1`` for every part of a wrapper held as a whole, ``None`` for a plain tensor. (Not the
     #: storage object itself: a reference to it would make the next slot on that storage look held.)
     suspects: list[tuple[int, str, int | None]] = field(default_factory=list)
@@ -1114,7 +1125,7 @@ def check_freshness(snapshots: Sequence[LayerSnapshot]) -> None:
     if not due:
         return
     changes: list[dict[Any, int]] = []
-    asked: list[tuple[dict[Any, int], Any, tuple[Any, int, Sample, torch.Tensor | None], torch.Tensor]] = []
+    asked: list[tuple[dict[Any, int], Any, _InputBefore, Any]] = []  # (per-layer verdicts, key, before, now)
     for snapshot in due:
         inputs = snapshot.inputs
         assert inputs is not None  # _note_fresh notes only slots with inputs
@@ -1122,18 +1133,11 @@ def check_freshness(snapshots: Sequence[LayerSnapshot]) -> None:
         changes.append(known)
         for index, _, _, _ in snapshot.fresh_due:
             for key in snapshot.freshness[index][3]:
-                if key in known:
-                    continue
-                _, resolve, before = inputs.inputs[key]
-                value = resolve()
-                change = _input_change_unsampled(before, value)
-                known[key] = _CHANGED if change is None else change
-                if change is None:
-                    assert before is not None
-                    asked.append((known, key, before, value))
-    same = unchanged([(before[2], value) for _, _, before, value in asked], INPUT_ELEMENTS)
-    kept = [entry for entry, sampled_same in zip(asked, same, strict=True) if sampled_same]
-    for (known, key, _, _), change in zip(kept, _changes_of_same_samples([(b, v) for _, _, b, v in kept]), strict=True):
+                if key not in known:
+                    _, resolve, before = inputs.inputs[key]
+                    known[key] = _UNCHANGED  # set below
+                    asked.append((known, key, before, resolve()))
+    for (known, key, _, _), change in zip(asked, _input_changes([(b, v) for _, _, b, v in asked]), strict=True):
         known[key] = change
     for snapshot, known in zip(due, changes, strict=True):
         entries, snapshot.fresh_due = snapshot.fresh_due, []
@@ -1236,7 +1240,7 @@ def _memory_lost(captured: torch.Tensor, storage: Any, slot: SealedSlot) -> str 
             "PWAL moved or freed the captured tensor's memory during the reload (.data =, set_, or its storage "
             "resized); the graph reads memory no copy can reach: nothing copied, recapture"
         )
-    if storage.nbytes() < byte_span(captured)[1]:
+    if not storage_covers(captured, storage):
         return (
             f"PWAL shrank the captured storage to {storage.nbytes()} bytes during the reload (resize_); a copy "
             "would write past its end: nothing copied, recapture"
@@ -1244,9 +1248,10 @@ def _memory_lost(captured: torch.Tensor, storage: Any, slot: SealedSlot) -> str 
     return None
 
 
-def storage_covers(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s storage still holds every byte it spans (PWAL can ``resize_`` a storage in place)."""
-    return tensor.untyped_storage().nbytes() >= byte_span(tensor)[1]
+def storage_covers(tensor: torch.Tensor, storage: Any = None) -> bool:
+    """Whether ``tensor``'s storage (``storage``, where the caller has it) still holds every byte it spans (PWAL can
+    ``resize_`` a storage in place)."""
+    return (tensor.untyped_storage() if storage is None else storage).nbytes() >= byte_span(tensor)[1]
 
 
 def address_range(tensor: torch.Tensor) -> tuple[str, int, int]:
