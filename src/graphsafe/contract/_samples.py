@@ -37,6 +37,7 @@ __all__ = [
     "Sample",
     "SampleBatch",
     "digest",
+    "flat_copy",
     "same_digests",
     "signature",
     "unchanged",
@@ -183,10 +184,14 @@ class SampleBatch:
 def _flatten(parts: list[torch.Tensor]) -> torch.Tensor:
     """The elements of contiguous ``parts`` one after another, in a new tensor (one copy)."""
     if len(parts) == 1:  # flatten_dense_tensors returns a view of a lone tensor, not a copy
-        part = parts[0]
-        # A fresh buffer: clone() keeps a size-1 dimension's odd stride, which a later view() as bytes refuses.
-        return torch.empty(part.numel(), dtype=part.dtype, device=part.device).copy_(part.reshape(-1))
+        return flat_copy(parts[0])
     return torch._C._nn.flatten_dense_tensors(parts)
+
+
+def flat_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements in a new 1-D contiguous tensor (one copy) that can always be viewed as bytes:
+    ``clone()`` and ``contiguous()`` keep a size-1 dimension's odd stride, which ``view(torch.uint8)`` refuses."""
+    return torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device).copy_(tensor.reshape(-1))
 
 
 def _host_bytes(tensor: torch.Tensor) -> bytes:

@@ -26,6 +26,7 @@ from graphsafe.contract._samples import (
     Sample,
     SampleBatch,
     digest,
+    flat_copy,
     same_digests,
     unchanged,
 )
@@ -1292,10 +1293,7 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The bytes of ``tensor``'s values as read (lazy bits resolved), flat."""
-    # A fresh 1-D buffer: ``contiguous()`` keeps any stride of a size-1 dimension, which ``view`` refuses.
-    flat = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    flat.copy_(tensor.resolve_conj().resolve_neg().reshape(-1))
-    return flat.view(torch.uint8)
+    return flat_copy(tensor.resolve_conj().resolve_neg()).view(torch.uint8)
 
 
 class RestorePlan:
