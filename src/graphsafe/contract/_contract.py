@@ -22,7 +22,7 @@ from torch import nn
 from graphsafe.collectors import UNTRACKABLE_ADVICE, Classified, Dataflow, classify, classify_walk, walk
 from graphsafe.contract._access import submodule_is
 from graphsafe.contract._agreement import Agreement
-from graphsafe.contract._copy import CopyBatch
+from graphsafe.contract._copy import CopyBatch, overlapping_pairs
 from graphsafe.contract._gcpause import collections_paused
 from graphsafe.contract._samples import SampleBatch
 from graphsafe.contract._slots import (
@@ -704,20 +704,10 @@ class GraphContract:
 def _storages_sharing_memory(storages: Mapping[int, Any]) -> list[tuple[int, int]]:
     """Pairs of ids of storage objects whose memory overlaps (a DLPack import of a captured tensor, a tensor carved
     out of an arena: a second storage object on the same bytes): storage identity cannot tell that they share it."""
-    pairs: list[tuple[int, int]] = []
-    by_device: dict[str, list[tuple[int, int, int]]] = {}
-    for key, storage in storages.items():
-        start = storage.data_ptr()
-        if storage.nbytes():
-            by_device.setdefault(str(storage.device), []).append((start, start + storage.nbytes(), key))
-    for ranges in by_device.values():
-        ranges.sort()
-        active: list[tuple[int, int]] = []  # (end, key) of the ranges begun so far
-        for start, end, key in ranges:
-            active = [(last, other) for last, other in active if last > start]
-            pairs.extend((other, key) for _, other in active)
-            active.append((end, key))
-    return pairs
+    return overlapping_pairs(
+        (str(storage.device), storage.data_ptr(), storage.data_ptr() + storage.nbytes(), key)
+        for key, storage in storages.items()
+    )
 
 
 _LOADED = (Origin.PARAMETER, Origin.BUFFER)

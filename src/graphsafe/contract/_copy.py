@@ -19,8 +19,8 @@ times, which torch refuses).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,6 +30,7 @@ __all__ = [
     "byte_span",
     "copy_group",
     "distinct_views",
+    "overlapping_pairs",
     "plain_layout",
     "span_of",
     "spans_overlap",
@@ -103,6 +104,27 @@ def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
 def spans_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     """Whether two byte spans of one storage share a byte."""
     return a[0] < b[1] and b[0] < a[1]
+
+
+_Item = TypeVar("_Item")
+
+
+def overlapping_pairs(ranges: Iterable[tuple[Hashable, int, int, _Item]]) -> list[tuple[_Item, _Item]]:
+    """Every pair of items whose address ranges ``(device, first address, end, item)`` share a byte, the one that
+    starts first first (empty ranges share none)."""
+    by_device: dict[Hashable, list[tuple[int, int, _Item]]] = {}
+    for device, start, end, item in ranges:
+        if end > start:
+            by_device.setdefault(device, []).append((start, end, item))
+    pairs: list[tuple[_Item, _Item]] = []
+    for found in by_device.values():
+        found.sort(key=lambda r: r[0])
+        active: list[tuple[int, _Item]] = []  # (end, item) of the ranges begun so far
+        for start, end, item in found:
+            active = [(last, other) for last, other in active if last > start]
+            pairs.extend((other, item) for _, other in active)
+            active.append((end, item))
+    return pairs
 
 
 class CopyBatch:

@@ -19,7 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe.contract._copy import CopyBatch, byte_span, copy_group, plain_layout, span_of, spans_overlap
+from graphsafe.contract._copy import (
+    CopyBatch,
+    byte_span,
+    copy_group,
+    overlapping_pairs,
+    plain_layout,
+    span_of,
+    spans_overlap,
+)
 from graphsafe.contract._samples import (
     INPUT_ELEMENTS,
     SLOT_ELEMENTS,
@@ -1361,23 +1369,10 @@ class RestorePlan:
         """The moves whose destination bytes overlap another move's under another storage object (a DLPack import, a
         tensor carved out of a parameter with ``from_numpy``): every check of shared memory here goes by storage
         identity, so these cannot be checked, and the last copy would win."""
-        by_device: dict[Any, list[tuple[int, int, _Move]]] = {}
-        for move in self.moves:
-            device, start, end = move.memory
-            if end > start:
-                by_device.setdefault(device, []).append((start, end, move))
         found: dict[int, _Move] = {}
-        for ranges in by_device.values():
-            if len(ranges) < 2:
-                continue
-            ranges.sort(key=lambda r: r[0])
-            active: list[tuple[int, _Move]] = []  # (end, move) of the ranges begun so far
-            for start, end, move in ranges:
-                active = [(last, other) for last, other in active if last > start]
-                for _, other in active:
-                    if other.storage != move.storage:
-                        found[id(other)], found[id(move)] = other, move
-                active.append((end, move))
+        for first, second in overlapping_pairs((*move.memory, move) for move in self.moves):
+            if first.storage != second.storage:
+                found[id(first)], found[id(second)] = first, second
         return list(found.values())
 
     def holds(self, tensor: torch.Tensor) -> int:
