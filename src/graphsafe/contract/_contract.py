@@ -26,6 +26,7 @@ from graphsafe.contract._copy import CopyBatch, overlapping_pairs
 from graphsafe.contract._gcpause import collections_paused
 from graphsafe.contract._samples import SampleBatch
 from graphsafe.contract._slots import (
+    ClosedLayer,
     InputRef,
     LayerSnapshot,
     RestorePlan,
@@ -33,6 +34,7 @@ from graphsafe.contract._slots import (
     SealedSlot,
     SharedIndex,
     address_range,
+    check_closed,
     check_freshness,
     judge_noted,
     reads_as_captured,
@@ -241,12 +243,18 @@ class GraphContract:
 
     @property
     def serving_safe(self) -> bool:
-        """Whether replaying the captured graphs is known to read the right memory."""
-        return self._sealed and self._unsafe_reason is None
+        """Whether replaying the captured graphs is known to read the right memory (never while a reload
+        transaction is open: its layers may be half-restored)."""
+        return self._sealed and self._unsafe_reason is None and self._active is None
 
     @property
     def unsafe_reason(self) -> str | None:
         """Why the contract is not serving-safe, or ``None``."""
+        if self._unsafe_reason is None and self._active is not None:
+            return (
+                "a reload transaction is open (begun, not finished): the captured memory may be half-restored; "
+                "finish() it"
+            )
         return self._unsafe_reason
 
     @property
@@ -810,6 +818,8 @@ class ReloadTransaction:
         self._unloaded: list[str] = []  # slots PWAL computed only from tensors this reload never wrote
         self._skip = SkipState()  # unread="skip": what the skip step did (contract._unread)
         self._samples = SampleBatch()  # the value samples of the snapshots being taken (see _snapshot)
+        #: Sealed layer id -> the layer as ``after_layer()`` left it, checked again when the reload finishes.
+        self._closed: dict[int, ClosedLayer] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -983,7 +993,8 @@ class ReloadTransaction:
             with collections_paused():
                 if dataflow is not None:  # layers restored at finish() learn there, once
                     self._learn_inputs(dataflow, group)
-                self._restore_group(group)
+                self._restore_group(group, close=True)
+                self._samples.flush()  # the closed layers' input samples, before the load goes on
         finally:
             if dataflow is not None:
                 dataflow.paused = False
@@ -1015,7 +1026,18 @@ class ReloadTransaction:
                 contract.mark_unsafe(f"rank agreement raised {exc!r}; the group's outcome is unknown")
                 raise
         self.outcome = outcome
-        listener_error = contract._notify(outcome)
+        try:
+            listener_error = contract._notify(outcome)
+        except BaseException:
+            # An interrupt in a listener (the listeners' own errors are returned): the mode's action never runs, so
+            # a reload that did not commit must still leave the contract unsafe.
+            contract.last_outcome = outcome
+            if outcome.status is not Status.COMMITTED:
+                contract.mark_unsafe(
+                    f"the last reload ended {outcome.status.value} and was interrupted in an on_outcome listener "
+                    "before its outcome was acted on"
+                )
+            raise
         contract._apply(outcome, error)
         if self._unloaded:  # a note, after the contract acted (a warnings filter may turn it into an error)
             warnings.warn(_unloaded_warning(self._unloaded), stacklevel=3)
@@ -1043,6 +1065,9 @@ class ReloadTransaction:
                     if snapshot is not None and not snapshot.done:
                         group.append(snapshot)
                 self._restore_group(group)
+                if self._closed:  # layers after_layer() restored: still as it left them?
+                    self._findings.extend(check_closed(self._closed.values()))
+                    self._closed.clear()
                 if contract.manifest is not None:
                     # The walker and the manifest can see the same slot: report each (layer, path) once.
                     flagged = {(f.layer, f.path) for f in self._findings if f.kind.is_problem and f.path}
@@ -1069,6 +1094,7 @@ class ReloadTransaction:
             raise
         finally:
             self._snapshots.clear()
+            self._closed.clear()
             contract._active = None
         self._seconds += time.perf_counter() - start
         status = contract._decide(self._findings, error)
@@ -1105,6 +1131,7 @@ class ReloadTransaction:
                 )
             return None
         contract._adopt_late_declarations(sealed, layer)
+        self._closed.pop(id(sealed), None)  # reloaded again in this transaction: this snapshot's restore decides
         extras, exhausted, untrackable = contract._walker_extras(sealed, layer)
         extras += self._manifest_extras(sealed)
         snapshot = LayerSnapshot.take(
@@ -1153,9 +1180,11 @@ class ReloadTransaction:
         for snapshot in self._snapshots.values():
             self._quarantine(snapshot)
 
-    def _restore_group(self, group: list[LayerSnapshot]) -> None:
+    def _restore_group(self, group: list[LayerSnapshot], *, close: bool = False) -> None:
         """Restore ``group`` (the whole model, or one ``after_layer``) as one plan: plan every copy, clone the sources
-        a copy would overwrite, launch, check every slot reading a written storage, then rebind and verify."""
+        a copy would overwrite, launch, check every slot reading a written storage, then rebind and verify.
+        ``close``: the reload goes on after this step (``after_layer``), so each layer is kept to be checked again
+        when it finishes (:class:`ClosedLayer`)."""
         if self.contract.unread == "skip":  # before planning: a skipped slot is in place from here on
             skip_unread(self.contract, [s for s in group if self._still_in_model(s.sealed, s.layer)], self._skip)
         auto_restore = self.contract.mode == "migrate"
@@ -1229,6 +1258,8 @@ class ReloadTransaction:
             self._findings.extend(snapshot.findings)
             if any(f.kind.is_problem for f in snapshot.findings):
                 self._quarantine(snapshot)
+            elif close:
+                self._closed[id(snapshot.sealed)] = ClosedLayer.of(snapshot, self._samples)
             # Drop the strong references now: the new derived tensors of this layer can be freed before the next.
             snapshot.captured = [None] * len(snapshot.captured)
             snapshot.overrides, snapshot.kept, snapshot.keep = {}, [], {}

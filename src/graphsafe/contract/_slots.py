@@ -54,6 +54,7 @@ from graphsafe.paths import MISSING, Getter, Setter, SlotPath, compile_getter, c
 from graphsafe.registry import Declaration, declarations_of
 
 __all__ = [
+    "ClosedLayer",
     "InputRef",
     "LayerSnapshot",
     "RestorePlan",
@@ -1105,6 +1106,94 @@ class LayerSnapshot:
                         FindingKind.MOVED, slot, after=after, detail="not at its captured storage after restore"
                     )
                 )
+
+
+@dataclass(slots=True, eq=False)
+class ClosedLayer:
+    """A layer restored by ``after_layer()`` while the reload goes on: what must still hold when it finishes.
+
+    Nothing looks at a restored layer again otherwise, so a loader that touches it afterwards (PWAL run again, a
+    parent's PWAL rebuilding a child's slot, a weight written again) would commit captured memory that no longer
+    holds what the model computes. Kept: each slot :meth:`LayerSnapshot.verify` confirmed, with its captured
+    tensor; and each freshness input as it was right after the restore.
+    """
+
+    snapshot: LayerSnapshot
+    #: ``(slot index, captured tensor)`` of every slot confirmed at its captured memory by the restore.
+    confirmed: list[tuple[int, torch.Tensor]]
+    #: Input key -> its state right after the restore (see ``_input_before``).
+    inputs: dict[Any, _InputBefore]
+
+    @classmethod
+    def of(cls, snapshot: LayerSnapshot, samples: SampleBatch) -> ClosedLayer:
+        """Close ``snapshot`` (restored and verified); input samples go through ``samples``, flushed by the caller
+        before the load goes on."""
+        confirmed = [
+            (index, captured)
+            for index, (captured, ok) in enumerate(zip(snapshot.captured, snapshot.confirmed, strict=False))
+            if ok and captured is not None
+        ]
+        inputs: dict[Any, _InputBefore] = {}
+        if snapshot.inputs is not None and snapshot.freshness:
+            for key in {key for entry in snapshot.freshness.values() for key in entry[3]}:
+                inputs[key] = _input_before(snapshot.inputs.inputs[key][1](), samples)
+        return cls(snapshot, confirmed, inputs)
+
+    def check(self, changes: Mapping[Any, int]) -> list[Finding]:
+        """Findings for what changed since the layer was closed; ``changes`` says how each input changed."""
+        snapshot = self.snapshot
+        sealed, layer = snapshot.sealed, snapshot.layer
+        findings: list[Finding] = []
+        flagged: set[int] = set()
+        for index, captured in self.confirmed:
+            slot = snapshot.slots[index]
+            current = slot.get(layer)
+            if current is captured and captured.data_ptr() == slot.fp.data_ptr and _view(captured) == slot.layout:
+                continue
+            flagged.add(index)
+            findings.append(
+                sealed.finding(
+                    FindingKind.MOVED,
+                    slot,
+                    detail="changed after its layer's after_layer() restored it (PWAL ran again, or another layer's "
+                    "PWAL rebuilt it): the graph reads the captured memory, which holds the values of the first "
+                    "pass. Call after_layer() once, when the layer is loaded and processed for the last time",
+                )
+            )
+        if not snapshot.inputs or not self.inputs:
+            return findings
+        changed = {key for key in self.inputs if changes.get(key, _UNCHANGED) == _CHANGED}
+        if not changed:
+            return findings
+        for index, entry in snapshot.freshness.items():
+            names = [snapshot.inputs.inputs[key][0] for key in entry[3] if key in changed]
+            if not names or index in flagged:
+                continue
+            findings.append(
+                sealed.finding(
+                    FindingKind.STALE,
+                    snapshot.slots[index],
+                    detail=f"its input(s) {', '.join(names)} changed after its layer's after_layer() restored it; "
+                    "the graph reads values computed from the earlier weights. Call after_layer() once the layer's "
+                    "last weight is loaded and PWAL ran",
+                )
+            )
+        return findings
+
+
+def check_closed(closed: Iterable[ClosedLayer]) -> list[Finding]:
+    """Check every closed layer at the end of the reload; the inputs of all compared in one batch."""
+    closed = list(closed)
+    asked: list[tuple[int, Any, _InputBefore, Any]] = []
+    for position, record in enumerate(closed):
+        inputs = record.snapshot.inputs
+        assert inputs is not None or not record.inputs
+        for key, before in record.inputs.items():
+            asked.append((position, key, before, inputs.inputs[key][1]() if inputs is not None else None))
+    verdicts: list[dict[Any, int]] = [{} for _ in closed]
+    for (position, key, _, _), change in zip(asked, _input_changes([(b, v) for _, _, b, v in asked]), strict=True):
+        verdicts[position][key] = change
+    return [finding for record, known in zip(closed, verdicts, strict=True) for finding in record.check(known)]
 
 
 def judge_noted(snapshots: Sequence[LayerSnapshot]) -> None:
