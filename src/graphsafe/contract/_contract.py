@@ -24,7 +24,7 @@ from graphsafe.contract._access import submodule_is
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._copy import CopyBatch, overlapping_pairs
 from graphsafe.contract._gcpause import collections_paused
-from graphsafe.contract._samples import SampleBatch
+from graphsafe.contract._samples import SampleBatch, version_of
 from graphsafe.contract._slots import (
     ClosedLayer,
     InputRef,
@@ -1229,7 +1229,7 @@ class ReloadTransaction:
             # What PWAL wrote before the plan's own copies and rebinds (see _doubt_abandoned; restore() noted
             # what it left on its captured memory).
             snapshot.written = [
-                captured is not None and 0 <= version != captured._version
+                captured is not None and 0 <= version != version_of(captured)
                 for captured, version in zip(snapshot.captured, snapshot.versions, strict=False)
             ]
         try:
@@ -1503,7 +1503,7 @@ class ReloadTransaction:
                         prefix = f"{last}.{prefix}"
                     if owner in sealed_names:
                         self._held.setdefault(owner, []).append((prefix + path, tensor))
-                    self._held_before[(qualname, path)] = (id(tensor), tensor._version, tensor.data_ptr())
+                    self._held_before[(qualname, path)] = (id(tensor), version_of(tensor), tensor.data_ptr())
         found = self._held.pop(sealed.qualname, None)  # the snapshot holds them from here
         if contract.detect != "declared-only":
             return []
@@ -1545,7 +1545,7 @@ class ReloadTransaction:
             and (layer, path) not in extra
             # The same tensor, unwritten: a view left on the memory it read follows it, like an alias path
             # (its old bytes are no values of its own; the cold model reads its partner's new ones there).
-            and before.get((layer, path)) != (id(tensor), tensor._version, tensor.data_ptr())
+            and before.get((layer, path)) != (id(tensor), version_of(tensor), tensor.data_ptr())
         ]
 
     def _changed_inputs(self, sealed: SealedLayer, position: int) -> list[str]:

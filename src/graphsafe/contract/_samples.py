@@ -41,6 +41,7 @@ __all__ = [
     "same_digests",
     "signature",
     "unchanged",
+    "version_of",
 ]
 
 #: Elements sampled of a tensor a derived slot is computed from (a weight).
@@ -270,6 +271,12 @@ def unchanged(pairs: Sequence[tuple[Sample, torch.Tensor]], elements: int) -> li
 
 #: Words (4 bytes where the tensor's bytes allow) summed into one entry of a :func:`digest`.
 DIGEST_ROW = 1024
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """The tensor's version counter, or -1 where it has none: a tensor made under ``torch.inference_mode()`` (an
+    engine's warm-up or PWAL) counts no writes, so its value samples and digests alone say whether it changed."""
+    return -1 if tensor.is_inference() else tensor._version
 
 
 def digest(tensor: torch.Tensor) -> torch.Tensor | None:

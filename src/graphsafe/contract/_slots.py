@@ -37,6 +37,7 @@ from graphsafe.contract._samples import (
     flat_copy,
     same_digests,
     unchanged,
+    version_of,
 )
 from graphsafe.outcome import (
     Finding,
@@ -327,7 +328,7 @@ _UNCHANGED, _MAYBE, _CHANGED = 0, 1, 2
 def _input_before(value: Any, samples: SampleBatch) -> _InputBefore:
     if not isinstance(value, torch.Tensor) or value.device.type == "meta":
         return None
-    return weakref.ref(value.untyped_storage()), value._version, samples.take(value, INPUT_ELEMENTS), digest(value)
+    return weakref.ref(value.untyped_storage()), version_of(value), samples.take(value, INPUT_ELEMENTS), digest(value)
 
 
 def _reads_storage(before: _InputBefore, storage: Any) -> bool:
@@ -371,7 +372,7 @@ def _changes_of_same_samples(asked: Sequence[tuple[Any, torch.Tensor]]) -> list[
     digests: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]] = []
     for position, (before, value) in enumerate(asked):
         storage, version, _, old = before
-        changes.append(_UNCHANGED if storage() is value.untyped_storage() and value._version == version else _MAYBE)
+        changes.append(_UNCHANGED if storage() is value.untyped_storage() and version_of(value) == version else _MAYBE)
         now = digest(value) if old is not None else None
         if old is None or now is None:
             continue  # no digest (a layout without one): the sample alone decides
@@ -578,7 +579,7 @@ class LayerSnapshot:
         tensor_type = torch.Tensor
         for index, slot in enumerate(slots):
             tensor = slot.tensor_ref()
-            versions.append(-1 if tensor is None else tensor._version)
+            versions.append(-1 if tensor is None else version_of(tensor))
             if tensor is None:
                 tensor = slot.captured()  # a new view on the captured storage, if it is still alive
             captured.append(tensor)
@@ -599,7 +600,7 @@ class LayerSnapshot:
                     if inputs is None:
                         inputs = _Inputs(layer, sealed.qualname, samples, outer=outer)
                     sample = samples.take(current, SLOT_ELEMENTS)
-                    freshness[index] = (current, current._version, sample, inputs.of(slot))
+                    freshness[index] = (current, version_of(current), sample, inputs.of(slot))
         shared = sealed.shares_storage or len(slots) > len(sealed.slots)
         return cls(sealed, layer, slots, captured, findings, freshness, inputs, shared=shared, versions=versions)
 
@@ -782,6 +783,19 @@ class LayerSnapshot:
                     after = fingerprint(current)
                     self.findings.append(sealed.finding(FindingKind.DEAD, slot, after=after, detail=lost))
                     continue
+                if captured.is_inference() and not torch.is_inference_mode_enabled():
+                    self.kept.append(current)  # torch refuses in-place writes to it outside inference mode
+                    self.findings.append(
+                        sealed.finding(
+                            FindingKind.MOVED,
+                            slot,
+                            after=fingerprint(current),
+                            detail="its captured tensor was made under torch.inference_mode(), and torch refuses "
+                            "to write it outside that mode: nothing copied. Run the reload under "
+                            "torch.inference_mode(), or recapture",
+                        )
+                    )
+                    continue
             if (
                 inner_pairs is None
                 and not exact
@@ -938,7 +952,7 @@ class LayerSnapshot:
             return  # PWAL put another tensor at the path (restore copies it): rebuilt
         if current.data_ptr() != slot.fp.data_ptr and not storage_covers(current):
             return  # PWAL freed or shrank its storage (a resize moves the pointer): nothing to read (verify flags it)
-        self.noted.append((index, slot, current, current._version != version, sample))
+        self.noted.append((index, slot, current, version_of(current) != version, sample))
 
     def doubt_foreign_writes(self, foreign: Sequence[torch.Tensor]) -> None:
         """Flag a slot left on its captured memory whose bytes the reload wrote through another path's new tensor.
@@ -958,7 +972,7 @@ class LayerSnapshot:
                 continue
             version = self.versions[index] if index < len(self.versions) else -1
             # Its sample changed: written, also where the version counter did not move (a write through ``.data``).
-            if index not in self.resampled and (version < 0 or captured._version == version):
+            if index not in self.resampled and (version < 0 or version_of(captured) == version):
                 continue  # nothing wrote its memory
             current = slot.get(layer)
             if current is not captured and not (
@@ -1491,7 +1505,7 @@ class RestorePlan:
     def watch(
         self,
         captured_of: Callable[[SealedLayer, int], torch.Tensor | None],
-        version_of: Callable[[SealedLayer, int], int | None],
+        version_at_begin: Callable[[SealedLayer, int], int | None],
         local: Sequence[LayerSnapshot] = (),
         kept: Iterable[torch.Tensor] = (),
         changed_inputs: Callable[[SealedLayer, int], list[str]] | None = None,
@@ -1501,7 +1515,7 @@ class RestorePlan:
         Readers are slots the plan does not move whose captured tensor overlaps a write, found through the seal's
         index (any layer) and ``local`` snapshots (walker extras, unknown at seal), and the ``kept`` tensors: new
         tensors left at their paths (a respecified slot, a path the contract does not track) that read memory a
-        copy writes. ``version_of`` gives a captured tensor's version counter when the reload began;
+        copy writes. ``version_at_begin`` gives a captured tensor's version counter when the reload began;
         ``changed_inputs`` the names of a slot's freshness inputs the reload changed.
         """
         moved = {(id(m.snapshot.sealed), m.index) for m in self.moves}
@@ -1518,7 +1532,7 @@ class RestorePlan:
                 return
             sealed, slot, version, position = owner
             # Loaded state (parameters, buffers) and static slots own their bytes whoever wrote them.
-            versioned = version is not None and version >= 0 and view._version != version
+            versioned = version is not None and version >= 0 and version_of(view) != version
             written = not slot.tracks_freshness or versioned
             changed = functools.partial(changed_inputs, sealed, position) if changed_inputs is not None else None
             readers.append(_Reader(view, view.detach().clone(), (sealed, slot), written, changed, versioned))
@@ -1557,7 +1571,8 @@ class RestorePlan:
                 slot = sealed.slots[position]
                 view = captured_of(sealed, position)
                 if view is not None and (slot.wrapped or slot.fp.storage_ref() is view.untyped_storage()):
-                    hold_slot(slot, sealed.layer_ref(), view, (sealed, slot, version_of(sealed, position), position))
+                    owner = (sealed, slot, version_at_begin(sealed, position), position)
+                    hold_slot(slot, sealed.layer_ref(), view, owner)
         for snapshot in local:
             for position, view in enumerate(snapshot.captured):
                 entry = (id(snapshot.sealed), position)

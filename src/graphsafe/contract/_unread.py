@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from graphsafe.contract._samples import version_of
 from graphsafe.contract._slots import _NOTHING, LayerSnapshot, SealedSlot, _is_wrapper, _view
 from graphsafe.outcome import Origin, SlotRef, fingerprint
 
@@ -244,7 +245,7 @@ def _let_go(contract: GraphContract, entry: _Group, new_storage: Any) -> bool:
     for snapshot, index, _ in entry.members:
         captured = snapshot.captured[index]
         version = snapshot.versions[index] if index < len(snapshot.versions) else -1
-        moved.append(captured is not None and 0 <= version != captured._version)
+        moved.append(captured is not None and 0 <= version != version_of(captured))
         del captured
         snapshot.captured[index] = None
         before = snapshot.freshness.get(index)
@@ -260,7 +261,8 @@ def _let_go(contract: GraphContract, entry: _Group, new_storage: Any) -> bool:
                 tensor = slot.captured()
                 if tensor is not None and index < len(snapshot.versions) and snapshot.versions[index] >= 0:
                     # Its counter starts afresh: keep "written since the snapshot" as the original's counter said.
-                    snapshot.versions[index] = tensor._version + (1 if written else 0)
+                    now = version_of(tensor)
+                    snapshot.versions[index] = -1 if now < 0 else now + (1 if written else 0)
             snapshot.captured[index] = tensor
             before = snapshot.freshness.get(index)
             if before is not None and tensor is not None:
@@ -283,7 +285,7 @@ def _let_go(contract: GraphContract, entry: _Group, new_storage: Any) -> bool:
         snapshot.slots[index] = slot
         snapshot.captured[index] = current
         if index < len(snapshot.versions):
-            snapshot.versions[index] = current._version
+            snapshot.versions[index] = version_of(current)
     if old_id in contract._shared:  # the seal's index of storages several slots read: the group reads the new one now
         shared = dict(contract._shared)
         shared[id(new_storage)] = shared.pop(old_id)
