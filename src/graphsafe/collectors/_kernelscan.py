@@ -600,10 +600,16 @@ def live_tensors() -> Iterator[torch.Tensor]:
             yield obj
 
 
-#: The largest integer storage the scan reads to host for pointers (a device-side pointer array): 1 MiB.
+#: The largest integer storage the scan reads to host for pointers (a device-side pointer array): 1 MiB. A larger
+#: integer or byte storage a node points at makes the scan incomplete: what it points to is not known.
 POINTER_ARRAY_BYTES = 1 << 20
-#: The dtypes of storages read as pointer arrays.
-POINTER_ARRAY_DTYPES = (torch.int64, torch.uint64)
+#: The dtypes of storages read as pointer arrays: every integer and byte dtype (a fused-MoE workspace lays its
+#: pointer tables out in a ``uint8`` buffer; CUTLASS's argument arrays are ``int64``).
+POINTER_ARRAY_DTYPES = tuple(
+    dtype
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)
+    + tuple(getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name))
+)
 
 
 _ADDRESS_END = (1 << 64) - 1  # the largest bound an unsigned 64-bit array holds
@@ -655,15 +661,15 @@ def pointer_array_words(tensor: torch.Tensor) -> list[int]:
     return [int(w) for w in words[words > 0].tolist()]
 
 
-def _pointer_array(payload: Any) -> torch.Tensor | None:
-    """``payload`` when it is a small integer tensor whose storage the scan reads for pointers, else ``None``."""
+def _integer_storage_bytes(payload: Any) -> int | None:
+    """The size of ``payload``'s storage when it is an integer or byte tensor (one that may hold pointers), else
+    ``None``."""
     if not isinstance(payload, torch.Tensor) or payload.dtype not in POINTER_ARRAY_DTYPES:
         return None
     try:
-        nbytes = payload.untyped_storage().nbytes()
+        return int(payload.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):
         return None
-    return payload if 0 < nbytes <= POINTER_ARRAY_BYTES else None
 
 
 @dataclass(slots=True)
@@ -705,9 +711,18 @@ def attribute(scan: GraphScan, view: StorageView, *, arrays: bool = True) -> Sca
             counts[where.what] = counts.get(where.what, 0) + 1
             ranges.append((where.base, where.base + max(where.nbytes, 1)))
             if where.what in (MODEL, UNOWNED, IGNORED) and arrays and where.base not in candidates:
-                array_tensor = _pointer_array(where.storage)
-                if array_tensor is not None:
-                    candidates[where.base] = array_tensor
+                nbytes = _integer_storage_bytes(where.storage)
+                if nbytes is not None and 0 < nbytes <= POINTER_ARRAY_BYTES:
+                    candidates[where.base] = where.storage
+                elif nbytes is not None and nbytes > POINTER_ARRAY_BYTES and where.what != IGNORED:
+                    # (A registered graph input or output, IGNORED, is the engine's own data: token ids, block
+                    # tables, read as pointers only when small.)
+                    note = (
+                        f"kernel {label!r} reads an integer storage of {nbytes} bytes, too large to read for "
+                        f"pointers (> {POINTER_ARRAY_BYTES}): the memory it may point to is unknown"
+                    )
+                    if note not in scan.incomplete:
+                        scan.incomplete.append(note)
             if where.what in (MODEL, UNOWNED):
                 table = facts.model if where.what == MODEL else facts.unowned
                 payload = where.storage
