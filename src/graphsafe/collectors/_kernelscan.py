@@ -605,9 +605,8 @@ def live_tensors() -> Iterator[torch.Tensor]:
 POINTER_ARRAY_BYTES = 1 << 20
 #: The dtypes of storages read as pointer arrays: every integer and byte dtype (a fused-MoE workspace lays its
 #: pointer tables out in a ``uint8`` buffer; CUTLASS's argument arrays are ``int64``).
-POINTER_ARRAY_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool) + tuple(
-    getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name)
-)
+_UNSIGNED_WIDE = tuple(getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name))
+POINTER_ARRAY_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, *_UNSIGNED_WIDE)
 
 
 _ADDRESS_END = (1 << 64) - 1  # the largest bound an unsigned 64-bit array holds
