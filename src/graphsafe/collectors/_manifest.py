@@ -697,6 +697,15 @@ class Manifest:
         """Whether what the captured graphs read is fully known (see :meth:`truth`)."""
         return self.truth() is None
 
+    def byte_ranges(self) -> list[CapturedStorage]:
+        """The live recorded storages whose bytes read or written the recorder knows exactly (``[lo, hi)``: the
+        dispatch recorder; a kernel scan knows only where reading began)."""
+        return [
+            entry
+            for entry in self.storages()
+            if entry.backend == "dispatch" and entry.hi > entry.lo and entry.storage_ref() is not None
+        ]
+
     def reads(self, start: int, end: int) -> bool:
         """Whether a kernel-scanned graph reads any byte of ``[start, end)`` (an address range): a node's word, or a
         pointer array's word read at scan time, falls into a storage, allocator block or address that overlaps it.
@@ -762,7 +771,9 @@ class Manifest:
             self._tracked = frozenset((info.layer, info.path) for info in contract.slots())
             _contract_index(contract, index)
         # Declarations made after the seal, and (where the contract does not walk) the walker's finds.
-        _model_index(model, index, walk=self.walk and (contract.detect == "declared-only" or not contract.sealed))
+        # (``every-reload`` walks every reload itself; the other policies track no tensor that appeared after the
+        # seal, which the graph may read: a warm-up forward's lazily computed cache.)
+        _model_index(model, index, walk=self.walk and (contract.detect != "every-reload" or not contract.sealed))
         for entry in entries:
             storage = entry.storage_ref()
             if storage is None:

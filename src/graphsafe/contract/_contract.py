@@ -729,6 +729,16 @@ def _overlapping(spans: list[tuple[str, int, int, int]], tensor: torch.Tensor) -
     return [key for where, first, last, key in spans if where == device and first < end and start < last]
 
 
+def _first_gap(first: int, end: int, spans: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """The first part of ``[first, end)`` that no span of ``spans`` (sorted by start) covers, or ``None``."""
+    at = first
+    for start, stop in spans:
+        if start > at:
+            return (at, min(start, end)) if at < end else None
+        at = max(at, stop)
+    return (at, end) if at < end else None
+
+
 def _next_step(reason: str | None) -> str:
     """What a refusal adds so that it names the way back (the reason may say it already)."""
     if reason is not None and "recapture" in reason and "reseal" in reason:
@@ -820,6 +830,8 @@ class ReloadTransaction:
         self._samples = SampleBatch()  # the value samples of the snapshots being taken (see _snapshot)
         #: Sealed layer id -> the layer as ``after_layer()`` left it, checked again when the reload finishes.
         self._closed: dict[int, ClosedLayer] = {}
+        #: ``(device, first address, end)`` of every restore copy's destination in this reload.
+        self._written: list[tuple[str, int, int]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -1068,6 +1080,8 @@ class ReloadTransaction:
                 if self._closed:  # layers after_layer() restored: still as it left them?
                     self._findings.extend(check_closed(self._closed.values()))
                     self._closed.clear()
+                if contract.manifest is not None and self._written:
+                    self._findings.extend(self._reads_no_copy_reached())
                 if contract.manifest is not None:
                     # The walker and the manifest can see the same slot: report each (layer, path) once.
                     flagged = {(f.layer, f.path) for f in self._findings if f.kind.is_problem and f.path}
@@ -1114,6 +1128,52 @@ class ReloadTransaction:
             skip_refused=self._skip.refused if contract.unread == "skip" and error is None else None,
             skip_notes=tuple(self._skip.notes),
         )
+
+    def _reads_no_copy_reached(self) -> list[Finding]:
+        """``stale`` for captured storages a restore copied into whose recorded reads reach bytes neither a copy
+        nor a model path covers (a kernel handed a slot's view reads the whole buffer PWAL packed it in): the copy
+        wrote the slot's bytes, the rest keep the old values, and a recapture through the same path reads them
+        too."""
+        ranges = getattr(self.contract.manifest, "byte_ranges", None)
+        if ranges is None:
+            return []
+        written = sorted(self._written)
+        entries = [
+            entry
+            for entry in ranges()
+            if any(
+                device == str(entry.device) and start < entry.data_ptr + entry.hi and entry.data_ptr + entry.lo < end
+                for device, start, end in written
+            )
+        ]
+        if not entries:
+            return []
+        covered = [*written]
+        for _, _, tensor in self.contract.manifest.held(self.contract):  # type: ignore[union-attr]
+            covered.append(address_range(tensor))
+        findings: list[Finding] = []
+        for entry in entries:
+            device, first, end = str(entry.device), entry.data_ptr + entry.lo, entry.data_ptr + entry.hi
+            spans = sorted((start, stop) for where, start, stop in covered if where == device and stop > start)
+            gap = _first_gap(first, end, spans)
+            if gap is None:
+                continue
+            holder = entry.holders[0] if entry.holders else None
+            findings.append(
+                Finding(
+                    FindingKind.STALE,
+                    layer=holder.layer if holder is not None else "",
+                    layer_class=holder.layer_class if holder is not None else "",
+                    path=holder.path if holder is not None else "",
+                    declared=holder is not None and holder.declared,
+                    before=entry.first_view,
+                    detail=f"the captured graph reads bytes {gap[0] - entry.data_ptr}..{gap[1] - entry.data_ptr} of "
+                    "its storage, which no slot covers: the restore copied the slot's own bytes and left those "
+                    "with their old values, and a recapture through this path reads them too. Declare the whole "
+                    "buffer the kernel reads (the tensor PWAL packed it in), not a view of part of it",
+                )
+            )
+        return findings
 
     # -- per layer ---------------------------------------------------------------------------------------------
     def _snapshot(self, sealed: SealedLayer, *, flush: bool = True) -> LayerSnapshot | None:
@@ -1238,6 +1298,7 @@ class ReloadTransaction:
                 self._protect_pending(plan, group)
                 plan.watch(self._captured_of, self._version_of, local, kept, self._changed_inputs)
                 plan.launch(batch)
+                self._written.extend((str(m.memory[0]), m.memory[1], m.memory[2]) for m in plan.moves)
                 plan.check()
                 self._findings.extend(plan.findings)
         finally:
@@ -1262,7 +1323,7 @@ class ReloadTransaction:
                 self._closed[id(snapshot.sealed)] = ClosedLayer.of(snapshot, self._samples)
             # Drop the strong references now: the new derived tensors of this layer can be freed before the next.
             snapshot.captured = [None] * len(snapshot.captured)
-            snapshot.overrides, snapshot.kept, snapshot.keep = {}, [], {}
+            snapshot.overrides, snapshot.kept, snapshot.keep, snapshot.attributes = {}, [], {}, {}
         del work
 
     def _block_foreign_holders(
@@ -1479,8 +1540,9 @@ class ReloadTransaction:
                     snapshot.overrides[index] = (current, tuple(part.detach().clone() for part in parts))
 
     def _manifest_extras(self, sealed: SealedLayer) -> list[SealedSlot]:
-        """Under ``detect="declared-only"`` with a capture manifest: the layer's paths the manifest saw holding a
-        captured storage that no sealed slot tracks, as watch-only walker-found slots.
+        """Under ``detect="declared-only"`` or ``"sealed-paths"`` with a capture manifest: the layer's paths the
+        manifest saw holding a captured storage that no sealed slot tracks (a tensor that appeared after the seal,
+        under ``sealed-paths``), as watch-only walker-found slots.
 
         The graph reads them, so their freshness is judged like the walker's finds (stale when the weights changed
         and PWAL left them as they were, until a recording shows PWAL never computes them) instead of being
@@ -1505,8 +1567,8 @@ class ReloadTransaction:
                         self._held.setdefault(owner, []).append((prefix + path, tensor))
                     self._held_before[(qualname, path)] = (id(tensor), version_of(tensor), tensor.data_ptr())
         found = self._held.pop(sealed.qualname, None)  # the snapshot holds them from here
-        if contract.detect != "declared-only":
-            return []
+        if contract.detect == "every-reload":
+            return []  # its walk finds them
         if not found:
             return []
         tracked = {id(part.storage_ref()) for slot in sealed.slots for part in slot.fp.memory()}

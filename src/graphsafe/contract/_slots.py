@@ -548,6 +548,9 @@ class LayerSnapshot:
     left: list[bool] = field(default_factory=list)
     #: Per slot, whether :meth:`verify` found the captured object at its path on its captured memory as sealed.
     confirmed: list[bool] = field(default_factory=list)
+    #: Slot index -> the new tensor at its path, where that tensor carries Python attributes (``weight.g_idx``
+    #: hung on a parameter, a scale on a derived tensor): :meth:`rebind` moves them onto the captured tensor.
+    attributes: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def take(
@@ -854,6 +857,8 @@ class LayerSnapshot:
                 held = held_outside(captured, own=own, storage=captured_storage)
             if held is not None:
                 self.suspects.append((index, held, None))
+            if current.__dict__:
+                self.attributes[index] = current
             source = current
             if overrides:
                 saved = overrides.get(index)
@@ -1067,6 +1072,11 @@ class LayerSnapshot:
                             )
                         )
                 continue
+            carrier = self.attributes.get(index) if self.attributes else None
+            if carrier is not None and carrier is not captured:
+                # What PWAL hung on the new tensor is its state now; the captured object still carries last
+                # load's (a rebind would bring those back). Read now: a restored slot under it was rebound first.
+                captured.__dict__.update(carrier.__dict__)
             try:
                 slot.set(layer, captured)
             except Exception as exc:  # a container that no longer takes assignment
