@@ -332,8 +332,11 @@ def test_an_abandoned_layerwise_transaction_leaves_replay_allowed() -> None:
     graph = capture(contract, lambda x: net.layers[0].w_t * x + net.layers[1].w_t, torch.ones(4))
     stale = net.layers[1].w_t
 
+    opened: list[Any] = []
+
     def reload_step() -> None:
         txn = contract.reload(layerwise=True).begin()
+        opened.append(txn)
         with torch.no_grad():
             for index, layer in enumerate(net.layers):
                 txn.before_layer(layer)
@@ -348,8 +351,13 @@ def test_an_abandoned_layerwise_transaction_leaves_replay_allowed() -> None:
         reload_step()
     assert not torch.equal(stale, net.layers[1].weight * 2.0 + 1.0)  # half-restored: layer 1 is stale
     assert not contract.serving_safe, "a reload broke off half-way and the contract still calls replay safe"
+    assert "transaction is open" in str(contract.unsafe_reason)
     with pytest.raises(GraphSafeError):
         graph.replay()
+    # The caller finishes it late, with the error: failed, and the first reload's recording (a dispatch mode on this
+    # thread) ends with it.
+    outcome = opened[0].finish(OSError("late"))
+    assert outcome.status is Status.FAILED and not contract.serving_safe
 
 
 # ----------------------------------------------------------------------------------------------------------------

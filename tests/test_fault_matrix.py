@@ -114,6 +114,8 @@ EXPECTED: dict[str, dict[str, Expect]] = {
     "test_tuple_keyed_cache": per_mode(failed(UndeclaredDriftError), RECAPTURE, COMMITTED),
     "test_declared_path_never_resolves": same(refused(DeclarationError)),
     "test_reload_when_not_serving_safe": same(refused(NotServingSafeError)),
+    "test_pwal_again_after_after_layer": DRIFT,
+    "test_weight_written_after_after_layer": same(failed(ReloadFailedError)),
 }
 
 
@@ -158,8 +160,15 @@ class Run:
 VIOLATIONS = (DeclaredDriftError, UndeclaredDriftError, ReloadFailedError)
 
 
-def attempt(contract: GraphContract, body: Callable[[], Any], *, recapture: Callable[[], Any] | None = None) -> Run:
-    """Reload under ``contract`` running ``body``; record the outcome and the exception instead of raising."""
+def attempt(
+    contract: GraphContract,
+    body: Callable[[], Any],
+    *,
+    recapture: Callable[[], Any] | None = None,
+    layerwise: Callable[[Any], Any] | None = None,
+) -> Run:
+    """Reload under ``contract`` running ``body`` (or ``layerwise(transaction)`` in a layerwise reload); record the
+    outcome and the exception instead of raising."""
     recaptures: list[ReloadOutcome] = []
 
     def on_recapture(outcome: ReloadOutcome) -> None:
@@ -171,8 +180,12 @@ def attempt(contract: GraphContract, body: Callable[[], Any], *, recapture: Call
     before = contract.reloads
     error: BaseException | None = None
     try:
-        with contract.reload():
-            body()
+        if layerwise is not None:
+            with contract.reload(layerwise=True) as transaction:
+                layerwise(transaction)
+        else:
+            with contract.reload():
+                body()
     except Exception as exc:
         error = exc
     outcome = contract.last_outcome if contract.reloads > before else None
@@ -541,6 +554,52 @@ def test_parameter_replaced(mode: str) -> None:
     assert model.layers[1].weight is captured and captured.data_ptr() == ptr
     assert addresses(model) == sealed
     assert_values(model, 1)  # the same values as the upstream in-place load of seed 1
+
+
+def layer_by_layer(model: SiteModel, seed: int, after: Callable[[Site], None]) -> Callable[[Any], None]:
+    """A layerwise reload of ``model`` (before, load, PWAL, after, per layer) that then does ``after`` to
+    ``layers.1``, which its ``after_layer()`` restored already, before the reload finishes."""
+
+    def body(transaction: Any) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        for layer in model.layers:
+            transaction.before_layer(layer)
+            layer.weight.data.copy_(torch.randn(OUT, IN, generator=generator))
+            layer.quant_method.process_weights_after_loading(layer)
+            transaction.after_layer(layer)
+        after(model.layers[1])
+
+    return body
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pwal_again_after_after_layer(mode: str) -> None:
+    model, contract = site_contract(mode)
+    sealed = addresses(model)
+
+    def pwal_again(layer: Site) -> None:
+        layer.quant_method.process_weights_after_loading(layer)
+
+    run = attempt(contract, lambda: None, layerwise=layer_by_layer(model, 1, pwal_again))
+    run.check("test_pwal_again_after_after_layer", mode)
+    moved = {path: FindingKind.MOVED for path in DECLARED}
+    only_layer1(run.kinds(), run, moved)
+    assert {k: v for k, v in addresses(model).items() if k[0] == 0} == {k: v for k, v in sealed.items() if k[0] == 0}
+    assert_values(model, 1)  # the model keeps PWAL's second tensors: a recapture reads the right values
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weight_written_after_after_layer(mode: str) -> None:
+    model, contract = site_contract(mode)
+    sealed = addresses(model)
+
+    def load_again(layer: Site) -> None:
+        layer.weight.data.copy_(torch.randn(OUT, IN, generator=torch.Generator().manual_seed(99)))
+
+    run = attempt(contract, lambda: None, layerwise=layer_by_layer(model, 1, load_again))
+    run.check("test_weight_written_after_after_layer", mode)
+    only_layer1(run.kinds(), run, {path: FindingKind.STALE for path in DECLARED})
+    assert addresses(model) == sealed  # the addresses are right; layer 1's values are the first load's
 
 
 @pytest.mark.parametrize("mode", MODES)
