@@ -1075,7 +1075,8 @@ class LayerSnapshot:
             carrier = self.attributes.get(index) if self.attributes else None
             if carrier is not None and carrier is not captured:
                 # What PWAL hung on the new tensor is its state now; the captured object still carries last
-                # load's (a rebind would bring those back). Read now: a restored slot under it was rebound first.
+                # load's (a rebind would bring those back). Read at rebind time, so a slot under it (``weight.g_idx``
+                # tracked on its own) ends up bound to its own captured tensor whichever of the two is rebound first.
                 captured.__dict__.update(carrier.__dict__)
             try:
                 slot.set(layer, captured)
