@@ -1038,17 +1038,14 @@ class ReloadTransaction:
                 contract.mark_unsafe(f"rank agreement raised {exc!r}; the group's outcome is unknown")
                 raise
         self.outcome = outcome
+        if outcome.status is not Status.COMMITTED:
+            # Unsafe from here: the listeners run before the mode's action (which says why), and one may ask, or
+            # be interrupted (the action then never runs).
+            contract.mark_unsafe(f"the last reload ended {outcome.status.value}; its outcome is being acted on")
         try:
             listener_error = contract._notify(outcome)
         except BaseException:
-            # An interrupt in a listener (the listeners' own errors are returned): the mode's action never runs, so
-            # a reload that did not commit must still leave the contract unsafe.
-            contract.last_outcome = outcome
-            if outcome.status is not Status.COMMITTED:
-                contract.mark_unsafe(
-                    f"the last reload ended {outcome.status.value} and was interrupted in an on_outcome listener "
-                    "before its outcome was acted on"
-                )
+            contract.last_outcome = outcome  # an interrupt in a listener (their own errors are returned)
             raise
         contract._apply(outcome, error)
         if self._unloaded:  # a note, after the contract acted (a warnings filter may turn it into an error)
@@ -1077,8 +1074,8 @@ class ReloadTransaction:
                     if snapshot is not None and not snapshot.done:
                         group.append(snapshot)
                 self._restore_group(group)
-                if self._closed:  # layers after_layer() restored: still as it left them?
-                    self._findings.extend(check_closed(self._closed.values()))
+                if self._closed:  # layers after_layer() restored: still in the model, and as it left them?
+                    self._findings.extend(check_closed(self._closed.values(), self._still_in_model))
                     self._closed.clear()
                 if contract.manifest is not None and self._written:
                     self._findings.extend(self._reads_no_copy_reached())
@@ -1262,6 +1259,8 @@ class ReloadTransaction:
                 )
             elif not snapshot.in_place():
                 work.append((snapshot, snapshot.restore(auto_restore=auto_restore, plan=plan)))
+            else:  # in_place() saw what verify() would confirm: every slot its captured object, as sealed
+                snapshot.confirmed = [True] * len(snapshot.slots)
         judge_noted([snapshot for snapshot, _ in work])  # before any copy lands: the values PWAL left
         if any(snapshot.suspects for snapshot, _ in work):
             work = self._block_foreign_holders(work, plan)
@@ -1297,12 +1296,14 @@ class ReloadTransaction:
                 plan.protect()
                 self._protect_pending(plan, group)
                 plan.watch(self._captured_of, self._version_of, local, kept, self._changed_inputs)
-                plan.launch(batch)
-                self._written.extend((str(m.memory[0]), m.memory[1], m.memory[2]) for m in plan.moves)
-                plan.check()
+                with plan.writing():
+                    plan.launch(batch)
+                    self._written.extend((str(m.memory[0]), m.memory[1], m.memory[2]) for m in plan.moves)
+                    plan.check()
                 self._findings.extend(plan.findings)
         finally:
-            batch.flush()
+            with plan.writing():
+                batch.flush()
             self._bytes += batch.written
         if work:
             # New tensors left at their paths read what they read now; a later after_layer must not write it.

@@ -9,6 +9,7 @@ then compares cheap fields first and falls back to the full geometry comparison 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import weakref
@@ -786,19 +787,6 @@ class LayerSnapshot:
                     after = fingerprint(current)
                     self.findings.append(sealed.finding(FindingKind.DEAD, slot, after=after, detail=lost))
                     continue
-                if captured.is_inference() and not torch.is_inference_mode_enabled():
-                    self.kept.append(current)  # torch refuses in-place writes to it outside inference mode
-                    self.findings.append(
-                        sealed.finding(
-                            FindingKind.MOVED,
-                            slot,
-                            after=fingerprint(current),
-                            detail="its captured tensor was made under torch.inference_mode(), and torch refuses "
-                            "to write it outside that mode: nothing copied. Run the reload under "
-                            "torch.inference_mode(), or recapture",
-                        )
-                    )
-                    continue
             if (
                 inner_pairs is None
                 and not exact
@@ -1148,6 +1136,9 @@ class ClosedLayer:
     confirmed: list[tuple[int, torch.Tensor]]
     #: Input key -> its state right after the restore (see ``_input_before``).
     inputs: dict[Any, _InputBefore]
+    #: Slot index -> the keys of its inputs: the ones its restore was judged by, and the ones a recording of this
+    #: PWAL saw it read (a weight of another layer, loaded later).
+    keys: dict[int, tuple[Any, ...]]
 
     @classmethod
     def of(cls, snapshot: LayerSnapshot, samples: SampleBatch) -> ClosedLayer:
@@ -1159,10 +1150,16 @@ class ClosedLayer:
             if ok and captured is not None
         ]
         inputs: dict[Any, _InputBefore] = {}
-        if snapshot.inputs is not None and snapshot.freshness:
-            for key in {key for entry in snapshot.freshness.values() for key in entry[3]}:
-                inputs[key] = _input_before(snapshot.inputs.inputs[key][1](), samples)
-        return cls(snapshot, confirmed, inputs)
+        keys: dict[int, tuple[Any, ...]] = {}
+        watched = snapshot.inputs
+        if watched is not None and snapshot.freshness:
+            for index, entry in snapshot.freshness.items():
+                recorded = snapshot.slots[index].inputs
+                learned = watched._recorded_keys(recorded) if recorded and all(map(watched._resolves, recorded)) else ()
+                keys[index] = tuple(dict.fromkeys((*entry[3], *learned)))
+            for key in {key for found in keys.values() for key in found}:
+                inputs[key] = _input_before(watched.inputs[key][1](), samples)
+        return cls(snapshot, confirmed, inputs, keys)
 
     def check(self, changes: Mapping[Any, int]) -> list[Finding]:
         """Findings for what changed since the layer was closed; ``changes`` says how each input changed."""
@@ -1190,8 +1187,8 @@ class ClosedLayer:
         changed = {key for key in self.inputs if changes.get(key, _UNCHANGED) == _CHANGED}
         if not changed:
             return findings
-        for index, entry in snapshot.freshness.items():
-            names = [snapshot.inputs.inputs[key][0] for key in entry[3] if key in changed]
+        for index, found in self.keys.items():
+            names = [snapshot.inputs.inputs[key][0] for key in found if key in changed]
             if not names or index in flagged:
                 continue
             findings.append(
@@ -1206,9 +1203,27 @@ class ClosedLayer:
         return findings
 
 
-def check_closed(closed: Iterable[ClosedLayer]) -> list[Finding]:
-    """Check every closed layer at the end of the reload; the inputs of all compared in one batch."""
-    closed = list(closed)
+def check_closed(closed: Iterable[ClosedLayer], in_model: Callable[[SealedLayer, nn.Module], bool]) -> list[Finding]:
+    """Check every closed layer at the end of the reload; the inputs of all compared in one batch. A layer no longer
+    in the model (``in_model``) was replaced after its restore: every slot of it ``vanished``."""
+    findings: list[Finding] = []
+    kept: list[ClosedLayer] = []
+    for record in closed:
+        snapshot = record.snapshot
+        if in_model(snapshot.sealed, snapshot.layer):
+            kept.append(record)
+            continue
+        findings.extend(
+            snapshot.sealed.finding(
+                FindingKind.VANISHED,
+                slot,
+                detail="the layer was replaced after its after_layer() restored it: the graph reads the old layer's "
+                "captured memory",
+            )
+            for slot in snapshot.slots
+            if not slot.watch_only
+        )
+    closed = kept
     asked: list[tuple[int, Any, _InputBefore, Any]] = []
     for position, record in enumerate(closed):
         inputs = record.snapshot.inputs
@@ -1218,7 +1233,8 @@ def check_closed(closed: Iterable[ClosedLayer]) -> list[Finding]:
     verdicts: list[dict[Any, int]] = [{} for _ in closed]
     for (position, key, _, _), change in zip(asked, _input_changes([(b, v) for _, _, b, v in asked]), strict=True):
         verdicts[position][key] = change
-    return [finding for record, known in zip(closed, verdicts, strict=True) for finding in record.check(known)]
+    findings.extend(finding for record, known in zip(closed, verdicts, strict=True) for finding in record.check(known))
+    return findings
 
 
 def judge_noted(snapshots: Sequence[LayerSnapshot]) -> None:
@@ -1594,6 +1610,16 @@ class RestorePlan:
                     hold_slot(slot, snapshot.layer, view, (snapshot.sealed, slot, version, position))
         for tensor in kept:
             hold(tensor)
+
+    def writing(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the plan writes (its copies, a reader's bytes written back): under ``torch.inference_mode()`` when
+        some destination is an inference tensor (made there: an engine's warm-up, a PWAL run there), which torch
+        lets no one write outside it; plain tensors take the same writes either way."""
+        if torch.is_inference_mode_enabled():
+            return contextlib.nullcontext()
+        if any(move.dst.is_inference() for move in self.moves) or any(r.view.is_inference() for r in self._readers):
+            return torch.inference_mode()
+        return contextlib.nullcontext()
 
     def launch(self, batch: CopyBatch) -> None:
         """Launch every planned copy through ``batch`` (grouped ``_foreach_copy_``) and flush it."""
