@@ -1309,8 +1309,9 @@ class ReloadTransaction:
             # New tensors left at their paths read what they read now; a later after_layer must not write it.
             self._kept.extend(t for s, _ in work for t in s.kept)
         check_freshness([snapshot for snapshot, _ in work])
+        swapped = {id(new): captured for snapshot, _ in work for new, captured in snapshot.swapped}
         for snapshot, rebinds in work:
-            snapshot.rebind(rebinds)
+            snapshot.rebind(rebinds, swapped)
         for snapshot, _ in work:  # after every rebind: two layers' paths can reach one place (nested layers)
             snapshot.verify()
         self._doubt_abandoned(work)
@@ -1325,6 +1326,7 @@ class ReloadTransaction:
             # Drop the strong references now: the new derived tensors of this layer can be freed before the next.
             snapshot.captured = [None] * len(snapshot.captured)
             snapshot.overrides, snapshot.kept, snapshot.keep, snapshot.attributes = {}, [], {}, {}
+            snapshot.swapped = []
         del work
 
     def _block_foreign_holders(

@@ -549,9 +549,13 @@ class LayerSnapshot:
     left: list[bool] = field(default_factory=list)
     #: Per slot, whether :meth:`verify` found the captured object at its path on its captured memory as sealed.
     confirmed: list[bool] = field(default_factory=list)
-    #: Slot index -> the new tensor at its path, where that tensor carries Python attributes (``weight.g_idx``
-    #: hung on a parameter, a scale on a derived tensor): :meth:`rebind` moves them onto the captured tensor.
+    #: Slot index -> the new tensor at its path, where it or the captured one carries Python attributes
+    #: (``weight.g_idx`` hung on a parameter, a scale on a derived tensor): :meth:`rebind` gives the captured
+    #: tensor the new one's.
     attributes: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: ``(new tensor, captured tensor)`` of every planned rebind: an attribute holding a new tensor another slot
+    #: is restored from is given that slot's captured tensor.
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @classmethod
     def take(
@@ -845,8 +849,9 @@ class LayerSnapshot:
                 held = held_outside(captured, own=own, storage=captured_storage)
             if held is not None:
                 self.suspects.append((index, held, None))
-            if current.__dict__:
+            if current.__dict__ or captured.__dict__:
                 self.attributes[index] = current
+            self.swapped.append((current, captured))
             source = current
             if overrides:
                 saved = overrides.get(index)
@@ -1040,8 +1045,9 @@ class LayerSnapshot:
             )
         )
 
-    def rebind(self, rebinds: list[tuple[int, torch.Tensor]]) -> None:
-        """Put the captured tensors back at their paths."""
+    def rebind(self, rebinds: list[tuple[int, torch.Tensor]], swapped: Mapping[int, torch.Tensor]) -> None:
+        """Put the captured tensors back at their paths. ``swapped``: id() of each new tensor the restore step
+        replaces by a captured one -> that captured tensor (for the attributes moved onto captured tensors)."""
         # A slot whose alias broke keeps its new tensor: the shared captured storage now holds another slot's
         # values, and rebinding would hand this path (and any recapture) the wrong ones.
         broken = {f.path for f in self.findings if f.kind is FindingKind.ALIAS_BROKEN} if self.findings else ()
@@ -1062,10 +1068,7 @@ class LayerSnapshot:
                 continue
             carrier = self.attributes.get(index) if self.attributes else None
             if carrier is not None and carrier is not captured:
-                # What PWAL hung on the new tensor is its state now; the captured object still carries last
-                # load's (a rebind would bring those back). Read at rebind time, so a slot under it (``weight.g_idx``
-                # tracked on its own) ends up bound to its own captured tensor whichever of the two is rebound first.
-                captured.__dict__.update(carrier.__dict__)
+                _move_attributes(carrier, captured, swapped, keep=slot.origin in _LOADED)
             try:
                 slot.set(layer, captured)
             except Exception as exc:  # a container that no longer takes assignment
@@ -1119,6 +1122,30 @@ class LayerSnapshot:
                         FindingKind.MOVED, slot, after=after, detail="not at its captured storage after restore"
                     )
                 )
+
+
+_LOADED = (Origin.PARAMETER, Origin.BUFFER)
+
+
+def _move_attributes(
+    new: torch.Tensor, captured: torch.Tensor, swapped: Mapping[int, torch.Tensor], *, keep: bool
+) -> None:
+    """Give ``captured`` (about to be bound back in place of ``new``) the attributes PWAL left on ``new``: those are
+    the model's state now; the captured object still carries the last load's, which a rebind would bring back.
+
+    A value that is another restored slot's new tensor becomes that slot's captured tensor (the one bound at its
+    path). Read at rebind time, so a slot under it (``weight.g_idx`` tracked on its own) ends up bound to its own
+    captured tensor whichever of the two is rebound first. ``keep``: a parameter or buffer keeps attributes the new
+    object lacks (a loader's metadata set once, at construction: ``weight_loader``); any other tensor's attributes
+    are the new one's exactly (an attribute PWAL no longer sets is gone).
+    """
+    attributes = {
+        name: swapped.get(id(value), value) if isinstance(value, torch.Tensor) else value
+        for name, value in new.__dict__.items()
+    }
+    if not keep:
+        captured.__dict__.clear()
+    captured.__dict__.update(attributes)
 
 
 @dataclass(slots=True, eq=False)
