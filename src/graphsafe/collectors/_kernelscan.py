@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 __all__ = [
     "POINTER_ARRAY_BYTES",
@@ -600,11 +601,11 @@ def live_tensors() -> Iterator[torch.Tensor]:
             yield obj
 
 
-#: The largest integer storage the scan reads to host for pointers (a device-side pointer array): 1 MiB. A larger
-#: integer or byte storage a node points at makes the scan incomplete: what it points to is not known.
+#: The largest storage the scan reads to host for pointers (a device-side pointer array), whatever its dtype (a
+#: fused-MoE workspace lays its pointer tables out in a ``uint8`` or float buffer): 1 MiB. A larger integer or byte
+#: storage a node points at that is not a parameter makes the scan incomplete: what it points to is not known.
 POINTER_ARRAY_BYTES = 1 << 20
-#: The dtypes of storages read as pointer arrays: every integer and byte dtype (a fused-MoE workspace lays its
-#: pointer tables out in a ``uint8`` buffer; CUTLASS's argument arrays are ``int64``).
+#: The dtypes of a larger storage that may be a pointer table (an ``nn.Parameter`` is checkpoint data, never one).
 _UNSIGNED_WIDE = tuple(getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name))
 POINTER_ARRAY_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, *_UNSIGNED_WIDE)
 
@@ -658,15 +659,19 @@ def pointer_array_words(tensor: torch.Tensor) -> list[int]:
     return [int(w) for w in words[words > 0].tolist()]
 
 
-def _integer_storage_bytes(payload: Any) -> int | None:
-    """The size of ``payload``'s storage when it is an integer or byte tensor (one that may hold pointers), else
-    ``None``."""
-    if not isinstance(payload, torch.Tensor) or payload.dtype not in POINTER_ARRAY_DTYPES:
+def _storage_bytes(payload: Any) -> int | None:
+    """The size of ``payload``'s storage when it is a strided tensor (one whose bytes may hold pointers)."""
+    if not isinstance(payload, torch.Tensor) or payload.layout is not torch.strided:
         return None
     try:
         return int(payload.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def _may_hold_pointers(payload: torch.Tensor) -> bool:
+    """Whether a storage too large to read may be a pointer table: integer or byte data that no loader fills."""
+    return payload.dtype in POINTER_ARRAY_DTYPES and not isinstance(payload, nn.Parameter)
 
 
 @dataclass(slots=True)
@@ -708,10 +713,15 @@ def attribute(scan: GraphScan, view: StorageView, *, arrays: bool = True) -> Sca
             counts[where.what] = counts.get(where.what, 0) + 1
             ranges.append((where.base, where.base + max(where.nbytes, 1)))
             if where.what in (MODEL, UNOWNED, IGNORED) and arrays and where.base not in candidates:
-                nbytes = _integer_storage_bytes(where.storage)
+                nbytes = _storage_bytes(where.storage)
                 if nbytes is not None and 0 < nbytes <= POINTER_ARRAY_BYTES:
                     candidates[where.base] = where.storage
-                elif nbytes is not None and nbytes > POINTER_ARRAY_BYTES and where.what != IGNORED:
+                elif (
+                    nbytes is not None
+                    and nbytes > POINTER_ARRAY_BYTES
+                    and where.what != IGNORED
+                    and _may_hold_pointers(where.storage)
+                ):
                     # (A registered graph input or output, IGNORED, is the engine's own data: token ids, block
                     # tables, read as pointers only when small.)
                     note = (
