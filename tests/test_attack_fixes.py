@@ -568,7 +568,7 @@ def test_padding_a_kernel_reads_past_a_slot_that_no_reload_changes_is_not_stale(
     x = torch.randn(2, N)
     with torch.no_grad(), record_capture(contract, ignore=[x]):
         layer(x)
-    storage = layer.w_t.untyped_storage()
+    captured = layer.w_t  # (not its storage object: a caller holding that looks like a storage pool, fail closed)
     with contextlib.suppress(ContractViolation), contract.reload(), torch.no_grad():
         layer.weight.copy_(torch.randn(4, N, generator=generator))
         layer.process_weights_after_loading()
@@ -576,7 +576,7 @@ def test_padding_a_kernel_reads_past_a_slot_that_no_reload_changes_is_not_stale(
     assert outcome is not None
     cold = torch.zeros(4 * N + 16)
     cold[: 4 * N] = (layer.weight.detach() * 2).flatten()
-    held = torch.frombuffer(bytearray(bytes(storage)), dtype=torch.float32)
+    held = torch.frombuffer(bytearray(bytes(captured.untyped_storage())), dtype=torch.float32)
     assert torch.equal(held, cold)  # every byte the graph reads is right
     assert outcome.status is Status.COMMITTED, [(f.kind.value, f.detail[:100]) for f in outcome.findings]
 

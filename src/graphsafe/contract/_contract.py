@@ -729,14 +729,37 @@ def _overlapping(spans: list[tuple[str, int, int, int]], tensor: torch.Tensor) -
     return [key for where, first, last, key in spans if where == device and first < end and start < last]
 
 
-def _first_gap(first: int, end: int, spans: list[tuple[int, int]]) -> tuple[int, int] | None:
-    """The first part of ``[first, end)`` that no span of ``spans`` (sorted by start) covers, or ``None``."""
+def _gaps(first: int, end: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``[first, end)`` that no span of ``spans`` (sorted by start) covers."""
+    gaps: list[tuple[int, int]] = []
     at = first
     for start, stop in spans:
+        if at >= end:
+            break
         if start > at:
-            return (at, min(start, end)) if at < end else None
+            gaps.append((at, min(start, end)))
         at = max(at, stop)
-    return (at, end) if at < end else None
+    if at < end:
+        gaps.append((at, end))
+    return gaps
+
+
+def _same_as_new(storage: Any, lo: int, hi: int, moves: Iterable[Any]) -> bool:
+    """Whether bytes ``[lo, hi)`` of the captured ``storage`` equal the bytes at the same offsets of the storage of
+    the new tensor some move copied into it from (laid out at the same offset as its captured tensor)."""
+    if storage is None:
+        return False
+    old = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)[lo:hi]
+    for move in moves:
+        new = move.new
+        if type(new) not in (torch.Tensor, nn.Parameter) or new.storage_offset() != move.dst.storage_offset():
+            continue
+        source = new.untyped_storage()
+        if source.nbytes() < hi or source.device != storage.device:
+            continue
+        if torch.equal(torch.empty(0, dtype=torch.uint8, device=source.device).set_(source)[lo:hi], old):
+            return True
+    return False
 
 
 def _next_step(reason: str | None) -> str:
@@ -830,8 +853,6 @@ class ReloadTransaction:
         self._samples = SampleBatch()  # the value samples of the snapshots being taken (see _snapshot)
         #: Sealed layer id -> the layer as ``after_layer()`` left it, checked again when the reload finishes.
         self._closed: dict[int, ClosedLayer] = {}
-        #: ``(device, first address, end)`` of every restore copy's destination in this reload.
-        self._written: list[tuple[str, int, int]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -1077,8 +1098,6 @@ class ReloadTransaction:
                 if self._closed:  # layers after_layer() restored: still in the model, and as it left them?
                     self._findings.extend(check_closed(self._closed.values(), self._still_in_model))
                     self._closed.clear()
-                if contract.manifest is not None and self._written:
-                    self._findings.extend(self._reads_no_copy_reached())
                 if contract.manifest is not None:
                     # The walker and the manifest can see the same slot: report each (layer, path) once.
                     flagged = {(f.layer, f.path) for f in self._findings if f.kind.is_problem and f.path}
@@ -1126,34 +1145,43 @@ class ReloadTransaction:
             skip_notes=tuple(self._skip.notes),
         )
 
-    def _reads_no_copy_reached(self) -> list[Finding]:
-        """``stale`` for captured storages a restore copied into whose recorded reads reach bytes neither a copy
-        nor a model path covers (a kernel handed a slot's view reads the whole buffer PWAL packed it in): the copy
-        wrote the slot's bytes, the rest keep the old values, and a recapture through the same path reads them
-        too."""
-        ranges = getattr(self.contract.manifest, "byte_ranges", None)
-        if ranges is None:
+    def _reads_no_copy_reached(self, plan: RestorePlan) -> list[Finding]:
+        """``stale`` for captured storages this step copied into whose recorded reads reach bytes neither a copy nor
+        a model path covers (a kernel handed a slot's view reads the whole buffer PWAL packed it in): the copy wrote
+        the slot's bytes and the rest keep the old values, which a recapture through the same path reads too. Bytes
+        equal to those at the same offsets of the storage PWAL's new tensor lies in (alignment padding) are not."""
+        manifest = self.contract.manifest
+        ranges = getattr(manifest, "byte_ranges", None)
+        if manifest is None or ranges is None or not plan.moves:
             return []
-        written = sorted(self._written)
+        written = [(str(m.memory[0]), m.memory[1], m.memory[2], m) for m in plan.moves]
         entries = [
             entry
             for entry in ranges()
             if any(
                 device == str(entry.device) and start < entry.data_ptr + entry.hi and entry.data_ptr + entry.lo < end
-                for device, start, end in written
+                for device, start, end, _ in written
             )
         ]
         if not entries:
             return []
-        covered = [*written]
-        for _, _, tensor in self.contract.manifest.held(self.contract):  # type: ignore[union-attr]
-            covered.append(address_range(tensor))
+        covered = [(device, start, end) for device, start, end, _ in written]
+        covered.extend(address_range(tensor) for _, _, tensor in manifest.held(self.contract))
         findings: list[Finding] = []
         for entry in entries:
-            device, first, end = str(entry.device), entry.data_ptr + entry.lo, entry.data_ptr + entry.hi
+            device, base = str(entry.device), entry.data_ptr
             spans = sorted((start, stop) for where, start, stop in covered if where == device and stop > start)
-            gap = _first_gap(first, end, spans)
-            if gap is None:
+            sources = [
+                move
+                for where, start, end, move in written
+                if where == device and start < base + entry.hi and base + entry.lo < end
+            ]
+            gaps = [
+                gap
+                for gap in _gaps(base + entry.lo, base + entry.hi, spans)
+                if not _same_as_new(entry.storage_ref(), gap[0] - base, gap[1] - base, sources)
+            ]
+            if not gaps:
                 continue
             holder = entry.holders[0] if entry.holders else None
             findings.append(
@@ -1164,10 +1192,11 @@ class ReloadTransaction:
                     path=holder.path if holder is not None else "",
                     declared=holder is not None and holder.declared,
                     before=entry.first_view,
-                    detail=f"the captured graph reads bytes {gap[0] - entry.data_ptr}..{gap[1] - entry.data_ptr} of "
-                    "its storage, which no slot covers: the restore copied the slot's own bytes and left those "
-                    "with their old values, and a recapture through this path reads them too. Declare the whole "
-                    "buffer the kernel reads (the tensor PWAL packed it in), not a view of part of it",
+                    detail=f"the captured graph reads bytes {gaps[0][0] - base}..{gaps[0][1] - base} of its storage, "
+                    "which no slot covers and which differ from what PWAL left there in its new tensor: the restore "
+                    "copied the slot's own bytes and left those with their old values, and a recapture through "
+                    "this path reads them too. Declare the whole buffer the kernel reads (the tensor PWAL packed it "
+                    "in), not a view of part of it",
                 )
             )
         return findings
@@ -1298,9 +1327,10 @@ class ReloadTransaction:
                 plan.watch(self._captured_of, self._version_of, local, kept, self._changed_inputs)
                 with plan.writing():
                     plan.launch(batch)
-                    self._written.extend((str(m.memory[0]), m.memory[1], m.memory[2]) for m in plan.moves)
                     plan.check()
                 self._findings.extend(plan.findings)
+                if self.contract.manifest is not None:
+                    self._findings.extend(self._reads_no_copy_reached(plan))
         finally:
             with plan.writing():
                 batch.flush()
