@@ -22,7 +22,15 @@ import pytest
 import torch
 from torch import nn
 
-from graphsafe import ContractViolation, GraphContract, GraphSafeError, Status, graph_visible, register_derived
+from graphsafe import (
+    ContractViolation,
+    FindingKind,
+    GraphContract,
+    GraphSafeError,
+    Status,
+    graph_visible,
+    register_derived,
+)
 from graphsafe.collectors import record_capture
 
 MODES = ("strict", "recapture", "migrate")
@@ -616,7 +624,7 @@ def _load_rope(model: RopeModel, seed: int) -> None:
             layer.process_weights_after_loading()
 
 
-def test_sealed_paths_a_lazily_built_static_table_commits_once_the_initial_load_is_recorded() -> None:
+def test_sealed_paths_a_lazily_built_static_table_commits_once_a_reload_recorded_it() -> None:
     """Legitimate: a rotary table built lazily by the warm-up forward (after seal, before capture), never touched
     by PWAL; the initial load is recorded with ``record_inputs()`` (the README's remedy for tables that are really
     fixed). Under ``every-reload`` this commits; before the last commits ``sealed-paths`` committed too. Now the
@@ -634,7 +642,19 @@ def test_sealed_paths_a_lazily_built_static_table_commits_once_the_initial_load_
         model(x)  # warm-up
     with torch.no_grad(), record_capture(contract, ignore=[x]):
         model(x)
-    for seed in (1, 2):
+    # The first reload after the warm-up: nothing recorded says PWAL never computes ``_cos_sin`` (it appeared after
+    # the one recording), and the weights changed under it: fail closed, and record this reload's PWAL.
+    with contextlib.suppress(ContractViolation), contract.reload():
+        _load_rope(model, 1)
+    outcome = contract.last_outcome
+    assert outcome is not None and outcome.status is Status.FAILED
+    assert {(f.kind, f.path) for f in outcome.problems} == {(FindingKind.STALE, "_cos_sin")}
+    # The author checks it is a fixed table and takes the graphs again: from then on the recording says PWAL never
+    # computes it, and reloads commit (before, it stayed unrecorded and failed on every reload, whatever was done).
+    with torch.no_grad(), record_capture(contract, ignore=[x]):
+        model(x)
+    contract.reseal()
+    for seed in (2, 3):
         with contextlib.suppress(ContractViolation), contract.reload():
             _load_rope(model, seed)
         outcome = contract.last_outcome

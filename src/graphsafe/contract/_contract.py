@@ -917,7 +917,11 @@ class ReloadTransaction:
             self._begun = False
             contract._lock.release()
             raise
-        if contract.record_first_reload and not contract._recorded:
+        if contract.record_first_reload and (
+            not contract._recorded or any(slot.unrecorded for slot in contract._manifest_slots.values())
+        ):
+            # The first reload, or one watching a graph-read path no recording saw (it appeared after the one
+            # recording): record what PWAL computes, so a table it never touches stops being watched.
             self._dataflow = Dataflow()
             self._dataflow.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             self._recording_thread = threading.get_ident()

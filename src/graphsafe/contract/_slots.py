@@ -627,6 +627,8 @@ class LayerSnapshot:
         nothing about what a rebuild reads, and an in-place write that read nothing the model holds
         (``clamp_(-inf, inf)``) must not teach the contract that the slot has no inputs.
         """
+        for slot in self.slots:
+            slot.unrecorded = False  # this recording saw the layer's PWAL: whether it computes the slot is known now
         learned: list[tuple[SealedSlot, tuple[InputRef, ...]]] = []
         for index, (before, _, _, _) in self.freshness.items():
             slot = self.slots[index]
