@@ -624,7 +624,8 @@ def _load_rope(model: RopeModel, seed: int) -> None:
             layer.process_weights_after_loading()
 
 
-def test_sealed_paths_a_lazily_built_static_table_commits_once_a_reload_recorded_it() -> None:
+@pytest.mark.parametrize("detect", ["sealed-paths", "declared-only"])
+def test_a_lazily_built_static_table_commits_once_a_reload_recorded_it(detect: str) -> None:
     """Legitimate: a rotary table built lazily by the warm-up forward (after seal, before capture), never touched
     by PWAL; the initial load is recorded with ``record_inputs()`` (the README's remedy for tables that are really
     fixed). Under ``every-reload`` this commits; before the last commits ``sealed-paths`` committed too. Now the
@@ -633,7 +634,7 @@ def test_sealed_paths_a_lazily_built_static_table_commits_once_a_reload_recorded
     and since no reload ever records PWAL again (the initial load was recorded) it is ``stale`` on EVERY reload:
     FAILED forever, no way out but a static declaration."""
     model = RopeModel()
-    contract = GraphContract(model, "recapture", detect="sealed-paths")
+    contract = GraphContract(model, "recapture", detect=detect)  # type: ignore[arg-type]
     with contract.record_inputs():
         _load_rope(model, 0)
     contract.seal()

@@ -216,6 +216,9 @@ class GraphContract:
         # declared-only with a manifest: the paths the manifest saw holding captured storage that no sealed slot
         # tracks, each as a walker-found slot kept across reloads (so a recording's lesson about it is kept)
         self._manifest_slots: dict[tuple[str, str], SealedSlot] = {}
+        #: Those paths a recording saw PWAL run over, with what it saw PWAL compute each from (``None``: not
+        #: computed, a fixed table): kept across seals, so a path that reappears after a reseal is known.
+        self._recorded_extras: dict[tuple[str, str], tuple[InputRef, ...] | None] = {}
         self._pending: Dataflow | None = None  # record_inputs() before seal(), consumed by seal()
         #: Set by an engine adapter: why no captured graph replays this model (a platform without graphs, an eager
         #: configuration), or ``None`` while graphs may replay. Asked when a reload decides: with no graph, findings
@@ -952,6 +955,9 @@ class ReloadTransaction:
         for snapshot in snapshots:
             written = {storage for module in snapshot.layer.modules() for storage in updated.get(id(module), ())}
             self._unloaded.extend(snapshot.learn_inputs(reads, dataflow.updated, written))
+            for slot in snapshot.slots:
+                if slot.watch_only:
+                    self.contract._recorded_extras[(snapshot.sealed.qualname, slot.path.text)] = slot.inputs
 
     def __enter__(self) -> ReloadTransaction:
         return self.begin()
@@ -1618,7 +1624,10 @@ class ReloadTransaction:
             slot = contract._manifest_slots.get(key)
             if slot is None or slot.tensor_ref() is not tensor or slot.origin is not origin:
                 slot = SealedSlot(SlotPath(path), fingerprint(tensor), weakref.ref(tensor), origin)
-                slot.unrecorded = contract._recorded
+                if key in contract._recorded_extras:  # a recording saw PWAL run over this path (before a reseal)
+                    slot.inputs = contract._recorded_extras[key]
+                else:
+                    slot.unrecorded = contract._recorded
                 slot.watch_only = True
                 # Watched even as an alias path: the copy into its slot's memory (or its slot's own write) changes
                 # its values, so only a path nothing refreshed looks stale; its slot may be empty or gone.
