@@ -1176,7 +1176,11 @@ class ReloadTransaction:
         if not entries:
             return []
         covered = [(device, start, end) for device, start, end, _ in written]
-        covered.extend(address_range(tensor) for _, _, tensor in manifest.held(self.contract))
+        for _, _, tensor in manifest.held(self.contract):
+            try:
+                covered.extend(address_range(part) for part in memory_tensors(tensor))  # a wrapper: its inner ones
+            except (TypeError, RuntimeError):
+                continue  # no memory of its own to cover anything
         findings: list[Finding] = []
         for entry in entries:
             device, base = str(entry.device), entry.data_ptr
