@@ -194,12 +194,31 @@ def _wrap_finalize(state: AdapterState) -> Callable[[Callable[..., Any]], Wrappe
 def _wrap_reload_weights(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
     def make(original: Callable[..., Any]) -> Wrapper:
         def reload_weights(vllm_config: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if _kernel_format(args, kwargs) and model in state.contracts:
+                # vLLM copies kernel-format weights into the parameters itself, with no layerwise hooks and no
+                # PWAL: one whole-model transaction around it checks what the copy leaves (a derived slot computed
+                # from the old weights is stale).
+                session = begin(state, model, layerwise=False)
+                try:
+                    result = original(vllm_config, model, *args, **kwargs)
+                except BaseException as exc:
+                    abort(state, session, exc)
+                    raise
+                finish(state, session)
+                return result
             with _failing_reloads(state, [model]):
                 return original(vllm_config, model, *args, **kwargs)
 
         return reload_weights
 
     return make
+
+
+def _kernel_format(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``reload_weights(vllm_config, model, weights_iterator, weights_path, is_checkpoint_format)`` call
+    passes weights already in kernel format (``is_checkpoint_format=False``)."""
+    flag = kwargs["is_checkpoint_format"] if "is_checkpoint_format" in kwargs else (args[2] if len(args) > 2 else True)
+    return flag is False
 
 
 @contextlib.contextmanager
@@ -431,7 +450,8 @@ def _wrap_dispatch_v1(state: AdapterState) -> Callable[[Callable[..., Any]], Wra
     def make(original: Callable[..., Any]) -> Wrapper:
         def dispatch(self: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
             mode, descriptor = original(self, num_tokens, *args, **kwargs)
-            if _gate_reason(state) is None or mode.name == "NONE":
+            # (The adapter's own recapture dispatches too: it captures the graphs the gate waits for.)
+            if state.recapturing or _gate_reason(state) is None or mode.name == "NONE":
                 return mode, descriptor
             forward_context = vllm_module("vllm.forward_context")
             return type(mode).NONE, forward_context.BatchDescriptor(num_tokens)
@@ -447,7 +467,7 @@ def _wrap_dispatch_v2(state: AdapterState) -> Callable[[Callable[..., Any]], Wra
     def make(original: Callable[..., Any]) -> Wrapper:
         def dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
             descriptor = original(self, *args, **kwargs)
-            if _gate_reason(state) is None or descriptor.cg_mode.name == "NONE":
+            if state.recapturing or _gate_reason(state) is None or descriptor.cg_mode.name == "NONE":
                 return descriptor
             return dataclasses.replace(descriptor, cg_mode=type(descriptor.cg_mode).NONE)
 

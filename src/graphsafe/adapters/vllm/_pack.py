@@ -60,6 +60,10 @@ _FLASHINFER_CONSTANTS = tuple(
         "fake_input_scale",
         "_fc2_input_scale",
         "per_token_global_scale",
+        # TRT-LLM FP8 per-tensor experts: products of the weight and input scales, new tensors on every kernel build
+        "_g1_alphas",
+        "_g2_alphas",
+        "_g1_scale_c",
     )
 )
 _MOE_PATHS = _CUTLASS_STRIDES + _FLASHINFER_CONSTANTS
@@ -171,6 +175,38 @@ PACK: tuple[PackEntry, ...] = (
         "vllm.model_executor.layers.quantization.mxfp4:Mxfp4MoEMethod",
         _MOE_PATHS,
         "MXFP4 MoE (TRT-LLM): gemm1_alpha/beta/clamp_limit tensors on the experts object",
+    ),
+    *(
+        PackEntry(target, _MOE_PATHS, f"{target.rpartition(':')[2]}: PWAL builds the MoE kernel (make_*_moe_kernel)")
+        for target in (
+            # Other MoE methods whose PWAL builds the same kernels (vLLM 0.33: make_fp8_moe_kernel,
+            # make_nvfp4_moe_kernel, make_mxfp4_moe_kernel), online quantization (RL's usual setup) included.
+            "vllm.model_executor.layers.quantization.online.fp8:Fp8PerTensorOnlineMoEMethod",
+            "vllm.model_executor.layers.quantization.online.fp8:Fp8PerBlockOnlineMoEMethod",
+            "vllm.model_executor.layers.quantization.online.fp8:Fp8PtpcOnlineMoEMethod",
+            "vllm.model_executor.layers.quantization.online.mxfp8:Mxfp8OnlineMoEMethod",
+            "vllm.model_executor.layers.quantization.online.nvfp4:Nvfp4OnlineMoEMethod",
+            "vllm.model_executor.layers.quantization.online.mxfp4:Mxfp4OnlineMoEMethod",
+            "vllm.model_executor.layers.quantization.quark.quark_moe:QuarkW8A8Fp8MoEMethod",
+            "vllm.model_executor.layers.quantization.quark.quark_moe:QuarkW8A8Mxfp8MoEMethod",
+            "vllm.model_executor.layers.quantization.quark.quark_moe:QuarkNvfp4MoEMethod",
+            "vllm.model_executor.layers.quantization.quark.quark_moe:QuarkOCP_MX_MoEMethod",
+            "vllm.model_executor.layers.quantization.modelopt:ModelOptMxFp8FusedMoE",
+            "vllm.model_executor.layers.quantization.modelopt_block_quant:ModelOptBlockQuantMoEMethod",
+            "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+            "compressed_tensors_moe_w8a8_mxfp8:CompressedTensorsW8A8Mxfp8MoEMethod",
+            "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+            "compressed_tensors_moe_w4a4_mxfp4:CompressedTensorsW4A4Mxfp4MoEMethod",
+            "vllm.model_executor.layers.quantization.inc.schemes.inc_mxfp8_moe:INCMxfp8MoEMethod",
+            "vllm.model_executor.layers.quantization.inc.schemes.inc_mxfp4_moe:INCMxfp4MoEMethod",
+        )
+    ),
+    PackEntry(
+        "vllm.model_executor.layers.quantization.fp8:Fp8LinearMethod",
+        ("quant_method.fp8_linear.locks",),
+        "FP8 linear on the humming kernel: PWAL makes new lock (semaphore) tensors the kernel reads; serving "
+        "scratch, not computed from the weights",
+        static=("quant_method.fp8_linear.locks",),
     ),
     PackEntry(
         "vllm.model_executor.layers.attention.mla_attention:MLAAttention",

@@ -62,8 +62,10 @@ def ensure_contract(state: AdapterState, model: nn.Module) -> GraphContract:
     return contract
 
 
-def begin(state: AdapterState, model: nn.Module) -> Session:
+def begin(state: AdapterState, model: nn.Module, *, layerwise: bool = True) -> Session:
     """Open the reload transaction of ``model``, settling first one that was opened and never finalized.
+    ``layerwise=False``: one whole-model transaction, snapshotted now (a reload vLLM runs without its layerwise
+    hooks: weights copied in kernel format).
 
     vLLM may initialize a reload and put the layers back itself, with no finalize: the sharded RDT weight-transfer
     engine bakes its plan that way, and a caller may drop an initialize whose layers were all processed. The open
@@ -80,7 +82,7 @@ def begin(state: AdapterState, model: nn.Module) -> Session:
             finish(state, stale)
     contract = ensure_contract(state, model)
     group = _tp_group()
-    txn = contract.reload(layerwise=True, agreement=agreement(group) if group is not None else None)
+    txn = contract.reload(layerwise=layerwise, agreement=agreement(group) if group is not None else None)
     txn.begin()  # NotServingSafeError propagates: fail closed until reseal/recapture
     session = Session(weakref.ref(model), contract, txn)
     state.sessions[model] = session
