@@ -748,21 +748,25 @@ def _gaps(first: int, end: int, spans: list[tuple[int, int]]) -> list[tuple[int,
 
 
 def _same_as_new(storage: Any, lo: int, hi: int, moves: Iterable[Any]) -> bool:
-    """Whether bytes ``[lo, hi)`` of the captured ``storage`` equal the bytes at the same offsets of the storage of
-    the new tensor some move copied into it from (laid out at the same offset as its captured tensor)."""
+    """Whether bytes ``[lo, hi)`` of the captured ``storage`` equal the bytes at the same offsets of the one new
+    storage every move into it copied from (each new tensor at its captured tensor's offset): the buffer PWAL
+    packed the slots in. Several new storages, or none, and the bytes are not known to be fresh."""
     if storage is None:
         return False
-    old = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)[lo:hi]
+    sources: dict[int, Any] = {}
     for move in moves:
         new = move.new
         if type(new) not in (torch.Tensor, nn.Parameter) or new.storage_offset() != move.dst.storage_offset():
-            continue
+            return False  # laid out elsewhere: its bytes say nothing about these offsets
         source = new.untyped_storage()
-        if source.nbytes() < hi or source.device != storage.device:
-            continue
-        if torch.equal(torch.empty(0, dtype=torch.uint8, device=source.device).set_(source)[lo:hi], old):
-            return True
-    return False
+        sources[id(source)] = source
+    if len(sources) != 1:
+        return False  # the slots on the captured storage came from several new storages: none of them is the buffer
+    (source,) = sources.values()
+    if source.nbytes() < hi or source.device != storage.device:
+        return False
+    old = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)[lo:hi]
+    return torch.equal(torch.empty(0, dtype=torch.uint8, device=source.device).set_(source)[lo:hi], old)
 
 
 def _next_step(reason: str | None) -> str:
@@ -956,7 +960,7 @@ class ReloadTransaction:
             written = {storage for module in snapshot.layer.modules() for storage in updated.get(id(module), ())}
             self._unloaded.extend(snapshot.learn_inputs(reads, dataflow.updated, written))
             for slot in snapshot.slots:
-                if slot.watch_only:
+                if slot.watch_only and not slot.unrecorded:
                     self.contract._recorded_extras[(snapshot.sealed.qualname, slot.path.text)] = slot.inputs
 
     def __enter__(self) -> ReloadTransaction:
@@ -1353,7 +1357,10 @@ class ReloadTransaction:
             # New tensors left at their paths read what they read now; a later after_layer must not write it.
             self._kept.extend(t for s, _ in work for t in s.kept)
         check_freshness([snapshot for snapshot, _ in work])
-        swapped = {id(new): captured for snapshot, _ in work for new, captured in snapshot.swapped}
+        seen: dict[int, Any] = {}
+        for snapshot, rebinds in work:
+            snapshot.conflicting_attributes(rebinds, seen)
+        swapped = {id(new): held for snapshot, rebinds in work for new, held in snapshot.bound_instead(rebinds)}
         for snapshot, rebinds in work:
             snapshot.rebind(rebinds, swapped)
         for snapshot, _ in work:  # after every rebind: two layers' paths can reach one place (nested layers)
@@ -1370,7 +1377,7 @@ class ReloadTransaction:
             # Drop the strong references now: the new derived tensors of this layer can be freed before the next.
             snapshot.captured = [None] * len(snapshot.captured)
             snapshot.overrides, snapshot.kept, snapshot.keep, snapshot.attributes = {}, [], {}, {}
-            snapshot.swapped = []
+            snapshot.swapped = {}
         del work
 
     def _block_foreign_holders(

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -553,9 +553,8 @@ class LayerSnapshot:
     #: (``weight.g_idx`` hung on a parameter, a scale on a derived tensor): :meth:`rebind` gives the captured
     #: tensor the new one's.
     attributes: dict[int, torch.Tensor] = field(default_factory=dict)
-    #: ``(new tensor, captured tensor)`` of every planned rebind: an attribute holding a new tensor another slot
-    #: is restored from is given that slot's captured tensor.
-    swapped: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: Slot index -> the new tensor at its path, for every planned rebind (see :meth:`bound_instead`).
+    swapped: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def take(
@@ -627,8 +626,7 @@ class LayerSnapshot:
         nothing about what a rebuild reads, and an in-place write that read nothing the model holds
         (``clamp_(-inf, inf)``) must not teach the contract that the slot has no inputs.
         """
-        for slot in self.slots:
-            slot.unrecorded = False  # this recording saw the layer's PWAL: whether it computes the slot is known now
+        self._learn_recorded(updated)
         learned: list[tuple[SealedSlot, tuple[InputRef, ...]]] = []
         for index, (before, _, _, _) in self.freshness.items():
             slot = self.slots[index]
@@ -653,6 +651,21 @@ class LayerSnapshot:
                 names = ", ".join(repr(ref.label(self.sealed.qualname)) for ref in found)
                 notes.append(f"{SlotRef(self.sealed.qualname, '')} slot {slot.path.text!r} from {names}")
         return notes
+
+    def _learn_recorded(self, updated: Callable[[Any], bool]) -> None:
+        """Which walker-found slots this recording tells about (``unrecorded`` cleared): one PWAL computed, and one
+        PWAL left while its inputs changed (this reload judges it: ``stale`` unless it really is a fixed table).
+        One PWAL left while nothing it may be computed from changed (a partial reload, a skip guard that was right
+        this time) tells nothing: it stays watched, or a later reload that changes its inputs would take it for a
+        fixed table."""
+        layer = self.layer
+        for index in self.freshness:
+            slot = self.slots[index]
+            if slot.origin is not Origin.WALKER:
+                continue
+            current = slot.get(layer)
+            computed = isinstance(current, torch.Tensor) and updated(current)
+            slot.unrecorded = not computed and not self.changed_inputs(index)
 
     def in_place(self) -> bool:
         """Whether every slot is its captured tensor on its captured memory: then restore and verify are no-ops.
@@ -853,7 +866,7 @@ class LayerSnapshot:
                 self.suspects.append((index, held, None))
             if current.__dict__ or captured.__dict__:
                 self.attributes[index] = current
-            self.swapped.append((current, captured))
+            self.swapped[index] = current
             source = current
             if overrides:
                 saved = overrides.get(index)
@@ -1047,6 +1060,45 @@ class LayerSnapshot:
             )
         )
 
+    def broken_paths(self) -> set[str]:
+        """The paths of this layer's ``alias-broken`` slots (they keep their new values: see :meth:`rebind`)."""
+        return {f.path for f in self.findings if f.kind is FindingKind.ALIAS_BROKEN}
+
+    def bound_instead(self, rebinds: list[tuple[int, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(new tensor, what its path will hold)`` for every rebind :meth:`rebind` will make: the captured
+        tensor; an ``alias-broken`` slot's kept clone of its values (a slot that keeps its new tensor is left out).
+        Ask after every copy of the step was taken back or not (the rebinds left are the ones made)."""
+        broken = self.broken_paths() if self.findings else set()
+        for index, captured in rebinds:
+            new = self.swapped.get(index)
+            if new is None:
+                continue
+            if self.slots[index].path.text not in broken:
+                yield new, captured
+            elif index in self.keep:
+                yield new, self.keep[index]
+
+    def conflicting_attributes(self, rebinds: list[tuple[int, torch.Tensor]], seen: dict[int, Any]) -> None:
+        """Flag a slot whose captured tensor another slot of the step also rebinds (a tie) with other attributes:
+        one object cannot carry both (``alias-broken``: it keeps its new tensor). ``seen``: id(captured tensor) ->
+        the attributes the first slot gives it, shared across the step's snapshots."""
+        for index, captured in rebinds:
+            new = self.swapped.get(index)
+            if new is None:
+                continue
+            attributes = new.__dict__
+            first = seen.setdefault(id(captured), attributes)
+            if first is attributes or _same_attributes(first, attributes):
+                continue
+            self.findings.append(
+                self.sealed.finding(
+                    FindingKind.ALIAS_BROKEN,
+                    self.slots[index],
+                    detail="it shares its captured tensor with another slot (a tie), and PWAL gave the two new "
+                    "tensors other Python attributes, which one object cannot carry: it keeps its new tensor",
+                )
+            )
+
     def rebind(self, rebinds: list[tuple[int, torch.Tensor]], swapped: Mapping[int, torch.Tensor]) -> None:
         """Put the captured tensors back at their paths. ``swapped``: id() of each new tensor the restore step
         replaces by a captured one -> that captured tensor (for the attributes moved onto captured tensors)."""
@@ -1127,6 +1179,24 @@ class LayerSnapshot:
 
 
 _LOADED = (Origin.PARAMETER, Origin.BUFFER)
+
+
+def _same_attributes(first: Mapping[str, Any], second: Mapping[str, Any]) -> bool:
+    """Whether two attribute dicts hold the same things: the same objects, or equal plain values."""
+    if first.keys() != second.keys():
+        return False
+    for name, value in first.items():
+        other = second[name]
+        if value is other:
+            continue
+        if isinstance(value, torch.Tensor) or isinstance(other, torch.Tensor):
+            return False
+        try:
+            if not bool(value == other):
+                return False
+        except Exception:
+            return False
+    return True
 
 
 def _move_attributes(
