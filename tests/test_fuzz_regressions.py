@@ -12,6 +12,7 @@ failure message names the verdict, its reason and the scenario. A scenario reads
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fuzz import oracle
 from fuzz.harness import run
@@ -503,3 +504,17 @@ def test_shared_memory_compared_bit_for_bit_takes_any_stride(detect: str) -> Non
     )
     layer = LayerSpec(rows=1, cols=3, slots=(slot,), loader="stash", buffer=True)
     _assert_honest(Scenario(layers=(layer,), mode="migrate", detect=detect, manifest=detect == "declared-only"))
+
+
+def test_the_digest_of_a_one_element_tensor_with_any_stride_reads_its_bytes() -> None:
+    """Found by the long fuzz (a16a370, 5 crashes in 13,500 reloads): a one-element input is contiguous whatever its
+    stride, and the digest viewed it flat as bytes, which torch refuses for stride 2. The digest reads the element's
+    bytes: the same as a copy's, other than another value's."""
+    from graphsafe.contract._samples import digest
+
+    one = torch.arange(10.0)[::2][3:4]  # the element 6.0, stride 2
+    assert one.is_contiguous() and one.stride() == (2,)
+    same, other = digest(one), digest(one.clone())
+    assert same is not None and other is not None and torch.equal(same, other)
+    changed = digest(torch.tensor([7.0]))
+    assert changed is not None and not torch.equal(same, changed)

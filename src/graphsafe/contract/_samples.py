@@ -291,7 +291,9 @@ def digest(tensor: torch.Tensor) -> torch.Tensor | None:
     plain = _dense(tensor)
     if plain is None or plain.device.type == "meta":
         return None
-    raw = plain.detach().reshape(-1).view(torch.uint8)
+    # Contiguous: its elements lie one after another from its offset (a one-element tensor may still carry any
+    # stride, which a byte view refuses), so one flat view of them reads every byte.
+    raw = plain.detach().as_strided((plain.numel(),), (1,), plain.storage_offset()).view(torch.uint8)
     count = raw.numel()
     # The word size follows the byte count only, so the same bytes give the same digest wherever they lie.
     width = 4 if count % 4 == 0 else 2 if count % 2 == 0 else 1
