@@ -1165,3 +1165,17 @@ def test_samples_compared_in_a_batch_agree_with_each_compared_alone(
             tensors[index][0] += 1  # the first element is always sampled
     verdicts = unchanged([(samples[i], tensors[i]) for i in chosen], 16)
     assert verdicts == [torch.equal(before[i], signature(tensors[i], 16)) for i in chosen]
+
+
+def test_the_digest_of_a_one_element_tensor_with_any_stride_reads_its_bytes() -> None:
+    """Found by the long fuzz (a16a370, 5 crashes in 13,500 reloads): a one-element input is contiguous whatever its
+    stride, and the digest viewed it flat as bytes, which torch refuses for stride 2. The digest reads the element's
+    bytes: the same as a copy's, other than another value's."""
+    from graphsafe.contract._samples import digest
+
+    one = torch.arange(10.0)[::2][3:4]  # the element 6.0, stride 2
+    assert one.is_contiguous() and one.stride() == (2,)
+    same, other = digest(one), digest(one.clone())
+    assert same is not None and other is not None and torch.equal(same, other)
+    changed = digest(torch.tensor([7.0]))
+    assert changed is not None and not torch.equal(same, changed)

@@ -1511,7 +1511,7 @@ class ReloadTransaction:
             confirmed = snapshot.confirmed
             for index, slot in enumerate(snapshot.slots):
                 captured = snapshot.captured[index]
-                if captured is None or slot.origin is Origin.ALIAS or slot.watch_only or slot.wrapped:
+                if captured is None or slot.watch_only or slot.wrapped:
                     continue
                 if confirmed[index]:
                     continue  # verify just saw the captured object at its path, on its captured memory
