@@ -527,3 +527,38 @@ def test_an_alias_pwal_leaves_on_a_respecified_slots_memory_is_not_taken_for_rec
         manifest=False,
     )
     _assert_honest(scenario)
+
+
+def test_an_alias_path_that_leaves_memory_its_slot_s_copy_rewrote_abandons_nothing() -> None:
+    """The other side of the rule above: an alias path PWAL points at its slot's new tensor read another way (a
+    respecified view) leaves memory the slot's copy rewrites whole. Another alias path that follows the slot reads
+    the new values there: a recapture is all it takes, nothing is stale."""
+    import torch
+    from torch import nn
+
+    from graphsafe import FindingKind, GraphContract, Status, register_derived
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.arange(6.0).view(2, 3), requires_grad=False)
+            self.reloads = 0
+
+        def process_weights_after_loading(self) -> None:
+            self.w_t = self.weight.t().contiguous()
+            register_derived(self, "w_t")
+            self.follows = self.w_t  # an alias path that follows its slot
+            self.flat = self.w_t.view(-1) if not self.reloads else self.w_t.view(2, 3)  # read another way later
+
+    layer = Layer()
+    layer.process_weights_after_loading()
+    contract = GraphContract(layer, "recapture", detect="every-reload").seal()
+    contract.on_recapture(lambda outcome: None)
+    with torch.no_grad(), contract.reload():
+        layer.weight.copy_(torch.arange(6.0).view(2, 3) * 10)
+        layer.reloads += 1
+        layer.process_weights_after_loading()
+    outcome = contract.last_outcome
+    assert outcome is not None and outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
+    assert FindingKind.STALE not in {f.kind for f in outcome.problems}, outcome.summary()
+    assert torch.equal(layer.follows, layer.weight.t())

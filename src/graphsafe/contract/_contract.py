@@ -1365,7 +1365,7 @@ class ReloadTransaction:
             snapshot.rebind(rebinds, swapped)
         for snapshot, _ in work:  # after every rebind: two layers' paths can reach one place (nested layers)
             snapshot.verify()
-        self._doubt_abandoned(work)
+        self._doubt_abandoned(work, plan)
         for snapshot in group:
             snapshot.done = True
             self._restored += snapshot.restored
@@ -1495,7 +1495,9 @@ class ReloadTransaction:
             for snapshot, rebinds in work
         ]
 
-    def _doubt_abandoned(self, work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]]) -> None:
+    def _doubt_abandoned(
+        self, work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]], plan: RestorePlan
+    ) -> None:
         """Memory a slot left for a new tensor no copy restored there (respecified, moved and kept, vanished, or
         read another way) is *abandoned*: the slot's new values are not in it. A path left on it stays on old
         values, and so would a recapture (``stale``):
@@ -1506,6 +1508,7 @@ class ReloadTransaction:
           or the abandoning slot's, changed (a tie to another layer's rebuilt tensor).
         """
         abandoned = self._abandoned
+        copied = sorted((str(m.memory[0]), m.memory[1], m.memory[2]) for m in plan.moves)
         for snapshot, _ in work:
             layer = snapshot.layer
             confirmed = snapshot.confirmed
@@ -1519,7 +1522,11 @@ class ReloadTransaction:
                 if captured.data_ptr() != fp.data_ptr:  # the captured object itself moved (.data =, set_)
                     abandoned.append((snapshot, index, str(fp.device), fp.data_ptr, fp.data_ptr + fp.nbytes))
                 elif not reads_as_captured(slot.get(layer), captured):
-                    abandoned.append((snapshot, index, *address_range(captured)))
+                    device, start, end = address_range(captured)
+                    spans = [(first, last) for where, first, last in copied if where == device]
+                    if slot.origin is Origin.ALIAS and not _gaps(start, end, spans):
+                        continue  # an alias path that left memory its slot's copy rewrote: nothing is left old
+                    abandoned.append((snapshot, index, device, start, end))
             abandoned.extend((snapshot, *entry) for entry in snapshot.gone)
         if not abandoned:
             return
