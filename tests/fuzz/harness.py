@@ -26,6 +26,7 @@ from graphsafe import GraphContract, GraphSafeError, record_capture
 
 OLD_SEED = 1
 NEW_SEED = 2
+FINAL_SEED = 3  # a layerwise touch that writes a layer's weight again with other values writes these
 
 
 @dataclass
@@ -38,7 +39,16 @@ class Result:
 
 
 def _seeds(scenario: Scenario) -> tuple[int, ...]:
+    """The weights a loader's first pass writes, per layer."""
     return tuple(OLD_SEED if layer.loader == "keep" else NEW_SEED for layer in scenario.layers)
+
+
+def _final_seeds(scenario: Scenario) -> tuple[int, ...]:
+    """The weights the model holds when the reload is over (what the cold model is built on)."""
+    seeds = list(_seeds(scenario))
+    if scenario.layerwise in ("rewrite_new", "rewrite_new_repwal"):
+        seeds[scenario.touch] = FINAL_SEED
+    return tuple(seeds)
 
 
 def _crash(scenario: Scenario, exc: BaseException, when: str) -> Result:
@@ -47,9 +57,51 @@ def _crash(scenario: Scenario, exc: BaseException, when: str) -> Result:
     return Result(scenario, oracle.CRASH, f"{when}: {type(exc).__name__}", detail=f"{exc!r}{at}")
 
 
-def _reads(model: models.FuzzModel, x: torch.Tensor, values: bool = True) -> dict[oracle.Key, oracle.Read]:
-    """What the forward reads (``values=False``: only where, for the capture: no strong reference is kept)."""
-    return oracle.record(lambda note: models.forward(model, x, note), (x,), values=values)
+def _reads(
+    model: models.FuzzModel, x: torch.Tensor, values: bool = True, only: int | None = None
+) -> dict[oracle.Key, oracle.Read]:
+    """What the forward reads (``values=False``: only where, for the capture: no strong reference is kept;
+    ``only``: one layer's reads)."""
+    return oracle.record(lambda note: models.forward(model, x, note, only), (x,), values=values)
+
+
+def _layerwise(
+    scenario: Scenario,
+    contract: GraphContract,
+    model: models.FuzzModel,
+    first: list[dict[str, torch.Tensor]],
+    final: list[dict[str, torch.Tensor]],
+    x: torch.Tensor,
+) -> tuple[dict[oracle.Key, oracle.Read], dict[oracle.AttrKey, tuple[object, ...]]]:
+    """A layerwise reload: before_layer, the layer's loader and PWAL, after_layer, layer by layer; then the touch.
+    Returns what PWAL left, layer by layer, as the forward reads it and with its attributes: each layer looked at
+    right after its PWAL (before after_layer restores it), the touched layer again after the touch."""
+    reads: dict[oracle.Key, oracle.Read] = {}
+    attrs: dict[oracle.AttrKey, tuple[object, ...]] = {}
+    how, touch = scenario.layerwise, scenario.touch
+    with contract.reload(layerwise=True) as txn:
+        for index, layer in enumerate(model.layers):
+            assert isinstance(layer, models.FuzzLayer)
+            if not (how == "no_before" and index == touch):
+                txn.before_layer(layer)
+            models.load_layer(layer, first[index], layer.fuzz_spec.loader)
+            models.pwal_layer(model, layer, reload=True)
+            reads.update(_reads(model, x, only=index))
+            attrs.update(models.attributes(model, only=index))
+            txn.after_layer(layer)
+        if how in ("repwal", "rewrite_same", "rewrite_new", "rewrite_new_repwal"):
+            layer = model.layers[touch]
+            assert isinstance(layer, models.FuzzLayer)
+            if how != "repwal":  # the weight written again (a late shard): the same values, or the final ones
+                models.load_layer(layer, (first if how == "rewrite_same" else final)[touch], "copy")
+            if how in ("repwal", "rewrite_new_repwal"):
+                models.pwal_layer(model, layer, reload=True)
+            prefix = f"layers.{touch}:"
+            reads = {key: read for key, read in reads.items() if not key[0].startswith(prefix)}
+            reads.update(_reads(model, x, only=touch))
+            attrs = {key: value for key, value in attrs.items() if not key[0].startswith(prefix)}
+            attrs.update(models.attributes(model, only=touch))
+    return reads, attrs
 
 
 def run(
@@ -70,6 +122,7 @@ def run(
     x = torch.ones(1)
     old = models.weights(scenario, (OLD_SEED,) * len(scenario.layers))
     new = models.weights(scenario, _seeds(scenario))
+    final = models.weights(scenario, _final_seeds(scenario))
     model = models.build(scenario, old)
     contract = GraphContract(model, scenario.mode, detect=scenario.detect, unread=unread)  # type: ignore[arg-type]
     try:
@@ -88,17 +141,25 @@ def run(
     captured = _reads(model, x, values=False)
     if graph_reads is not None:
         captured = {key: read for key, read in captured.items() if key in graph_reads}
-    cold = _reads(models.build(scenario, new), x)
+    cold_model = models.build(scenario, final)
+    cold = _reads(cold_model, x)
+    cold_attrs = models.attributes(cold_model)
+    del cold_model
     if scenario.mode != "strict":
         contract.on_recapture(lambda outcome: None)  # a CPU "recapture": the contract reseals after it
 
     after: dict[oracle.Key, oracle.Read] | None = None
+    after_attrs: dict[oracle.AttrKey, tuple[object, ...]] | None = None
     status = ""
     crash: Result | None = None
     try:
-        with contract.reload():
-            models.reload(model, new)
-            after = _reads(model, x)
+        if scenario.layerwise != "none":
+            after, after_attrs = _layerwise(scenario, contract, model, new, final, x)
+        else:
+            with contract.reload():
+                models.reload(model, new)
+                after = _reads(model, x)
+                after_attrs = models.attributes(model)
     except FuzzerBug:
         raise
     except GraphSafeError:
@@ -115,12 +176,16 @@ def run(
     if status == "COMMITTED":
         gc.collect(1)  # a storage only garbage holds (an exception's frames) must read as freed; young is enough
     post = _reads(model, x)
+    post_attrs = models.attributes(model)
     facts = oracle.Facts(
         status=status,
         replay_wrong=oracle.replay_wrong(captured, cold),
         model_wrong=oracle.values_wrong(post, cold),
         pwal_wrong=oracle.values_wrong(after, cold) if after is not None else None,
         pwal_in_place=after is not None and oracle.in_place(after, captured, cold),
+        attrs_wrong=oracle.attributes_wrong(post_attrs, after_attrs, cold_attrs),
+        attrs_changed=oracle.attributes_changed(post_attrs, after_attrs, cold_attrs),
+        pwal_keys=frozenset(after or ()),
     )
     verdict, reason = oracle.judge(facts)
     return Result(scenario, verdict, reason, status)

@@ -75,6 +75,28 @@ MUTATIONS = (
 )
 #: Mutations a dependent slot (alias, tail, weight view, tie) can have: it follows its referent or not.
 DEPENDENT_MUTATIONS = ("rebind", "skip", "free")
+#: A Python attribute PWAL hangs on a derived slot's tensor (``t.fz_attr``): a plain value computed from the weight,
+#: a tensor computed from the weight (the forward reads it), or another slot's tensor (``attr_of``: a derived slot
+#: of the layer, -1 the weight) that the forward reads through the attribute.
+ATTRS = ("none", "plain", "tensor", "peer")
+#: When PWAL sets it: every load; only at the first load (a guard: a tensor PWAL reuses keeps the old attribute, a new
+#: one has none); or only where a condition on the weight holds (elsewhere PWAL deletes it).
+ATTR_WHENS = ("always", "first", "cond")
+ATTR = "fz_attr"
+#: Loader metadata on a layer's weight parameter: set at construction (``weight_loader`` and a shard tuple, never
+#: again: a new Parameter lacks it), a plain value the loader sets at every load, or a tensor the loader sets at
+#: every load (``weight.fz_scale``, which the forward reads).
+METAS = ("none", "ctor", "load", "tensor")
+META_NAMES = ("weight_loader", "fz_shard", "fz_loaded", "fz_scale")
+#: How the reload is driven: all at once, or ``reload(layerwise=True)`` with before_layer/after_layer around each
+#: layer's load and PWAL, then maybe a touch of layer ``touch`` after its after_layer, before finish(): PWAL run
+#: again, its weight written again with the same values, with other (final) values, with other values and PWAL run
+#: again; or after_layer() without before_layer() for that layer.
+LAYERWISE = ("none", "plain", "repwal", "rewrite_same", "rewrite_new", "rewrite_new_repwal", "no_before")
+#: Where PWAL runs under ``torch.inference_mode()``: at the first load (so every derived tensor is an inference
+#: tensor), at the reload, at both.
+INFERENCE = ("none", "first", "reload", "both")
+
 #: How the loader puts a layer's new weight in place.
 LOADERS = (
     "copy",  # ``weight.copy_(new)`` under no_grad (upstream)
@@ -98,6 +120,9 @@ class SlotSpec:
     declare: str = "none"
     subclass: bool = False  # derived: held as a tensor subclass (``as_subclass``)
     mutation: str = "rebind"
+    attr: str = "none"  # derived: see ATTRS
+    attr_of: int = -1  # attr "peer": a derived slot of this layer, -1 the weight
+    attr_when: str = "always"  # see ATTR_WHENS
 
     def path(self, index: int) -> str:
         """The slot path graphsafe declarations use for it on its layer."""
@@ -119,7 +144,11 @@ class SlotSpec:
             "tie": f"tie(layers.0.d{self.of})",
         }[self.kind]
         declared = "" if self.declare == "none" else f" [{self.declare}]"
-        return f"{self.name}={what}@{self.holder}{declared}:{self.mutation}"
+        attr = ""
+        if self.attr != "none":
+            target = ("weight" if self.attr_of < 0 else f"d{self.attr_of}") if self.attr == "peer" else self.attr
+            attr = f" .{ATTR}={target}" + ("" if self.attr_when == "always" else f"({self.attr_when})")
+        return f"{self.name}={what}@{self.holder}{declared}:{self.mutation}{attr}"
 
 
 @dataclass(frozen=True)
@@ -134,9 +163,12 @@ class LayerSpec:
     #: Derived slots (same source, so the same geometry) whose tensor objects the reload's PWAL permutes before
     #: writing each one's new values in place: two is a swap, three a rotation.
     cycle: tuple[int, ...] = ()
+    meta: str = "none"  # loader metadata on the weight: see METAS
 
     def describe(self) -> str:
         parts = [f"w[{self.rows},{self.cols}]", f"load:{self.loader}"]
+        if self.meta != "none":
+            parts.append(f"meta:{self.meta}")
         if self.buffer:
             parts.append("buffer")
         if self.cycle:
@@ -153,16 +185,33 @@ class Scenario:
     mode: str = "strict"
     detect: str = "every-reload"
     manifest: bool = False  # the capture ran under graphsafe.record_capture
+    layerwise: str = "none"  # see LAYERWISE
+    touch: int = 0  # the layer a layerwise touch acts on
+    inference: str = "none"  # see INFERENCE
 
     def describe(self) -> str:
         head = f"mode={self.mode} detect={self.detect}" + (" manifest" if self.manifest else "")
+        if self.layerwise != "none":
+            head += f" layerwise:{self.layerwise}" + (f"@{self.touch}" if self.layerwise != "plain" else "")
+        if self.inference != "none":
+            head += f" inference:{self.inference}"
         return head + "".join(f"\n  layers.{i}: {layer.describe()}" for i, layer in enumerate(self.layers))
 
     def mutations(self) -> set[str]:
         """Every mutation kind the reload applies (loader kinds prefixed ``load:``, permutations as swap/rotate)."""
         found: set[str] = set()
+        if self.layerwise != "none":
+            found.add(f"layerwise:{self.layerwise}")
+        if self.inference != "none":
+            found.add(f"inference:{self.inference}")
         for layer in self.layers:
             found.add(f"load:{layer.loader}")
+            if layer.meta != "none":
+                found.add(f"meta:{layer.meta}")
+            for slot in layer.slots:
+                if slot.kind == "derived" and slot.attr != "none":
+                    found.add(f"attr:{slot.attr}")
+                    found.add(f"attr-when:{slot.attr_when}")
             if layer.cycle:
                 found.add("swap" if len(layer.cycle) == 2 else "rotate")
             for index, slot in enumerate(layer.slots):
@@ -204,10 +253,18 @@ class FuzzerBug(Exception):
 MISSING: Any = object()
 
 
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Loader metadata (``weight.weight_loader``) a layer hangs on its parameter at construction."""
+    param.data.copy_(loaded)
+
+
 class FuzzLayer(nn.Module):
     def __init__(self, spec: LayerSpec, index: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(spec.rows, spec.cols), requires_grad=False)
+        if spec.meta == "ctor":
+            setattr(self.weight, "weight_loader", default_weight_loader)  # noqa: B010 (attributes torch does not type)
+            setattr(self.weight, "fz_shard", (index, spec.rows))  # noqa: B010
         if spec.buffer:
             self.register_buffer("bias", torch.zeros(spec.rows))
         self.cache: dict[str, torch.Tensor] = {}
@@ -227,6 +284,7 @@ class FuzzModel(nn.Module):
     def __init__(self, scenario: Scenario) -> None:
         super().__init__()
         self.layers = nn.ModuleList(FuzzLayer(spec, i) for i, spec in enumerate(scenario.layers))
+        self.fuzz_inference = scenario.inference  # plain data: where PWAL runs under inference mode
 
 
 def get_slot(layer: FuzzLayer, slot: SlotSpec, index: int) -> Any:
@@ -285,24 +343,33 @@ def weights(scenario: Scenario, seeds: tuple[int, ...]) -> list[dict[str, torch.
     return out
 
 
+def load_layer(layer: FuzzLayer, values: dict[str, torch.Tensor], how: str) -> None:
+    """Put one layer's ``values`` in place the way ``how`` (a loader kind) says, with its loader metadata."""
+    if how == "keep":
+        return
+    if how == "stash":
+        layer.old_weight = layer.weight.detach().clone()
+    with torch.no_grad():
+        if how == "rebind":
+            layer.weight = nn.Parameter(values["weight"].clone(), requires_grad=False)
+        elif how == "data_copy":
+            layer.weight.data.copy_(values["weight"])
+        else:
+            layer.weight.copy_(values["weight"])
+        if "bias" in values:
+            layer.bias.copy_(values["bias"])
+    meta = layer.fuzz_spec.meta
+    if meta == "load":
+        setattr(layer.weight, "fz_loaded", round(float(values["weight"].sum()), 4))  # noqa: B010
+    elif meta == "tensor":
+        setattr(layer.weight, "fz_scale", values["weight"].abs().amax(dim=1) * 0.5)  # noqa: B010
+
+
 def load(model: FuzzModel, new: list[dict[str, torch.Tensor]], *, loaders: bool) -> None:
     """Put ``new`` into the model: in place (upstream) or, with ``loaders``, the way each layer's spec says."""
     for layer, values in zip(model.layers, new, strict=True):
         assert isinstance(layer, FuzzLayer)
-        how = layer.fuzz_spec.loader if loaders else "copy"
-        if how == "keep":
-            continue
-        if how == "stash":
-            layer.old_weight = layer.weight.detach().clone()
-        with torch.no_grad():
-            if how == "rebind":
-                layer.weight = nn.Parameter(values["weight"].clone(), requires_grad=False)
-            elif how == "data_copy":
-                layer.weight.data.copy_(values["weight"])
-            else:
-                layer.weight.copy_(values["weight"])
-            if "bias" in values:
-                layer.bias.copy_(values["bias"])
+        load_layer(layer, values, layer.fuzz_spec.loader if loaders else "copy")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -357,8 +424,31 @@ def _respecified(value: torch.Tensor, how: str) -> torch.Tensor:
     return out.as_subclass(type(value)) if type(value) is not torch.Tensor else out
 
 
+#: Mutations that write into the old tensor, or (``set_data``) repoint it: on an inference tensor, torch allows the
+#: write only under inference mode, and ``.data =`` a normal tensor leaves an object no view can be taken of.
+_IN_PLACE = frozenset({"inplace", "noop_write", "view_old", "neg", "conj", "data_inplace", "set_data"})
+
+
 def _mutate(layer: FuzzLayer, slot: SlotSpec, index: int, value: torch.Tensor | None, mutation: str) -> None:
     old = get_slot(layer, slot, index)
+    if (
+        mutation in _IN_PLACE
+        and isinstance(old, torch.Tensor)
+        and old.is_inference()
+        and not torch.is_inference_mode_enabled()
+    ):
+        # A tensor the first load's PWAL made under inference mode takes in-place writes only there: a PWAL that
+        # writes into its own tensors does so under inference mode too (else torch refuses; not graphsafe's case);
+        # ``.data =`` there gets an inference tensor (a clone made there).
+        with torch.inference_mode():
+            _mutate_plain(layer, slot, index, old, value, mutation)
+        return
+    _mutate_plain(layer, slot, index, old, value, mutation)
+
+
+def _mutate_plain(
+    layer: FuzzLayer, slot: SlotSpec, index: int, old: Any, value: torch.Tensor | None, mutation: str
+) -> None:
     if value is None:  # a dependent whose referent was freed goes with it
         if mutation != "skip":
             set_slot(layer, slot, index, None)
@@ -394,7 +484,53 @@ def _mutate(layer: FuzzLayer, slot: SlotSpec, index: int, value: torch.Tensor | 
         raise AssertionError(f"unknown mutation {mutation!r}")
 
 
+def _attr_value(layer: FuzzLayer, slot: SlotSpec, reload: bool) -> Any:
+    """What PWAL hangs at ``slot``'s ``fz_attr`` now: a value, ``None`` to delete it, MISSING to leave it."""
+    w = layer.weight.detach()
+    if slot.attr_when == "first" and reload:
+        return MISSING
+    if slot.attr_when == "cond" and not bool((w * slot.factor).sum() > 0.5):
+        return None
+    if slot.attr == "plain":
+        return round(float((w * slot.factor).sum()), 4)
+    if slot.attr == "tensor":
+        return (w * (slot.factor + 1)).abs().amax(dim=0)
+    if slot.attr_of < 0:
+        return layer.weight
+    peer = get_slot(layer, layer.fuzz_spec.slots[slot.attr_of], slot.attr_of)
+    return MISSING if peer is MISSING else peer
+
+
+def _pwal_attributes(layer: FuzzLayer, reload: bool) -> None:
+    """Hang each derived slot's Python attribute on the tensor now at its path (after every slot is rebuilt: a peer
+    is the tensor its slot holds now). A PWAL that skips a slot (its "already processed" guard) skips it too."""
+    spec = layer.fuzz_spec
+    for index, slot in enumerate(spec.slots):
+        if slot.kind != "derived" or slot.attr == "none":
+            continue
+        mutation = slot.mutation if reload and index not in spec.cycle else "rebind"
+        if mutation in ("skip", "noop", "free"):
+            continue
+        tensor = get_slot(layer, slot, index)
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        value = _attr_value(layer, slot, reload)
+        if value is None:
+            tensor.__dict__.pop(ATTR, None)
+        elif value is not MISSING:
+            setattr(tensor, ATTR, value)
+
+
 def _pwal_layer(layer: FuzzLayer, model: FuzzModel, reload: bool) -> None:
+    where = model.fuzz_inference
+    if where in (("reload", "both") if reload else ("first", "both")) and not torch.is_inference_mode_enabled():
+        with torch.inference_mode():
+            _pwal_layer_plain(layer, model, reload)
+    else:
+        _pwal_layer_plain(layer, model, reload)
+
+
+def _pwal_layer_plain(layer: FuzzLayer, model: FuzzModel, reload: bool) -> None:
     spec = layer.fuzz_spec
     cycle = spec.cycle if reload else ()
     if len(cycle) > 1:
@@ -409,6 +545,7 @@ def _pwal_layer(layer: FuzzLayer, model: FuzzModel, reload: bool) -> None:
         _mutate(layer, slot, index, _value(layer, slot, model), mutation)
         if slot.declare == "register_derived" and get_slot(layer, slot, index) is not MISSING:
             register_derived(layer, slot.path(index), static=slot.source in STATIC_SOURCES and slot.kind == "derived")
+    _pwal_attributes(layer, reload)
 
 
 def _declared(spec: LayerSpec, static: bool) -> tuple[str, ...]:
@@ -436,11 +573,16 @@ def _pwal_function(spec: LayerSpec) -> Callable[[FuzzLayer, FuzzModel, bool], No
     return fn
 
 
+def pwal_layer(model: FuzzModel, layer: FuzzLayer, *, reload: bool) -> None:
+    """Run one layer's PWAL."""
+    _pwal_function(layer.fuzz_spec)(layer, model, reload)
+
+
 def pwal(model: FuzzModel, *, reload: bool) -> None:
     """Run every layer's PWAL, in order (a tie in a later layer reads layer 0's new tensor)."""
     for layer in model.layers:
         assert isinstance(layer, FuzzLayer)
-        _pwal_function(layer.fuzz_spec)(layer, model, reload)
+        pwal_layer(model, layer, reload=reload)
 
 
 def build(scenario: Scenario, new: list[dict[str, torch.Tensor]]) -> FuzzModel:
@@ -472,20 +614,79 @@ class Reader:
         return tensor.clone()
 
 
-def forward(model: FuzzModel, x: torch.Tensor, note: Callable[[str], None] = lambda label: None) -> torch.Tensor:
-    """Read every tensor the model holds for the graph, layer by layer; a missing slot is not read."""
+def forward(
+    model: FuzzModel, x: torch.Tensor, note: Callable[[str], None] = lambda label: None, only: int | None = None
+) -> torch.Tensor:
+    """Read every tensor the model holds for the graph, layer by layer; a missing slot is not read. Tensor
+    attributes are read too: the weight's ``fz_scale``, a derived slot's ``fz_attr`` (through its tensor).
+    ``only``: read that layer alone (the harness's look at one layer in a layerwise reload)."""
     reader = Reader(note)
     try:
         out = x.clone()
         for li, layer in enumerate(model.layers):
             assert isinstance(layer, FuzzLayer)
+            if only is not None and li != only:
+                continue
             out = out + reader.read(f"layers.{li}:weight", layer.weight).sum()
+            scale = layer.weight.__dict__.get("fz_scale")
+            if isinstance(scale, torch.Tensor):
+                reader.read(f"layers.{li}:weight.fz_scale", scale)
             if layer.fuzz_spec.buffer:
                 out = out + reader.read(f"layers.{li}:bias", layer.bias).sum()
             for index, slot in enumerate(layer.fuzz_spec.slots):
                 tensor = get_slot(layer, slot, index)
                 if isinstance(tensor, torch.Tensor):
                     reader.read(f"layers.{li}:{slot.name}", tensor)
+                    if slot.kind == "derived":
+                        attr = tensor.__dict__.get(ATTR)
+                        if isinstance(attr, torch.Tensor):
+                            reader.read(f"layers.{li}:{slot.name}.{ATTR}", attr)
         return out
     except Exception as exc:
         raise FuzzerBug(f"the fuzzer's forward raised {exc!r}") from exc
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Python attributes on the model's tensors, as the oracle compares them
+
+
+def attributes(model: FuzzModel, only: int | None = None) -> dict[tuple[str, str], tuple[Any, ...]]:
+    """Each Python attribute the fuzzer hangs on a tensor, by ``(slot label, name)``: ``("absent",)``,
+    ``("plain", value)``, ``("ref", labels, logical values)`` where it is the very tensor some slot path holds (the
+    labels of every such path: ``layers.0:d1``, ``layers.0:weight``), else ``("tensor", logical values)``. Only
+    labels of derived slots and weights (dependents share their referent's object)."""
+    held: list[tuple[str, torch.Tensor]] = []
+    for li, layer in enumerate(model.layers):
+        assert isinstance(layer, FuzzLayer)
+        held.append((f"layers.{li}:weight", layer.weight))
+        for index, slot in enumerate(layer.fuzz_spec.slots):
+            tensor = get_slot(layer, slot, index)
+            if isinstance(tensor, torch.Tensor) and slot.kind == "derived":
+                held.append((f"layers.{li}:{slot.name}", tensor))
+
+    def describe(value: Any) -> tuple[Any, ...]:
+        if value is MISSING:
+            return ("absent",)
+        if isinstance(value, torch.Tensor):
+            refs = frozenset(label for label, tensor in held if tensor is value)
+            values = value.as_subclass(torch.Tensor).resolve_conj().resolve_neg().detach().clone()
+            return ("ref", refs, values) if refs else ("tensor", values)
+        return ("plain", value)
+
+    out: dict[tuple[str, str], tuple[Any, ...]] = {}
+    for li, layer in enumerate(model.layers):
+        assert isinstance(layer, FuzzLayer)
+        if only is not None and li != only:
+            continue
+        if layer.fuzz_spec.meta != "none":
+            for name in META_NAMES:
+                out[(f"layers.{li}:weight", name)] = describe(layer.weight.__dict__.get(name, MISSING))
+        if all(slot.attr == "none" for slot in layer.fuzz_spec.slots):
+            continue
+        for index, slot in enumerate(layer.fuzz_spec.slots):
+            if slot.kind != "derived":  # every derived slot: a permutation moves attributes between them
+                continue
+            tensor = get_slot(layer, slot, index)
+            value = tensor.__dict__.get(ATTR, MISSING) if isinstance(tensor, torch.Tensor) else MISSING
+            out[(f"layers.{li}:{slot.name}", ATTR)] = describe(value)
+    return out

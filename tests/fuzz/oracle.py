@@ -24,7 +24,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -179,11 +179,19 @@ def replay_wrong(captured: dict[Key, Read], cold: dict[Key, Read]) -> list[str]:
     return wrong
 
 
+def is_attribute(key: Key) -> bool:
+    """A read through a Python attribute hung on a tensor (``d0.fz_attr``, ``weight.fz_scale``)."""
+    return "." in key[0].split(":", 1)[-1]
+
+
 def values_wrong(reads: dict[Key, Read], cold: dict[Key, Read]) -> dict[Key, str]:
-    """Reads whose logical values differ from the cold model's (a missing read is not a wrong value)."""
+    """Reads whose logical values differ from the cold model's (a missing read is not a wrong value; nor is a read
+    through an attribute the cold model lacks: whether an attribute is there is the attribute check's)."""
     wrong = {}
     for key, read in reads.items():
         want = cold.get(key)
+        if want is None and is_attribute(key):
+            continue
         if want is None or read.logical is None or want.logical is None or not same_values(read.logical, want.logical):
             wrong[key] = f"{key[0]}: holds other values than a cold model"
     return wrong
@@ -204,6 +212,72 @@ def in_place(after: dict[Key, Read], captured: dict[Key, Read], cold: dict[Key, 
     return True
 
 
+AttrKey = tuple[str, str]
+
+
+def same_attribute(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None, *, identity: bool = True) -> bool:
+    """Whether two described attributes (see ``fuzz.models.attributes``) are the same: both absent, equal plain
+    values (the same object for a function), the same slot paths for a tensor some slot holds, or equal values.
+    ``identity=False``: a tensor is judged by its values alone (which slot's object it is does not matter)."""
+    a = a or ("absent",)
+    b = b or ("absent",)
+    tensors = ("tensor", "ref")
+    if a[0] in tensors and b[0] in tensors and (not identity or a[0] == b[0] == "tensor"):
+        x, y = a[-1], b[-1]
+        return bool(x.dtype == y.dtype and x.shape == y.shape and same_values(x, y))
+    if a[0] != b[0]:
+        return False
+    if a[0] == "absent":
+        return True
+    if a[0] == "ref":
+        return bool(a[1] == b[1])
+    try:
+        return a[1] is b[1] or bool(a[1] == b[1])
+    except Exception:
+        return False
+
+
+def attributes_wrong(
+    post: dict[AttrKey, tuple[Any, ...]],
+    pwal: dict[AttrKey, tuple[Any, ...]] | None,
+    cold: dict[AttrKey, tuple[Any, ...]],
+) -> list[str]:
+    """Attributes the reloaded model carries that neither a cold model carries nor PWAL left (graphsafe moves a new
+    tensor's attributes onto the captured one it binds back; a tensor naming another slot's new tensor must then
+    name that slot's captured tensor, which is what its path holds). Where PWAL itself left something else than a
+    cold model (an attribute set only at the first load), PWAL's is right too: graphsafe does not redo PWAL."""
+    wrong = []
+    for key in sorted(set(post) | set(cold) | set(pwal or {})):
+        now = post.get(key)
+        if same_attribute(now, cold.get(key)):
+            continue
+        if pwal is not None and same_attribute(now, pwal.get(key)):
+            continue
+        what = (now or ("absent",))[0]
+        wrong.append(f"{key[0]}.{key[1]}: {what}, neither a cold model's nor what PWAL left")
+    return wrong
+
+
+def attributes_changed(
+    post: dict[AttrKey, tuple[Any, ...]],
+    pwal: dict[AttrKey, tuple[Any, ...]] | None,
+    cold: dict[AttrKey, tuple[Any, ...]],
+) -> list[str]:
+    """Attributes PWAL left as a cold model has them that the reloaded model no longer has, whatever the status:
+    graphsafe wrote them (the attribute twin of "a value PWAL got right was overwritten"). Tensors by value here:
+    which object an attribute names is judged after a commit only (:func:`attributes_wrong`)."""
+    if pwal is None:
+        return []
+    changed = []
+    for key in sorted(set(pwal) | set(cold)):
+        want = cold.get(key)
+        if same_attribute(pwal.get(key), want, identity=False) and not same_attribute(
+            post.get(key), want, identity=False
+        ):
+            changed.append(f"{key[0]}.{key[1]}: {(post.get(key) or ('absent',))[0]}, PWAL left a cold model's")
+    return changed
+
+
 SILENT = "silent"
 CRASH = "crash"
 FALSE_ALARM = "false-alarm"
@@ -220,17 +294,29 @@ class Facts:
     model_wrong: dict[Key, str]
     pwal_wrong: dict[Key, str] | None
     pwal_in_place: bool
+    attrs_wrong: list[str] = field(default_factory=list)  # see attributes_wrong
+    attrs_changed: list[str] = field(default_factory=list)  # see attributes_changed
+    pwal_keys: frozenset[Key] = frozenset()  # the reads PWAL's state made (an attribute read PWAL lacks is no value
+    # it got right)
 
 
 def judge(facts: Facts) -> tuple[str, str]:
     """``(verdict, reason)`` for one reload."""
     if facts.status == "COMMITTED" and facts.replay_wrong:
         return SILENT, "committed, replay wrong: " + facts.replay_wrong[0]
+    if facts.status == "COMMITTED" and facts.attrs_wrong:
+        return SILENT, "committed, attribute wrong: " + facts.attrs_wrong[0]
     if facts.pwal_wrong is not None:
         # Reads PWAL got right and the model holds wrong after the reload: graphsafe wrote them.
-        corrupted = [why for key, why in facts.model_wrong.items() if key not in facts.pwal_wrong]
+        corrupted = [
+            why
+            for key, why in facts.model_wrong.items()
+            if key not in facts.pwal_wrong and (key in facts.pwal_keys or not is_attribute(key))
+        ]
         if corrupted:
             return SILENT, f"{facts.status}, a value PWAL got right was overwritten: " + corrupted[0]
+    if facts.attrs_changed:
+        return SILENT, f"{facts.status}, an attribute PWAL got right was changed: " + facts.attrs_changed[0]
     if facts.status == "NEEDS_RECAPTURE" and facts.model_wrong:
         return SILENT, "needs-recapture, but a recapture reads wrong values: " + next(iter(facts.model_wrong.values()))
     if facts.status != "COMMITTED" and facts.pwal_in_place:

@@ -6,16 +6,22 @@ holders, no declarations and plain rebinds: what is left in a shrunk example is 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from hypothesis import strategies as st
 
 from fuzz.models import (
+    ATTR_WHENS,
+    ATTRS,
     DEPENDENT_MUTATIONS,
     DETECTS,
     FLOAT_SOURCES,
     HOLDERS,
+    INFERENCE,
+    LAYERWISE,
     LOADERS,
+    METAS,
     MODES,
     STATIC_SOURCES,
     LayerSpec,
@@ -43,8 +49,14 @@ def mutations_for(source: str) -> tuple[str, ...]:
 
 
 @st.composite
-def derived_slots(draw: Any, name: str, source: str | None = None) -> SlotSpec:
+def derived_slots(draw: Any, name: str, source: str | None = None, peers: int = 0) -> SlotSpec:
+    """A derived slot; ``peers``: how many slots of the layer come before it (what a ``peer`` attribute may name:
+    one of them if derived, else the weight; the name is checked against the kinds when the layer is done)."""
     src = source if source is not None else draw(st.sampled_from(SOURCE_ORDER))
+    attr = draw(st.sampled_from(ATTRS))
+    attr_of = -1
+    if attr == "peer" and peers:
+        attr_of = draw(st.integers(-1, peers - 1))
     return SlotSpec(
         name=name,
         kind="derived",
@@ -54,6 +66,9 @@ def derived_slots(draw: Any, name: str, source: str | None = None) -> SlotSpec:
         declare=draw(st.sampled_from(DECLARE_ORDER)),
         subclass=draw(st.booleans()),
         mutation=draw(st.sampled_from(mutations_for(src))),
+        attr=attr,
+        attr_of=attr_of,
+        attr_when=draw(st.sampled_from(ATTR_WHENS)) if attr != "none" else "always",
     )
 
 
@@ -66,7 +81,7 @@ def layers(draw: Any, index: int, layer0: LayerSpec | None) -> LayerSpec:
     group = draw(st.sampled_from((0, 2, 3)))
     if group:
         source = draw(st.sampled_from(SOURCE_ORDER))
-        slots.extend(draw(derived_slots(f"d{i}", source)) for i in range(group))
+        slots.extend(draw(derived_slots(f"d{i}", source, peers=i)) for i in range(group))
     for i in range(len(slots), len(slots) + draw(st.integers(0 if group else 1, 4))):
         derived = [j for j, s in enumerate(slots) if s.kind == "derived"]
         ties = [j for j, s in enumerate(layer0.slots) if s.kind == "derived"] if layer0 is not None else []
@@ -77,7 +92,7 @@ def layers(draw: Any, index: int, layer0: LayerSpec | None) -> LayerSpec:
             kinds.append("tie")
         kind = draw(st.sampled_from(kinds))
         if kind == "derived":
-            slots.append(draw(derived_slots(f"d{i}")))
+            slots.append(draw(derived_slots(f"d{i}", peers=i)))
             continue
         of = 0
         if kind in ("alias", "tail"):
@@ -99,6 +114,17 @@ def layers(draw: Any, index: int, layer0: LayerSpec | None) -> LayerSpec:
         cycle = tuple(draw(st.permutations(range(group))))
         if draw(st.booleans()):
             cycle = cycle[::-1]
+    # A peer attribute names a derived slot (an earlier one); one that names anything else names the weight. A slot
+    # whose tensor the reload permutes gets its attribute at every load: a first-load-only guard would leave the
+    # attribute on the object, which then moves to another path (PWAL's own inconsistency, not graphsafe's).
+    slots = [
+        replace(s, attr_of=-1) if s.attr == "peer" and s.attr_of >= 0 and slots[s.attr_of].kind != "derived" else s
+        for s in slots
+    ]
+    # A slot whose tensor the reload permutes carries no attribute: a PWAL that swaps tensor objects among paths
+    # and hangs attributes on them is a documented gap (docs/fault-matrix.md, "attributes on a tensor").
+    slots = [replace(s, attr="none", attr_of=-1, attr_when="always") if i in cycle else s for i, s in enumerate(slots)]
+    slots = [replace(s, attr_of=-1) if s.attr == "peer" and s.attr_of in cycle else s for s in slots]
     return LayerSpec(
         rows=rows,
         cols=cols,
@@ -106,6 +132,7 @@ def layers(draw: Any, index: int, layer0: LayerSpec | None) -> LayerSpec:
         loader=draw(st.sampled_from(LOADERS)),
         buffer=draw(st.booleans()),
         cycle=cycle,
+        meta=draw(st.sampled_from(METAS)),
     )
 
 
@@ -118,4 +145,20 @@ def scenarios(draw: Any) -> Scenario:
     detect = draw(st.sampled_from(DETECTS))
     # declared-only trusts the declarations plus the capture-time manifest (docs/design.md): always record one.
     manifest = True if detect == "declared-only" else draw(st.booleans())
-    return Scenario(layers=tuple(specs), mode=draw(st.sampled_from(MODES)), detect=detect, manifest=manifest)
+    # Half the reloads layerwise (one of the touches), the rest all at once as before.
+    layerwise = draw(st.sampled_from(LAYERWISE[1:])) if draw(st.booleans()) else "none"
+    touch = draw(st.integers(0, n - 1)) if layerwise not in ("none", "plain") else 0
+    if layerwise in ("repwal", "rewrite_new_repwal") and specs[touch].cycle:
+        # PWAL run again after after_layer() on a layer whose PWAL permutes its captured tensors: a documented gap
+        # (docs/fault-matrix.md, "changed after after_layer()"; tests/test_fuzz_found_round4.py, strict xfail).
+        layerwise = "plain"
+    inference = draw(st.sampled_from(INFERENCE[1:])) if draw(st.booleans()) else "none"
+    return Scenario(
+        layers=tuple(specs),
+        mode=draw(st.sampled_from(MODES)),
+        detect=detect,
+        manifest=manifest,
+        layerwise=layerwise,
+        touch=touch,
+        inference=inference,
+    )

@@ -1037,6 +1037,10 @@ class ReloadTransaction:
                         )
                 if snapshot is not None and not snapshot.done and not sealed.shared_across_layers:
                     group.append(snapshot)
+                elif snapshot is not None and not snapshot.done:
+                    # Deferred to finish() (its storage is shared across layers): what it is computed from must
+                    # not change from here on either (nothing runs PWAL for it again).
+                    self._closed[id(sealed)] = ClosedLayer.of(snapshot, self._samples)
             with collections_paused():
                 if dataflow is not None:  # layers restored at finish() learn there, once
                     self._learn_inputs(dataflow, group)
@@ -1360,9 +1364,18 @@ class ReloadTransaction:
         seen: dict[int, Any] = {}
         for snapshot, rebinds in work:
             snapshot.conflicting_attributes(rebinds, seen)
+        if any(snapshot.attributes for snapshot, _ in work):
+            kept_at_paths = {id(t) for snapshot, rebinds in work for t in snapshot.kept_tensors(rebinds)}
+            for snapshot, rebinds in work:
+                snapshot.carry_attributes(rebinds, kept_at_paths)
         swapped = {id(new): held for snapshot, rebinds in work for new, held in snapshot.bound_instead(rebinds)}
         for snapshot, rebinds in work:
             snapshot.rebind(rebinds, swapped)
+        if not any(f.kind.is_problem for snapshot, _ in work for f in snapshot.findings):
+            # (Only when every copy of the step landed: a failed step leaves what PWAL made where it was.)
+            for snapshot, _ in work:
+                if snapshot.attributed:
+                    snapshot.remap_attributes(swapped)
         for snapshot, _ in work:  # after every rebind: two layers' paths can reach one place (nested layers)
             snapshot.verify()
         self._doubt_abandoned(work, plan)
@@ -1372,12 +1385,12 @@ class ReloadTransaction:
             self._findings.extend(snapshot.findings)
             if any(f.kind.is_problem for f in snapshot.findings):
                 self._quarantine(snapshot)
-            elif close:
+            if close:  # (one with findings too: a weight written again after it would make a recapture stale)
                 self._closed[id(snapshot.sealed)] = ClosedLayer.of(snapshot, self._samples)
             # Drop the strong references now: the new derived tensors of this layer can be freed before the next.
             snapshot.captured = [None] * len(snapshot.captured)
             snapshot.overrides, snapshot.kept, snapshot.keep, snapshot.attributes = {}, [], {}, {}
-            snapshot.swapped = {}
+            snapshot.swapped, snapshot.carried, snapshot.attributed = {}, {}, []
         del work
 
     def _block_foreign_holders(

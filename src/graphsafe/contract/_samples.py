@@ -276,7 +276,12 @@ DIGEST_ROW = 1024
 def version_of(tensor: torch.Tensor) -> int:
     """The tensor's version counter, or -1 where it has none: a tensor made under ``torch.inference_mode()`` (an
     engine's warm-up or PWAL) counts no writes, so its value samples and digests alone say whether it changed."""
-    return -1 if tensor.is_inference() else tensor._version
+    if tensor.is_inference():
+        return -1
+    try:
+        return int(tensor._version)
+    except RuntimeError:  # an inference tensor repointed with ``.data =``: torch refuses its counter too
+        return -1
 
 
 def digest(tensor: torch.Tensor) -> torch.Tensor | None:

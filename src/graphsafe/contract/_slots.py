@@ -555,6 +555,10 @@ class LayerSnapshot:
     attributes: dict[int, torch.Tensor] = field(default_factory=dict)
     #: Slot index -> the new tensor at its path, for every planned rebind (see :meth:`bound_instead`).
     swapped: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: Slot index -> the attributes of :attr:`attributes`' tensor, read before any rebind of the step moved one.
+    carried: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: Tensors left in place that carry attributes (which may name a new tensor the step replaces).
+    attributed: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
     def take(
@@ -728,6 +732,8 @@ class LayerSnapshot:
                 left[index] = True
                 if index in freshness:
                     self._note_fresh(index, slot, current)
+                if current.__dict__:
+                    self.attributed.append(current)  # its attributes may name tensors the step rebinds
                 continue  # in place
             if slot.watch_only:
                 if (
@@ -783,6 +789,8 @@ class LayerSnapshot:
                 if current.data_ptr() == slot.fp.data_ptr and geometry_key(current) == geometry_key(captured):
                     if index in freshness:
                         self._note_fresh(index, slot, current)
+                    if current.__dict__:
+                        self.attributed.append(current)
                     continue  # in place, through another Python object
                 self._respecified(slot, current, "same storage seen through another view: ")
                 continue
@@ -960,6 +968,18 @@ class LayerSnapshot:
         before = self.freshness.get(index)
         if before is None or self.inputs is None:
             return
+        if not current.is_inference() and version_of(current) < 0:
+            # An inference tensor repointed with ``.data =`` outside inference mode: torch refuses to read it.
+            self.kept.append(current)
+            self.findings.append(
+                self.sealed.finding(
+                    FindingKind.MOVED,
+                    slot,
+                    detail="PWAL repointed a tensor made under torch.inference_mode() (.data =) outside that mode, "
+                    "and torch can no longer read it there: run PWAL under torch.inference_mode(), or recapture",
+                )
+            )
+            return
         tensor, version, sample, _ = before
         if current.untyped_storage() is not tensor.untyped_storage() and current.data_ptr() != tensor.data_ptr():
             return  # PWAL put another tensor at the path (restore copies it): rebuilt
@@ -1078,6 +1098,50 @@ class LayerSnapshot:
             elif index in self.keep:
                 yield new, self.keep[index]
 
+    def carry_attributes(self, rebinds: list[tuple[int, torch.Tensor]], kept_at_paths: set[int]) -> None:
+        """Before any rebind of the step: read the attributes each new tensor carries (:attr:`carried`); a slot
+        whose captured tensor another path keeps (``kept_at_paths``: ids of tensors at paths the step does not
+        rebind; PWAL swapped the two and the other's copy was taken back) is ``alias-broken``: one object cannot
+        carry both paths' attributes, so it keeps its new tensor."""
+        for index, captured in rebinds:
+            carrier = self.attributes.get(index)
+            if carrier is None:
+                continue
+            keep = self.slots[index].origin in _LOADED
+            if carrier is not captured and id(captured) in kept_at_paths and _would_change(carrier, captured, keep):
+                self.findings.append(
+                    self.sealed.finding(
+                        FindingKind.ALIAS_BROKEN,
+                        self.slots[index],
+                        detail="its captured tensor stays at another path this reload does not rebind, which PWAL "
+                        "gave it with other Python attributes: it keeps its new tensor",
+                    )
+                )
+                continue
+            self.carried[index] = dict(carrier.__dict__)
+
+    def kept_tensors(self, rebinds: list[tuple[int, torch.Tensor]]) -> Iterator[torch.Tensor]:
+        """The tensors at this layer's paths that the step leaves there (slots it does not rebind)."""
+        rebound = {index for index, _ in rebinds} - self._broken_indices()
+        layer = self.layer
+        for index, slot in enumerate(self.slots):
+            if index not in rebound:
+                current = slot.get(layer)
+                if isinstance(current, torch.Tensor):
+                    yield current
+
+    def _broken_indices(self) -> set[int]:
+        broken = self.broken_paths() if self.findings else set()
+        return {index for index, slot in enumerate(self.slots) if slot.path.text in broken}
+
+    def remap_attributes(self, swapped: Mapping[int, torch.Tensor]) -> None:
+        """After the step's rebinds: an attribute of a tensor left in place that names a new tensor the step
+        replaced (a kernel object keeping a reference to a rebound parameter) names what replaced it."""
+        for tensor in self.attributed:
+            for name, value in list(tensor.__dict__.items()):
+                if isinstance(value, torch.Tensor) and id(value) in swapped:
+                    tensor.__dict__[name] = swapped[id(value)]
+
     def conflicting_attributes(self, rebinds: list[tuple[int, torch.Tensor]], seen: dict[int, Any]) -> None:
         """Flag a slot whose captured tensor another slot of the step also rebinds (a tie) with other attributes:
         one object cannot carry both (``alias-broken``: it keeps its new tensor). ``seen``: id(captured tensor) ->
@@ -1120,9 +1184,9 @@ class LayerSnapshot:
                             )
                         )
                 continue
-            carrier = self.attributes.get(index) if self.attributes else None
-            if carrier is not None and carrier is not captured:
-                _move_attributes(carrier, captured, swapped, keep=slot.origin in _LOADED)
+            carried = self.carried.get(index) if self.carried else None
+            if carried is not None and self.attributes[index] is not captured:
+                _move_attributes(carried, captured, swapped, keep=slot.origin in _LOADED)
             try:
                 slot.set(layer, captured)
             except Exception as exc:  # a container that no longer takes assignment
@@ -1181,6 +1245,14 @@ class LayerSnapshot:
 _LOADED = (Origin.PARAMETER, Origin.BUFFER)
 
 
+def _would_change(new: torch.Tensor, captured: torch.Tensor, keep: bool) -> bool:
+    """Whether giving ``captured`` the attributes of ``new`` (see :func:`_move_attributes`) changes any."""
+    old = captured.__dict__
+    if keep:
+        return not _same_attributes({name: old.get(name, _MISSING) for name in new.__dict__}, new.__dict__)
+    return not _same_attributes(old, new.__dict__)
+
+
 def _same_attributes(first: Mapping[str, Any], second: Mapping[str, Any]) -> bool:
     """Whether two attribute dicts hold the same things: the same objects, or equal plain values."""
     if first.keys() != second.keys():
@@ -1200,20 +1272,20 @@ def _same_attributes(first: Mapping[str, Any], second: Mapping[str, Any]) -> boo
 
 
 def _move_attributes(
-    new: torch.Tensor, captured: torch.Tensor, swapped: Mapping[int, torch.Tensor], *, keep: bool
+    new: Mapping[str, Any], captured: torch.Tensor, swapped: Mapping[int, torch.Tensor], *, keep: bool
 ) -> None:
     """Give ``captured`` (about to be bound back in place of ``new``) the attributes PWAL left on ``new``: those are
     the model's state now; the captured object still carries the last load's, which a rebind would bring back.
 
     A value that is another restored slot's new tensor becomes that slot's captured tensor (the one bound at its
-    path). Read at rebind time, so a slot under it (``weight.g_idx`` tracked on its own) ends up bound to its own
-    captured tensor whichever of the two is rebound first. ``keep``: a parameter or buffer keeps attributes the new
-    object lacks (a loader's metadata set once, at construction: ``weight_loader``); any other tensor's attributes
-    are the new one's exactly (an attribute PWAL no longer sets is gone).
+    path; a slot under it, ``weight.g_idx`` tracked on its own, so ends up with its own captured tensor). ``keep``:
+    a parameter or buffer keeps attributes the new object lacks (a loader's metadata set once, at construction:
+    ``weight_loader``); any other tensor's attributes are the new one's exactly (an attribute PWAL no longer sets
+    is gone). ``new``: the new tensor's attributes, read before any rebind of the step (a swap moves one captured
+    object's attributes before the other reads them).
     """
     attributes = {
-        name: swapped.get(id(value), value) if isinstance(value, torch.Tensor) else value
-        for name, value in new.__dict__.items()
+        name: swapped.get(id(value), value) if isinstance(value, torch.Tensor) else value for name, value in new.items()
     }
     if not keep:
         captured.__dict__.clear()
