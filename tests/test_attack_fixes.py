@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+from _graph_tables import FakeGraph, kernel_row
 from graphsafe import (
     ContractViolation,
     FindingKind,
@@ -188,20 +189,6 @@ def test_a_parameter_only_layer_rebound_after_its_after_layer_is_not_committed(m
 
 
 # -- 4. Kernel scan: a pointer table in a floating-point workspace --------------------------------------------------
-def _word(value: int) -> bytes:
-    return value.to_bytes(8, "little")
-
-
-def _kernel_row(*tensors: torch.Tensor) -> dict[str, Any]:
-    params = [_word(t.data_ptr()).hex() for t in tensors]
-    return {"type": "kernel", "name": "grouped", "layout": [[8 * i, 8] for i in range(len(tensors))], "params": params}
-
-
-class _FakeGraph:
-    def raw_cuda_graph(self) -> int:
-        return 1
-
-
 class Grouped(nn.Module):
     """A grouped-GEMM style layer: the kernel gets a workspace holding the address of ``expert_t``."""
 
@@ -238,8 +225,8 @@ def test_skip_never_frees_a_slot_a_graph_reads_through_a_float_workspace(
     _load_grouped(layer, 0)
     layer.table.view(torch.int64)[0] = layer.expert_t.data_ptr()  # the table the kernel dereferences
     contract = GraphContract(layer, "strict", unread="skip").seal()
-    fake_cuda["table"] = {"root": 1, "graphs": {"1": [_kernel_row(layer.read_t, layer.table)]}}
-    with record_capture(contract, name="g", graph=_FakeGraph()):
+    fake_cuda["table"] = {"root": 1, "graphs": {"1": [kernel_row(layer.read_t, layer.table)]}}
+    with record_capture(contract, name="g", graph=FakeGraph()):
         pass
     read_by_graph = weakref.ref(layer.expert_t.untyped_storage())
     with contract.reload() as txn:
@@ -530,8 +517,8 @@ def test_a_quantized_int_weight_over_1mib_does_not_switch_skip_off(fake_cuda: di
     layer = QuantLayer()
     layer.process_weights_after_loading()
     contract = GraphContract(layer, "strict", unread="skip").seal()
-    fake_cuda["table"] = {"root": 1, "graphs": {"1": [_kernel_row(layer.read_t, layer.qweight)]}}
-    with record_capture(contract, name="g", graph=_FakeGraph()):
+    fake_cuda["table"] = {"root": 1, "graphs": {"1": [kernel_row(layer.read_t, layer.qweight)]}}
+    with record_capture(contract, name="g", graph=FakeGraph()):
         pass
     with contract.reload() as txn, torch.no_grad():
         layer.scale.copy_(torch.full((4,), 3.0))

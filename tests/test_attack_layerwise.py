@@ -23,6 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from torch import nn
 
+from _graph_tables import FakeGraph, kernel_row
 from graphsafe import GraphContract, GraphSafeError, Status, graph_visible, register_derived
 from graphsafe.adapters.torch import capture
 from graphsafe.collectors import record_capture
@@ -364,20 +365,6 @@ def test_an_abandoned_layerwise_transaction_leaves_replay_allowed() -> None:
 # 6. unread="skip": a slot a graph reads through a pointer table the kernel scan does not read.
 
 
-def _word(value: int) -> bytes:
-    return value.to_bytes(8, "little")
-
-
-def _kernel_row(*tensors: torch.Tensor) -> dict[str, Any]:
-    params = [_word(t.data_ptr()).hex() for t in tensors]
-    return {"type": "kernel", "name": "grouped", "layout": [[8 * i, 8] for i in range(len(tensors))], "params": params}
-
-
-class _FakeGraph:
-    def raw_cuda_graph(self) -> int:
-        return 1
-
-
 @pytest.fixture
 def scan(fake_cuda: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield fake_cuda
@@ -424,8 +411,8 @@ def test_skip_frees_a_slot_a_graph_reads_through_a_pointer_table(scan: dict[str,
     _load_grouped(layer, 0)
     layer.table.view(torch.int64)[0] = layer.expert_t.data_ptr()  # the table the kernel dereferences
     contract = GraphContract(layer, "strict", unread="skip").seal()
-    scan["table"] = {"root": 1, "graphs": {"1": [_kernel_row(layer.read_t, layer.table)]}}
-    with record_capture(contract, name="g", graph=_FakeGraph()):
+    scan["table"] = {"root": 1, "graphs": {"1": [kernel_row(layer.read_t, layer.table)]}}
+    with record_capture(contract, name="g", graph=FakeGraph()):
         pass
     assert contract.manifest is not None
     if table == "int64_over_1MiB":  # too large to read for pointers: the scan must say it does not know

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from _graph_tables import FakeGraph, kernel_row
 from graphsafe import ContractViolation, GraphContract, Status, register_derived
 from graphsafe.collectors import record_capture
 
@@ -311,20 +312,6 @@ def test_a_partial_reload_does_not_teach_that_a_stale_graph_read_table_is_static
 
 
 # -- 5. the kernel scan trusts a large float (or Parameter) workspace that holds a pointer table -------------------
-def _word(value: int) -> bytes:
-    return value.to_bytes(8, "little")
-
-
-def _kernel_row(*tensors: torch.Tensor) -> dict[str, object]:
-    params = [_word(t.data_ptr()).hex() for t in tensors]
-    return {"type": "kernel", "name": "grouped", "layout": [[8 * i, 8] for i in range(len(tensors))], "params": params}
-
-
-class _FakeGraph:
-    def raw_cuda_graph(self) -> int:
-        return 1
-
-
 class _Grouped(nn.Module):
     """A grouped-GEMM style layer: the kernel gets a device-side workspace holding the address of ``expert_t``."""
 
@@ -378,8 +365,8 @@ def test_skip_does_not_free_a_slot_a_large_workspace_points_at(fake_cuda: dict[s
     with torch.no_grad():
         layer.workspace.view(torch.int64)[0] = layer.expert_t.data_ptr()  # the table the kernel dereferences
     contract = GraphContract(layer, "strict", unread="skip").seal()
-    fake_cuda["table"] = {"root": 1, "graphs": {"1": [_kernel_row(layer.read_t, layer.workspace)]}}
-    with record_capture(contract, name="g", graph=_FakeGraph()):
+    fake_cuda["table"] = {"root": 1, "graphs": {"1": [kernel_row(layer.read_t, layer.workspace)]}}
+    with record_capture(contract, name="g", graph=FakeGraph()):
         pass
     assert contract.manifest is not None
     read_by_graph = layer.expert_t.untyped_storage()
