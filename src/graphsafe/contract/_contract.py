@@ -860,6 +860,8 @@ class ReloadTransaction:
         self._samples = SampleBatch()  # the value samples of the snapshots being taken (see _snapshot)
         #: Sealed layer id -> the layer as ``after_layer()`` left it, checked again when the reload finishes.
         self._closed: dict[int, ClosedLayer] = {}
+        #: The capture manifest's storages with exactly recorded bytes (see ``_reads_no_copy_reached``), read once.
+        self._byte_ranges: list[Any] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -1172,10 +1174,14 @@ class ReloadTransaction:
         ranges = getattr(manifest, "byte_ranges", None)
         if manifest is None or ranges is None or not plan.moves:
             return []
+        if self._byte_ranges is None:  # once per reload: what was recorded does not change during it
+            self._byte_ranges = ranges()
+        if not self._byte_ranges:
+            return []
         written = [(str(m.memory[0]), m.memory[1], m.memory[2], m) for m in plan.moves]
         entries = [
             entry
-            for entry in ranges()
+            for entry in self._byte_ranges
             if any(
                 device == str(entry.device) and start < entry.data_ptr + entry.hi and entry.data_ptr + entry.lo < end
                 for device, start, end, _ in written
