@@ -911,10 +911,13 @@ class ReloadTransaction:
                 raise refused
             contract._active = self
             self._begun = True
-            if not self.layerwise:
+            # Whole model: every layer now. Layer by layer: those whose captured storage another layer reads too
+            # (a tie) now as well, since an earlier layer's PWAL can write that storage before their before_layer().
+            early = [s for s in contract._layers if not self.layerwise or s.shared_across_layers]
+            if early:
                 start = time.perf_counter()
                 with collections_paused():
-                    for sealed in contract._layers:
+                    for sealed in early:
                         self._snapshot(sealed, flush=False)
                     self._samples.flush()  # every layer's value samples in one copy per dtype, before the load
                 self._seconds += time.perf_counter() - start
