@@ -1168,7 +1168,7 @@ class LayerSnapshot:
         replaces by a captured one -> that captured tensor (for the attributes moved onto captured tensors)."""
         # A slot whose alias broke keeps its new tensor: the shared captured storage now holds another slot's
         # values, and rebinding would hand this path (and any recapture) the wrong ones.
-        broken = {f.path for f in self.findings if f.kind is FindingKind.ALIAS_BROKEN} if self.findings else ()
+        broken = self.broken_paths() if self.findings else set()
         layer = self.layer
         for index, captured in rebinds:
             slot = self.slots[index]
