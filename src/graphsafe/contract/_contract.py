@@ -1182,12 +1182,18 @@ class ReloadTransaction:
         if not self._byte_ranges:
             return []
         written = [(str(m.memory[0]), m.memory[1], m.memory[2], m) for m in plan.moves]
+        # Each recorded storage this step copied into, with the copies that landed on its recorded bytes.
         entries = [
-            entry
+            (entry, sources)
             for entry in self._byte_ranges
-            if any(
-                device == str(entry.device) and start < entry.data_ptr + entry.hi and entry.data_ptr + entry.lo < end
-                for device, start, end, _ in written
+            if (
+                sources := [
+                    move
+                    for device, start, end, move in written
+                    if device == str(entry.device)
+                    and start < entry.data_ptr + entry.hi
+                    and entry.data_ptr + entry.lo < end
+                ]
             )
         ]
         if not entries:
@@ -1199,14 +1205,9 @@ class ReloadTransaction:
             except (TypeError, RuntimeError):
                 continue  # no memory of its own to cover anything
         findings: list[Finding] = []
-        for entry in entries:
+        for entry, sources in entries:
             device, base = str(entry.device), entry.data_ptr
             spans = sorted((start, stop) for where, start, stop in covered if where == device and stop > start)
-            sources = [
-                move
-                for where, start, end, move in written
-                if where == device and start < base + entry.hi and base + entry.lo < end
-            ]
             gaps = [
                 gap
                 for gap in _gaps(base + entry.lo, base + entry.hi, spans)
