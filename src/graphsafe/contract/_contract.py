@@ -22,7 +22,7 @@ from torch import nn
 from graphsafe.collectors import UNTRACKABLE_ADVICE, Classified, Dataflow, classify, classify_walk, walk
 from graphsafe.contract._access import submodule_is
 from graphsafe.contract._agreement import Agreement
-from graphsafe.contract._copy import CopyBatch, overlapping_pairs
+from graphsafe.contract._copy import CopyBatch, clone_laid_out, overlapping_pairs
 from graphsafe.contract._gcpause import collections_paused
 from graphsafe.contract._samples import SampleBatch, version_of
 from graphsafe.contract._slots import (
@@ -1364,8 +1364,8 @@ class ReloadTransaction:
                 if self.contract.manifest is not None:
                     self._findings.extend(self._reads_no_copy_reached(plan))
         finally:
-            with plan.writing():
-                batch.flush()
+            # No flush here: launch() flushes its copies; after a failure the copies still pending are dropped, not
+            # launched over what the failed step left (fail closed).
             self._bytes += batch.written
         if work:
             # New tensors left at their paths read what they read now; a later after_layer must not write it.
@@ -1621,7 +1621,7 @@ class ReloadTransaction:
                 except TypeError:
                     continue  # no tensors to read: its restore says why
                 if any(plan.overlaps_destination(part) for part in parts):
-                    snapshot.overrides[index] = (current, tuple(part.detach().clone() for part in parts))
+                    snapshot.overrides[index] = (current, tuple(clone_laid_out(part) for part in parts))
 
     def _manifest_extras(self, sealed: SealedLayer) -> list[SealedSlot]:
         """Under ``detect="declared-only"`` or ``"sealed-paths"`` with a capture manifest: the layer's paths the

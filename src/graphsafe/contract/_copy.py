@@ -28,6 +28,7 @@ __all__ = [
     "FOREACH_MAX_BYTES",
     "CopyBatch",
     "byte_span",
+    "clone_laid_out",
     "copy_group",
     "distinct_views",
     "overlapping_pairs",
@@ -72,6 +73,20 @@ def distinct_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, 
                 index.append(slice(None))
         dst, src = dst[tuple(index)], src[tuple(index)]
     return dst, src
+
+
+def clone_laid_out(tensor: torch.Tensor) -> torch.Tensor:
+    """A clone of ``tensor``'s values whose broadcast (stride-0) dimensions stay broadcast: ``clone()`` materializes
+    them, and :func:`distinct_views` then refuses the clone as the source (or the saved bytes) of a broadcast
+    destination."""
+    tensor = tensor.detach()
+    if 0 not in tensor.stride():
+        return tensor.clone()
+    index = tuple(
+        slice(0, 1) if step == 0 and size > 1 else slice(None)
+        for size, step in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return tensor[index].clone().expand(tensor.shape)
 
 
 def plain_layout(conj: bool, neg: bool, stride: Sequence[int]) -> bool:

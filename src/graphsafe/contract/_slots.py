@@ -9,6 +9,7 @@ then compares cheap fields first and falls back to the full geometry comparison 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import sys
@@ -23,7 +24,9 @@ from torch import nn
 from graphsafe.contract._copy import (
     CopyBatch,
     byte_span,
+    clone_laid_out,
     copy_group,
+    distinct_views,
     overlapping_pairs,
     plain_layout,
     span_of,
@@ -981,8 +984,12 @@ class LayerSnapshot:
             )
             return
         tensor, version, sample, _ = before
-        if current.untyped_storage() is not tensor.untyped_storage() and current.data_ptr() != tensor.data_ptr():
-            return  # PWAL put another tensor at the path (restore copies it): rebuilt
+        if current.untyped_storage() is not tensor.untyped_storage() and (
+            current.data_ptr() != tensor.data_ptr() or not current.data_ptr()
+        ):
+            # PWAL put another tensor at the path (restore copies it): rebuilt. A pointer of 0 is no memory (an
+            # empty tensor, GPTQ's ``g_idx = torch.empty(0)``), so a new empty object is not a re-import of it.
+            return
         if current.data_ptr() != slot.fp.data_ptr and not storage_covers(current):
             return  # PWAL freed or shrank its storage (a resize moves the pointer): nothing to read (verify flags it)
         self.noted.append((index, slot, current, version_of(current) != version, sample))
@@ -1605,6 +1612,25 @@ def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat_copy(tensor.resolve_conj().resolve_neg()).view(torch.uint8)
 
 
+def _sorted_ranges(ranges: Iterable[tuple[Any, int, int]]) -> dict[Any, tuple[list[int], list[int]]]:
+    """``(device, start, end)`` ranges as, per device, their starts in order and the running maximum of their ends:
+    a range ``[a, b)`` overlaps one of them iff, among those starting before ``b``, the furthest end is past ``a``."""
+    by_device: dict[Any, list[tuple[int, int]]] = {}
+    for device, start, end in ranges:
+        if end > start:
+            by_device.setdefault(device, []).append((start, end))
+    found: dict[Any, tuple[list[int], list[int]]] = {}
+    for device, pairs in by_device.items():
+        pairs.sort()
+        ends: list[int] = []
+        furthest = 0
+        for _, end in pairs:
+            furthest = max(furthest, end)
+            ends.append(furthest)
+        found[device] = ([start for start, _ in pairs], ends)
+    return found
+
+
 class RestorePlan:
     """Every copy of one restore step, planned before any is launched: the whole model in ``finish()``, the layers
     of one ``after_layer()``. One transaction over the storages of the whole model:
@@ -1623,11 +1649,13 @@ class RestorePlan:
       recapture would read values nobody produced for it.
     """
 
-    __slots__ = ("_dst_spans", "_readers", "_shared", "findings", "moves")
+    __slots__ = ("_dst_memory", "_dst_spans", "_readers", "_shared", "findings", "moves")
 
     def __init__(self, shared: SharedIndex) -> None:
         self.moves: list[_Move] = []
         self._dst_spans: dict[int, list[tuple[int, int]]] = {}  # storage id -> byte spans written
+        #: device -> (starts, running max of ends) of the addresses written, sorted by start; built when first asked
+        self._dst_memory: dict[Any, tuple[list[int], list[int]]] | None = None
         self._readers: list[_Reader] = []
         self._shared = shared
         #: Findings on slots outside any move (a slot left in place that cannot vouch for its bytes).
@@ -1665,6 +1693,7 @@ class RestorePlan:
         if spans is None:
             spans = self._dst_spans[key] = []
         spans.append(span)
+        self._dst_memory = None
 
     def crossing(self) -> list[_Move]:
         """The moves whose destination bytes overlap another move's under another storage object (a DLPack import, a
@@ -1684,10 +1713,24 @@ class RestorePlan:
         """Whether ``tensor`` (on the storage whose id() is ``storage``, where known) reads bytes a copy of this
         plan writes."""
         spans = self._dst_spans.get(id(tensor.untyped_storage()) if storage is None else storage)
-        if spans is None:
-            return False
         span = byte_span(tensor)
-        return any(spans_overlap(span, written) for written in spans)
+        if spans is not None and any(spans_overlap(span, written) for written in spans):
+            return True
+        # By address too: another storage object on the same bytes (a DLPack or from_numpy import) is the same memory.
+        if span[1] <= span[0]:
+            return False
+        base = tensor.untyped_storage().data_ptr()
+        if not base:
+            return False
+        memory = self._dst_memory
+        if memory is None:
+            memory = self._dst_memory = _sorted_ranges(move.memory for move in self.moves)
+        found = memory.get(tensor.device)
+        if found is None:
+            return False
+        starts, ends = found
+        below = bisect.bisect_left(starts, base + span[1])  # the ranges that start before this one ends
+        return below > 0 and ends[below - 1] > base + span[0]
 
     def protect(self) -> None:
         """Clone every source that reads bytes some copy of the plan writes (before any copy is launched)."""
@@ -1697,7 +1740,7 @@ class RestorePlan:
             if self.overlaps_destination(src, move.src_storage if src is move.new else None):
                 clone = clones.get(id(src))
                 if clone is None:
-                    clone = clones[id(src)] = src.detach().clone()
+                    clone = clones[id(src)] = clone_laid_out(src)
                 move.src = clone
 
     def watch(
@@ -1726,14 +1769,14 @@ class RestorePlan:
             if view is None or not self.overlaps_destination(view) or not storage_covers(view):
                 return  # (a storage PWAL freed or shrank has no bytes to keep: verify flags its slot)
             if owner is None:
-                readers.append(_Reader(view, view.detach().clone()))
+                readers.append(_Reader(view, clone_laid_out(view)))
                 return
             sealed, slot, version, position = owner
             # Loaded state (parameters, buffers) and static slots own their bytes whoever wrote them.
             versioned = version is not None and version >= 0 and version_of(view) != version
             written = not slot.tracks_freshness or versioned
             changed = functools.partial(changed_inputs, sealed, position) if changed_inputs is not None else None
-            readers.append(_Reader(view, view.detach().clone(), (sealed, slot), written, changed, versioned))
+            readers.append(_Reader(view, clone_laid_out(view), (sealed, slot), written, changed, versioned))
 
         def hold_slot(
             slot: SealedSlot,
@@ -1823,8 +1866,9 @@ class RestorePlan:
                         flagged.add(id(reader))
                         self._doubt(reader)
                 with torch.no_grad():
-                    for reader in readers:
-                        reader.view.copy_(reader.before)
+                    for reader in readers:  # byte for byte: a broadcast reader is written through its distinct elements
+                        view, before = distinct_views(reader.view, reader.before)
+                        view.copy_(before)
             read = {id(r.view.untyped_storage()) for r in readers}
             fresh: list[_Move] = []
             for key, moves in by_storage.items():
@@ -1839,7 +1883,7 @@ class RestorePlan:
                 broken.add(id(move))
                 self._break(move, by_storage[move.storage])
                 if move.src is not move.new:  # its tensor reads memory the plan writes: it keeps the clone
-                    readers.append(_Reader(move.src, move.src.detach().clone()))
+                    readers.append(_Reader(move.src, clone_laid_out(move.src)))
 
     def _doubt(self, reader: _Reader) -> None:
         """A slot left in place whose bytes a copy would change: ``stale`` where nothing wrote it although its
@@ -1895,9 +1939,16 @@ class RestorePlan:
             )
         )
         if move.src is not move.new and not _is_wrapper(move.new):
+            # The object PWAL made, on the clone's memory: its class (a Parameter subclass) and its Python
+            # attributes (a loader's ``output_dim``, ``weight_loader``) are part of what the reload produced.
+            new = move.new
             kept = move.src
-            if isinstance(move.new, nn.Parameter):
-                kept = nn.Parameter(kept, requires_grad=move.new.requires_grad)
+            if type(new) is not type(kept) and type(kept) is torch.Tensor:
+                kept = torch.Tensor._make_subclass(type(new), kept, new.requires_grad)
+            elif isinstance(new, nn.Parameter) and not isinstance(kept, nn.Parameter):
+                kept = nn.Parameter(kept, requires_grad=new.requires_grad)
+            if new.__dict__:
+                kept.__dict__.update(new.__dict__)
             snapshot.keep[move.index] = kept
         else:
             snapshot.kept.append(move.new)  # left at its path: a later restore step must not write what it reads
