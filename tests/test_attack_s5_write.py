@@ -116,7 +116,7 @@ def _pair_step(model: Pair, how: str) -> None:
 def test_a_kept_new_tensor_on_another_slots_captured_bytes_keeps_what_pwal_gave_it(mode: str, how: str) -> None:
     eager = Pair()
     _pair_step(eager, how)
-    exp_b = eager.b.clone()  # [1, 2]
+    exp_a, exp_b = eager.a.clone(), eager.b.clone()  # [5, 6, 7, 8], [1, 2]
 
     model = Pair()
     contract = GraphContract(model, mode, detect="declared-only").seal()  # type: ignore[arg-type]
@@ -128,6 +128,9 @@ def test_a_kept_new_tensor_on_another_slots_captured_bytes_keeps_what_pwal_gave_
         f"bytes it reads); PWAL gave it {exp_b.tolist()}, and a recapture would read the wrong values. "
         f"{out.summary()}"
     )
+    # (Added by the fixer.) Keeping b's bytes must not cost a its values: the write-back of b into a's captured
+    # memory breaks a's copy, so a keeps what PWAL gave it too (found by address: b reads it under another storage).
+    assert torch.equal(model.a, exp_a), f"after {out.status} a reads {model.a.tolist()}, PWAL gave it {exp_a.tolist()}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

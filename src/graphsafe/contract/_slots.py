@@ -1631,6 +1631,29 @@ def _sorted_ranges(ranges: Iterable[tuple[Any, int, int]]) -> dict[Any, tuple[li
     return found
 
 
+def _memory(tensor: torch.Tensor, span: tuple[int, int] | None = None) -> tuple[Any, int, int] | None:
+    """``(device, first address, end)`` of the bytes a plain tensor spans (``span``: its :func:`byte_span`), or
+    ``None`` where it spans none or has no memory of its own (a wrapper's is its inner tensors')."""
+    if span is None:
+        span = byte_span(tensor)
+    if span[1] <= span[0] or _is_wrapper(tensor):
+        return None
+    start = tensor.data_ptr()  # the address of byte span[0]
+    return (tensor.device, start, start + span[1] - span[0]) if start else None
+
+
+def _hits(ranges: Mapping[Any, tuple[list[int], list[int]]], memory: tuple[Any, int, int] | None) -> bool:
+    """Whether ``memory`` shares a byte with one of ``ranges`` (:func:`_sorted_ranges`)."""
+    if memory is None:
+        return False
+    found = ranges.get(memory[0])
+    if found is None:
+        return False
+    starts, ends = found
+    below = bisect.bisect_left(starts, memory[2])  # the ranges that start before this one ends
+    return below > 0 and ends[below - 1] > memory[1]
+
+
 class RestorePlan:
     """Every copy of one restore step, planned before any is launched: the whole model in ``finish()``, the layers
     of one ``after_layer()``. One transaction over the storages of the whole model:
@@ -1717,20 +1740,10 @@ class RestorePlan:
         if spans is not None and any(spans_overlap(span, written) for written in spans):
             return True
         # By address too: another storage object on the same bytes (a DLPack or from_numpy import) is the same memory.
-        if span[1] <= span[0]:
-            return False
-        base = tensor.untyped_storage().data_ptr()
-        if not base:
-            return False
         memory = self._dst_memory
         if memory is None:
             memory = self._dst_memory = _sorted_ranges(move.memory for move in self.moves)
-        found = memory.get(tensor.device)
-        if found is None:
-            return False
-        starts, ends = found
-        below = bisect.bisect_left(starts, base + span[1])  # the ranges that start before this one ends
-        return below > 0 and ends[below - 1] > base + span[0]
+        return _hits(memory, _memory(tensor, span))
 
     def protect(self) -> None:
         """Clone every source that reads bytes some copy of the plan writes (before any copy is launched)."""
@@ -1870,10 +1883,11 @@ class RestorePlan:
                         view, before = distinct_views(reader.view, reader.before)
                         view.copy_(before)
             read = {id(r.view.untyped_storage()) for r in readers}
+            read_memory = _sorted_ranges(m for m in map(_memory, (r.view for r in readers)) if m is not None)
             fresh: list[_Move] = []
             for key, moves in by_storage.items():
-                if len(moves) < 2 and key not in read:
-                    continue  # one slot writes it, nobody else reads it: the copy is all there is
+                if len(moves) < 2 and key not in read and not _hits(read_memory, moves[0].memory):
+                    continue  # one slot writes it, nobody else reads it (by address either): the copy is all there is
                 for move in moves:
                     if id(move) not in broken and not _same_values(move.dst, move.src):
                         fresh.append(move)
