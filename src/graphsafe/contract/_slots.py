@@ -1957,8 +1957,9 @@ class RestorePlan:
             # attributes (a loader's ``output_dim``, ``weight_loader``) are part of what the reload produced.
             new = move.new
             kept = move.src
-            if type(new) is not type(kept) and type(kept) is torch.Tensor:
-                kept = torch.Tensor._make_subclass(type(new), kept, new.requires_grad)
+            if type(kept) is torch.Tensor:  # a fresh object of PWAL's class (one clone can serve several moves)
+                grad = new.requires_grad if isinstance(new, nn.Parameter) else kept.requires_grad
+                kept = torch.Tensor._make_subclass(type(new), kept, grad)
             elif isinstance(new, nn.Parameter) and not isinstance(kept, nn.Parameter):
                 kept = nn.Parameter(kept, requires_grad=new.requires_grad)
             if new.__dict__:
