@@ -7,6 +7,7 @@ The contract is the only place that decides an outcome. Adapters translate a fra
 from __future__ import annotations
 
 import functools
+import reprlib
 import threading
 import time
 import warnings
@@ -33,6 +34,7 @@ from graphsafe.contract._slots import (
     SealedLayer,
     SealedSlot,
     SharedIndex,
+    ValuesBefore,
     address_range,
     check_closed,
     check_freshness,
@@ -219,7 +221,8 @@ class GraphContract:
         #: Those paths a recording saw PWAL run over, with what it saw PWAL compute each from (``None``: not
         #: computed, a fixed table): kept across seals, so a path that reappears after a reseal is known.
         self._recorded_extras: dict[tuple[str, str], tuple[InputRef, ...] | None] = {}
-        self._pending: Dataflow | None = None  # record_inputs() before seal(), consumed by seal()
+        # record_inputs() before seal(), consumed by seal(): the recording, and the tensors as they were before it
+        self._pending: tuple[Dataflow, ValuesBefore] | None = None
         #: Set by an engine adapter: why no captured graph replays this model (a platform without graphs, an eager
         #: configuration), or ``None`` while graphs may replay. Asked when a reload decides: with no graph, findings
         #: a recapture would fix read no wrong memory (every forward reads the model's tensors as they are now),
@@ -339,25 +342,26 @@ class GraphContract:
                 # the evidence, so that capture did not see the model that will be sealed: capture again.
                 self._recapture_after = self._captures
             raise
-        # What PWAL was seen reading belongs to the layers, not to one seal: a reseal keeps it.
+        # What PWAL was seen reading belongs to the layers, not to one seal: a reseal keeps it (and that a recording
+        # was blind to a slot, which must not make it a fixed table).
         recorded = {
-            (id(sealed.layer_ref()), slot.path.text): (sealed.layer_ref, slot.inputs)
+            (id(sealed.layer_ref()), slot.path.text): (sealed.layer_ref, slot.inputs, slot.unrecorded)
             for sealed in self._layers
             for slot in sealed.slots
-            if slot.inputs is not None
+            if slot.inputs is not None or slot.unrecorded
         }
         for sealed in layers:
             for slot in sealed.slots:
                 entry = recorded.get((id(sealed.layer_ref()), slot.path.text)) if slot.tracks_freshness else None
                 if entry is not None and entry[0]() is sealed.layer_ref():
-                    slot.inputs = entry[1]
+                    slot.inputs, slot.unrecorded = entry[1], entry[2]
         self._layers = layers
         self._slot_keys = {(sealed.qualname, slot.path.text) for sealed in layers for slot in sealed.slots}
         self._manifest_slots = {}
         self._index_layers()
         pending, self._pending = self._pending, None
         if pending is not None:
-            self._learn_initial_inputs(pending)
+            self._learn_initial_inputs(*pending)
         self._quarantine.clear()
         self._sealed = True
         self._recapture_after = None
@@ -441,10 +445,18 @@ class GraphContract:
                 "record_inputs() records the initial load before seal(); this contract is sealed, and its first "
                 "reload records what PWAL reads by itself"
             )
+        # What the walk finds now, before the load: a slot the recording does not see computed but whose values
+        # changed was computed where it could not see (another thread, a raw kernel), not left as a fixed table.
+        units = frozenset(id(module) for module in self.model.modules())
+        before = ValuesBefore.take(
+            ref.tensor
+            for module in self.model.modules()
+            for ref in walk(module, budget=self.budget, devices=self.devices, units=units).refs
+        )
         dataflow = Dataflow()
         with dataflow:
             yield
-        self._pending = dataflow
+        self._pending = (dataflow, before)
 
     @property
     def inputs_recorded(self) -> bool:
@@ -503,15 +515,21 @@ class GraphContract:
 
         return held, updated
 
-    def _learn_initial_inputs(self, dataflow: Dataflow) -> None:
+    def _learn_initial_inputs(self, dataflow: Dataflow, before: ValuesBefore) -> None:
         """Keep what the recorded initial load computed each declared slot from (see :meth:`record_inputs`)."""
         held, _ = self._input_index(dataflow)
+        unseen: list[tuple[SealedSlot, torch.Tensor]] = []  # walker slots the recording did not see computed
         for sealed in self._layers:
             layer = sealed.layer_ref()
             for slot in sealed.slots:
                 current = slot.get(layer) if slot.tracks_freshness and layer is not None else None
                 if isinstance(current, torch.Tensor) and dataflow.updated(current):
                     slot.inputs = tuple(dataflow.reads(current, held))
+                elif isinstance(current, torch.Tensor) and slot.origin is Origin.WALKER:
+                    unseen.append((slot, current))
+        if unseen:
+            for (slot, _), blind in zip(unseen, before.written_unseen([t for _, t in unseen]), strict=True):
+                slot.unrecorded = blind  # a blind recording keeps it watched (the fallback inputs)
         self._recorded = True
 
     def reseal(self, *, recaptured: bool = False) -> GraphContract:
@@ -657,6 +675,37 @@ class GraphContract:
         ]
         extras = [_sealed_slot(entry) for entry in classify_walk(result, known, tracked)]
         return extras, result.exhausted, result.notes
+
+    def _unsealed_modules(self) -> list[Finding]:
+        """Modules registered after the seal (a layer appended to a ``ModuleList``, an adapter) that hold tensors a
+        seal would track: no seal entry knows them and the walk never enters a module, so a graph captured since may
+        read them at addresses no reload keeps. Reported, not sealed now: the contract cannot tell what a graph
+        captured of them (a seal must come before the capture)."""
+        late = [(qualname, module) for qualname, module in self.model.named_modules() if id(module) not in self._units]
+        if not late:
+            return []
+        units = self._units | {id(module) for _, module in late}
+        replaced = {sealed.qualname for sealed in self._layers}  # their own findings say so (vanished)
+        findings: list[Finding] = []
+        for qualname, module in late:
+            if qualname in replaced:
+                continue
+            classified = classify(
+                module, walk_layer=self.detect != "declared-only", budget=self.budget, devices=self.devices, units=units
+            )
+            if classified.tensors or classified.unresolved or classified.notes or classified.exhausted:
+                findings.append(
+                    Finding(
+                        FindingKind.UNTRACKABLE,
+                        layer=qualname,
+                        layer_class=type(module).__name__,
+                        path="",
+                        declared=True,
+                        detail="registered after the seal: none of its tensors is sealed, so no reload keeps the "
+                        "addresses a graph captured since reads; recapture the graphs, then reseal()",
+                    )
+                )
+        return findings
 
     def _notify(self, outcome: ReloadOutcome) -> Exception | None:
         """Call every ``on_outcome`` listener; return the first error one raised (raised once the contract acted)."""
@@ -921,6 +970,7 @@ class ReloadTransaction:
                         self._snapshot(sealed, flush=False)
                     self._samples.flush()  # every layer's value samples in one copy per dtype, before the load
                 self._seconds += time.perf_counter() - start
+            self._findings.extend(contract._unsealed_modules())
         except BaseException:
             # Nothing was loaded yet: leave the contract as it was, not stuck with an open transaction.
             self._snapshots.clear()
@@ -971,18 +1021,41 @@ class ReloadTransaction:
     def __enter__(self) -> ReloadTransaction:
         return self.begin()
 
+    def _layer_entries(self, step: str, layer: Any) -> list[SealedLayer]:
+        """The sealed entries ``step`` acts on; a clear error for what is no module of the model (a layer's name,
+        ``None``): silently doing nothing would leave the layer unsnapshotted or unrestored."""
+        if not isinstance(layer, nn.Module):
+            raise GraphSafeError(
+                f"{self._where()}: {step} takes the layer's nn.Module, not {type(layer).__name__} "
+                f"{' '.join(reprlib.repr(layer).split())}; pass the module itself (model.get_submodule(name) for a "
+                "name)"
+            )
+        contract = self.contract
+        entries = contract._layer_entries(layer)
+        if not entries and id(layer) not in contract._units and all(m is not layer for m in contract.model.modules()):
+            raise GraphSafeError(
+                f"{self._where()}: {step} got a {type(layer).__name__} that is not a module of the model; pass a "
+                "layer of the model the contract sealed"
+            )
+        return entries
+
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if not self._begun or self._finished:
             return  # never began (begin() raised), or the body called finish() itself
         if exc is not None and not isinstance(exc, Exception):
-            # KeyboardInterrupt and friends: mark unsafe and let them through untouched.
+            # KeyboardInterrupt and friends: mark unsafe and let them through untouched, with the reload recorded as
+            # failed (last_outcome, listeners): the previous outcome must not stand for a half-loaded model.
             self._finished = True
-            self._stop_recording()
-            self.contract._active = None
-            self.contract.mark_unsafe(f"the reload was interrupted by {exc_type.__name__ if exc_type else exc!r}")
-            self.contract._lock.release()
+            contract = self.contract
+            contract.mark_unsafe(f"the reload was interrupted by {exc_type.__name__ if exc_type else exc!r}")
+            try:
+                self.outcome = contract.last_outcome = self._settle(exc)
+                contract._notify(self.outcome)  # a listener's own error gives way to the interrupt
+            finally:
+                contract._active = None
+                contract._lock.release()
             return
         self.finish(error=exc)
 
@@ -998,7 +1071,7 @@ class ReloadTransaction:
             self._dataflow.paused = True  # the snapshot's own reads are not PWAL's
         try:
             with collections_paused():
-                for sealed in self.contract._layer_entries(layer):
+                for sealed in self._layer_entries("before_layer()", layer):
                     pending = self._snapshots.get(id(sealed))
                     if pending is not None and not pending.done:
                         # Snapshotted and not restored yet (a second before_layer for the layer, or its parent's
@@ -1025,7 +1098,7 @@ class ReloadTransaction:
             dataflow.paused = True  # restore's copies are the contract's, not PWAL's
         try:
             group: list[LayerSnapshot] = []
-            for sealed in self.contract._layer_entries(layer):
+            for sealed in self._layer_entries("after_layer()", layer):
                 snapshot = self._snapshots.get(id(sealed))
                 if snapshot is None:
                     snapshot = self._snapshot(sealed)
@@ -1140,6 +1213,11 @@ class ReloadTransaction:
                         "and the weights may be half-loaded",
                     )
                 )
+            # Deciding asks code outside the contract too (the adapter's graphless hook, the manifest): an error
+            # there leaves an unrestored model, so it must not leave the contract serving-safe either.
+            status = contract._decide(self._findings, error)
+            unread = getattr(contract.manifest, "unread", None)  # the kernel scan's: slots no graph reads
+            unread_slots = unread(contract) if callable(unread) and error is None else None
         except BaseException as exc:
             # The restore itself raised (a failed copy, an interrupt): some layers may be rebound, others not.
             self._quarantine_all()
@@ -1150,9 +1228,6 @@ class ReloadTransaction:
             self._closed.clear()
             contract._active = None
         self._seconds += time.perf_counter() - start
-        status = contract._decide(self._findings, error)
-        unread = getattr(contract.manifest, "unread", None)  # the kernel scan's: slots no graph reads
-        unread_slots = unread(contract) if callable(unread) and error is None else None
         return ReloadOutcome(
             status=status,
             mode=contract.mode,
@@ -1381,6 +1456,9 @@ class ReloadTransaction:
         swapped = {id(new): held for snapshot, rebinds in work for new, held in snapshot.bound_instead(rebinds)}
         for snapshot, rebinds in work:
             snapshot.rebind(rebinds, swapped)
+        if plan.moves and any(f.kind is FindingKind.MOVED for snapshot, _ in work for f in snapshot.findings):
+            with plan.writing():
+                plan.unbound()  # a rebind that failed: its path must not read what a copy wrote there
         if not any(f.kind.is_problem for snapshot, _ in work for f in snapshot.findings):
             # (Only when every copy of the step landed: a failed step leaves what PWAL made where it was.)
             for snapshot, _ in work:

@@ -66,6 +66,7 @@ __all__ = [
     "SealedLayer",
     "SealedSlot",
     "SharedIndex",
+    "ValuesBefore",
     "check_freshness",
     "held_outside",
     "judge_noted",
@@ -319,6 +320,65 @@ def _getter(path: SlotPath) -> Getter:
 
 def _strided(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.layout is torch.strided and value.device.type != "meta"
+
+
+def written_unseen(entries: Sequence[tuple[torch.Tensor | None, int, Sample | None, Any]]) -> list[bool]:
+    """For each ``(tensor at a slot's path before a recorded load or None, its version counter then, its value
+    sample then, the value there now)`` that the recording saw neither made nor written: whether it was made or
+    written all the same (another tensor, a moved version counter, another value sample).
+
+    Then the recording was blind to it (PWAL on another thread, a write past torch's dispatcher: ``.numpy()``, a
+    raw kernel launch) and says nothing about whether PWAL computes it: it must not make the slot a fixed table.
+    """
+    result = [True] * len(entries)
+    asked: list[tuple[int, Sample, torch.Tensor]] = []
+    for position, (before, version, sample, now) in enumerate(entries):
+        if before is None or sample is None or not _strided(now) or not _strided(before):
+            continue  # made (or given a tensor without storage) where the recording did not see it
+        if now is not before and (
+            now.untyped_storage() is not before.untyped_storage()
+            or now.data_ptr() != before.data_ptr()
+            or _view(now) != _view(before)
+        ):
+            continue
+        if version_of(now) != version:
+            continue
+        asked.append((position, sample, now))
+    if asked:
+        same = unchanged([(sample, now) for _, sample, now in asked], SLOT_ELEMENTS)
+        for (position, _, _), kept in zip(asked, same, strict=True):
+            result[position] = not kept
+    return result
+
+
+@dataclass(slots=True)
+class ValuesBefore:
+    """The tensors found before a recorded initial load (``record_inputs()``), each held weakly with its version
+    counter and value sample: what :func:`written_unseen` checks a slot the recording did not see computed
+    against, since the seal (and so the slot) comes only after that load."""
+
+    taken: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, Sample]]
+
+    @classmethod
+    def take(cls, tensors: Iterable[torch.Tensor]) -> ValuesBefore:
+        batch = SampleBatch()
+        taken: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, Sample]] = {}
+        for tensor in tensors:
+            if _strided(tensor) and id(tensor) not in taken:
+                taken[id(tensor)] = (weakref.ref(tensor), version_of(tensor), batch.take(tensor, SLOT_ELEMENTS))
+        batch.flush()
+        return cls(taken)
+
+    def written_unseen(self, tensors: Sequence[torch.Tensor]) -> list[bool]:
+        """:func:`written_unseen` for each tensor now at a slot's path (one that was not there before: made)."""
+        entries: list[tuple[torch.Tensor | None, int, Sample | None, Any]] = []
+        for tensor in tensors:
+            entry = self.taken.get(id(tensor))
+            if entry is None or entry[0]() is not tensor:
+                entries.append((None, -1, None, tensor))
+            else:
+                entries.append((tensor, entry[1], entry[2], tensor))
+        return written_unseen(entries)
 
 
 # An input before PWAL: (storage, version, value sample, digest of every byte or None), or None where the path held
@@ -664,8 +724,9 @@ class LayerSnapshot:
         PWAL left while its inputs changed (this reload judges it: ``stale`` unless it really is a fixed table).
         One PWAL left while nothing it may be computed from changed (a partial reload, a skip guard that was right
         this time) tells nothing: it stays watched, or a later reload that changes its inputs would take it for a
-        fixed table."""
+        fixed table. Nor does one made or written where the recording could not see (:func:`written_unseen`)."""
         layer = self.layer
+        unseen: list[tuple[SealedSlot, tuple[torch.Tensor | None, int, Sample | None, Any]]] = []
         for index in self.freshness:
             slot = self.slots[index]
             if slot.origin is not Origin.WALKER:
@@ -673,6 +734,13 @@ class LayerSnapshot:
             current = slot.get(layer)
             computed = isinstance(current, torch.Tensor) and updated(current)
             slot.unrecorded = not computed and not self.changed_inputs(index)
+            if not computed and isinstance(current, torch.Tensor):
+                before, version, sample, _ = self.freshness[index]
+                unseen.append((slot, (before, version, sample, current)))
+        if unseen:
+            for (slot, _), blind in zip(unseen, written_unseen([entry for _, entry in unseen]), strict=True):
+                if blind:
+                    slot.unrecorded = True  # keeps the fallback inputs: watched at every reload
 
     def in_place(self) -> bool:
         """Whether every slot is its captured tensor on its captured memory: then restore and verify are no-ops.
@@ -788,6 +856,18 @@ class LayerSnapshot:
                     clones = dict(zip(map(id, memory_tensors(current)), saved[1], strict=True))
                     inner_pairs = [(dst, clones.get(id(src), src)) for dst, src in inner_pairs]
                 exact = False
+            elif current.layout is not torch.strided:
+                # Sparse, mkldnn: no strided storage to ask about, and no copy can lay it out as captured. Nothing
+                # reads captured memory through it, so it is not kept as a reader of the plan's writes.
+                self.findings.append(
+                    sealed.finding(
+                        FindingKind.RESPECIFIED,
+                        slot,
+                        detail=f"PWAL gave it a {current.layout} tensor, which has no strided storage a copy into the "
+                        "captured one could restore: keep the captured strided layout in PWAL, or recapture",
+                    )
+                )
+                continue
             elif (new_storage := current.untyped_storage()) is (captured_storage := captured.untyped_storage()):
                 if current.data_ptr() == slot.fp.data_ptr and geometry_key(current) == geometry_key(captured):
                     if index in freshness:
@@ -1586,6 +1666,7 @@ def reads_as_captured(current: Any, captured: torch.Tensor) -> bool:
         return True
     return (
         isinstance(current, torch.Tensor)
+        and current.layout is captured.layout  # (sparse, mkldnn: no storage to ask)
         and current.untyped_storage() is captured.untyped_storage()
         and current.data_ptr() == captured.data_ptr()
         and _view(current) == _view(captured)
@@ -1898,6 +1979,43 @@ class RestorePlan:
                 self._break(move, by_storage[move.storage])
                 if move.src is not move.new:  # its tensor reads memory the plan writes: it keeps the clone
                     readers.append(_Reader(move.src, clone_laid_out(move.src)))
+
+    def unbound(self) -> None:
+        """After the step's rebinds: a moved slot whose path could not be rebound (a holder refusing assignment)
+        still holds its new tensor, and where that reads memory a copy of the plan wrote (PWAL handed it another
+        slot's captured tensor: a ping-pong swap), it now reads that slot's values, which graphsafe wrote there.
+
+        Its values (the clone :meth:`protect` took) are written back where no path rebound onto that memory reads
+        it: the model is then as PWAL left it, which a recapture reads. Where one does (its partner was rebound),
+        both cannot hold their values: ``stale``, since a recapture would read the wrong ones."""
+        for move in self.moves:
+            snapshot, new, src = move.snapshot, move.new, move.src
+            slot = snapshot.slots[move.index]
+            if src is new or _is_wrapper(new) or slot.get(snapshot.layer) is not new or _same_values(new, src):
+                continue  # rebound, or nothing a copy wrote is read through its new tensor
+            saved = snapshot.overrides.get(move.index)
+            earlier = saved is not None and saved[0] is new  # an earlier step's copy wrote it: its slot reads it
+            partners = [
+                other.ref
+                for other in self.moves
+                if other is not move
+                and _overlap(new, other.dst)
+                and reads_as_captured(other.snapshot.slots[other.index].get(other.snapshot.layer), other.dst)
+            ]
+            if earlier or partners:
+                why = f"{', '.join(map(repr, partners))} was rebound onto it" if partners else "another slot reads it"
+                snapshot.findings.append(
+                    snapshot.sealed.finding(
+                        FindingKind.STALE,
+                        slot,
+                        detail=f"its captured tensor could not be bound back, and the new tensor it keeps reads "
+                        f"memory the restore wrote with another slot's values, where {why}: this path reads wrong "
+                        "values, and so would a recapture. Let PWAL's holder take assignment, then reload again",
+                    )
+                )
+                continue
+            with torch.no_grad():
+                new.copy_(src)
 
     def _doubt(self, reader: _Reader) -> None:
         """A slot left in place whose bytes a copy would change: ``stale`` where nothing wrote it although its
