@@ -48,16 +48,31 @@ PARTIAL_KEYWORDS: Final = functools.partial.__dict__["keywords"].__get__
 TENSOR_DEVICE: Final = torch._C.TensorBase.__dict__["device"].__get__
 #: The referent of a weak reference: the C call of ``weakref.ref`` (a subclass's Python ``__call__`` is not run).
 REF_REFERENT: Final = weakref.ReferenceType.__call__
-#: The referent of a weak proxy (None once dead): ``PyWeakref_GetObject``, since every Python-level operation on a
+#: The referent of a weak proxy (None once dead), through the C API, since every Python-level operation on a
 #: proxy is forwarded to (and may run the code of) its referent. Called with the proxy's address, so that ctypes
-#: does not convert (and so touch) the proxy; the borrowed pointer becomes a strong reference at once.
-_WEAKREF_GET_OBJECT: Final = ctypes.pythonapi.PyWeakref_GetObject
-_WEAKREF_GET_OBJECT.argtypes = [ctypes.c_void_p]
-_WEAKREF_GET_OBJECT.restype = ctypes.c_void_p
+#: does not convert (and so touch) the proxy. ``PyWeakref_GetRef`` (3.13+) gives a new reference, let go once
+#: ``.value`` holds its own; the older ``PyWeakref_GetObject`` (removed in 3.15) a borrowed one.
+_WEAKREF_GET_REF: Final[Any] = getattr(ctypes.pythonapi, "PyWeakref_GetRef", None)
+_WEAKREF_GET_OBJECT: Final[Any] = None if _WEAKREF_GET_REF is not None else ctypes.pythonapi.PyWeakref_GetObject
+if _WEAKREF_GET_REF is not None:
+    _WEAKREF_GET_REF.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+    _WEAKREF_GET_REF.restype = ctypes.c_int
+    ctypes.pythonapi.Py_DecRef.argtypes = [ctypes.c_void_p]
+    ctypes.pythonapi.Py_DecRef.restype = None
+else:
+    _WEAKREF_GET_OBJECT.argtypes = [ctypes.c_void_p]
+    _WEAKREF_GET_OBJECT.restype = ctypes.c_void_p
 
 
 def PROXY_REFERENT(proxy: object) -> object:
-    return ctypes.cast(_WEAKREF_GET_OBJECT(id(proxy)), ctypes.py_object).value
+    if _WEAKREF_GET_REF is None:
+        return ctypes.cast(_WEAKREF_GET_OBJECT(id(proxy)), ctypes.py_object).value
+    out = ctypes.c_void_p()
+    if _WEAKREF_GET_REF(id(proxy), ctypes.byref(out)) != 1 or not out.value:
+        return None  # dead
+    referent = ctypes.cast(out.value, ctypes.py_object).value
+    ctypes.pythonapi.Py_DecRef(out.value)
+    return referent
 
 
 #: A ContextVar's value in the current context (C code; ContextVar cannot be subclassed).
