@@ -460,8 +460,6 @@ def test_leaf_types_are_never_entered() -> None:
     layer.cls = Holder
     layer.mod = module
     layer.color = Color.RED
-    layer.gen = (t_gen for _ in range(1))
-    layer.proxy = weakref.proxy(holder)
     layer.dtype = torch.float16
     layer.device = torch.device("cpu")
     layer.size = torch.Size([1, 2])
@@ -471,6 +469,12 @@ def test_leaf_types_are_never_entered() -> None:
     result = walk(layer)
     assert result.refs == ()
     assert result.objects_visited == 1
+    # A generator's frame and a weak proxy's referent are no leaves: what they hold is untrackable (no path names it).
+    layer.gen = (t_gen for _ in range(1))
+    layer.proxy = weakref.proxy(holder)
+    result = walk(layer)
+    assert result.refs == ()
+    assert [note.split(":")[0] for note in result.notes] == ["gen", "proxy"]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -112,8 +112,11 @@ def _storage_ids(tensor: torch.Tensor) -> list[int]:
     return [id(part.untyped_storage()) for part in memory_tensors(tensor)]
 
 
-def _state_entries(layer: nn.Module, declared: Collection[str], devices: DeviceSet | None) -> list[Classified]:
-    """The layer's own parameters and buffers not already declared under their name."""
+def _state_entries(
+    layer: nn.Module, declared: Collection[str], devices: DeviceSet | None, notes: list[str]
+) -> list[Classified]:
+    """The layer's own parameters and buffers not already declared under their name. One without storage
+    (sparse, ...) cannot be fingerprinted or restored: it goes to ``notes`` (untrackable), as a walker find does."""
     entries: list[Classified] = []
     for origin, table in ((Origin.PARAMETER, layer._parameters), (Origin.BUFFER, layer._buffers)):
         for name, tensor in table.items():
@@ -123,10 +126,12 @@ def _state_entries(layer: nn.Module, declared: Collection[str], devices: DeviceS
                 path.text in declared
                 or not isinstance(tensor, torch.Tensor)
                 or is_lazy(tensor)  # an uninitialised lazy parameter: no storage yet
-                or tensor.layout is not torch.strided  # no storage to fingerprint (sparse, ...)
                 or tensor.device.type == "meta"
                 or (devices is not None and tensor.device not in devices)
             ):
+                continue
+            if tensor.layout is not torch.strided:  # no storage to fingerprint (sparse, ...)
+                notes.append(f"{path.text}: cannot fingerprint a {tensor.layout} {origin.value} (it has no storage)")
                 continue
             entries.append(Classified(path, tensor, fingerprint(tensor), origin))
     return entries
@@ -201,10 +206,18 @@ def classify(
             )
             unresolved.append(Unresolved(text, declaration, what))
             continue
-        entries.append(Classified(declaration.path, value, fingerprint(value), Origin.DECLARED, declaration))
-    entries.extend(_state_entries(layer, declarations.keys(), devices))
+        try:
+            print_ = fingerprint(value)
+        except Exception as exc:  # sparse, or a wrapper subclass without storage: the seal refuses it
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            what = f"holds a {value.layout} {type(value).__name__} that cannot be fingerprinted ({first})"
+            unresolved.append(Unresolved(text, declaration, what))
+            continue
+        entries.append(Classified(declaration.path, value, print_, Origin.DECLARED, declaration))
+    notes: list[str] = []
+    entries.extend(_state_entries(layer, declarations.keys(), devices, notes))
     if not walk_layer:
-        return LayerTensors(tuple(entries), tuple(unresolved))
+        return LayerTensors(tuple(entries), tuple(unresolved), notes=tuple(notes))
     # Declared paths are skipped: classified above, they need no walker fingerprint; `skipped` says which it reached.
     result = walk(layer, budget=budget, devices=devices, skip_paths=declarations.keys(), units=units)
     by_path = {entry.path.text: entry for entry in entries}
@@ -218,4 +231,4 @@ def classify(
         for part in memory_tensors(entry.tensor)
     ]
     entries.extend(classify_walk(result, declarations.keys(), tracked))
-    return LayerTensors(tuple(entries), tuple(unresolved), True, result.exhausted, result.notes)
+    return LayerTensors(tuple(entries), tuple(unresolved), True, result.exhausted, (*notes, *result.notes))

@@ -796,6 +796,20 @@ def _gaps(first: int, end: int, spans: list[tuple[int, int]]) -> list[tuple[int,
     return gaps
 
 
+def _fills_span(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements occupy every byte of its address span (a broadcast dimension repeats bytes
+    and leaves none out): dense once dimensions of size 1 or stride 0 are set aside."""
+    dims = sorted(
+        (stride, size) for size, stride in zip(tensor.shape, tensor.stride(), strict=True) if size > 1 and stride
+    )
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected = stride * size
+    return True
+
+
 def _same_as_new(storage: Any, lo: int, hi: int, moves: Iterable[Any]) -> bool:
     """Whether bytes ``[lo, hi)`` of the captured ``storage`` equal the bytes at the same offsets of the one new
     storage every move into it copied from (each new tensor at its captured tensor's offset): the buffer PWAL
@@ -1273,10 +1287,13 @@ class ReloadTransaction:
         ]
         if not entries:
             return []
-        covered = [(device, start, end) for device, start, end, _ in written]
+        # Only a tensor whose elements fill its address span covers that span: a strided view (``packed[:, ::2]``)
+        # leaves the bytes between its elements as they were (the copy wrote only its elements).
+        covered = [(device, start, end) for device, start, end, move in written if _fills_span(move.dst)]
         for _, _, tensor in manifest.held(self.contract):
             try:
-                covered.extend(address_range(part) for part in memory_tensors(tensor))  # a wrapper: its inner ones
+                # a wrapper: its inner ones
+                covered.extend(address_range(part) for part in memory_tensors(tensor) if _fills_span(part))
             except (TypeError, RuntimeError):
                 continue  # no memory of its own to cover anything
         findings: list[Finding] = []

@@ -819,6 +819,11 @@ class LayerSnapshot:
                     elif index in freshness:
                         self._note_fresh(index, slot, current)
                     continue
+                if isinstance(current, tensor_type) and current.untyped_storage() is captured.untyped_storage():
+                    # Moved within its captured storage (an arena's other half): the storage is still held, so the
+                    # manifest's check (storage identity) is satisfied, while the graph reads the bytes it left.
+                    self._respecified(slot, current, "moved within its captured storage: ")
+                    continue
                 if isinstance(current, tensor_type):
                     self.kept.append(current)  # its new values: no copy may overwrite what it reads
                 # Moved or gone: its memory is abandoned (see the contract's _doubt_abandoned). Let go of the

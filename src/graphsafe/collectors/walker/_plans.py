@@ -11,6 +11,7 @@ from __future__ import annotations
 import _io
 import collections
 import contextvars
+import ctypes
 import enum
 import functools
 import gc
@@ -47,6 +48,33 @@ PARTIAL_KEYWORDS: Final = functools.partial.__dict__["keywords"].__get__
 TENSOR_DEVICE: Final = torch._C.TensorBase.__dict__["device"].__get__
 #: The referent of a weak reference: the C call of ``weakref.ref`` (a subclass's Python ``__call__`` is not run).
 REF_REFERENT: Final = weakref.ReferenceType.__call__
+#: The referent of a weak proxy (None once dead), through the C API, since every Python-level operation on a
+#: proxy is forwarded to (and may run the code of) its referent. Called with the proxy's address, so that ctypes
+#: does not convert (and so touch) the proxy. ``PyWeakref_GetRef`` (3.13+) gives a new reference, let go once
+#: ``.value`` holds its own; the older ``PyWeakref_GetObject`` (removed in 3.15) a borrowed one.
+_WEAKREF_GET_REF: Final[Any] = getattr(ctypes.pythonapi, "PyWeakref_GetRef", None)
+_WEAKREF_GET_OBJECT: Final[Any] = None if _WEAKREF_GET_REF is not None else ctypes.pythonapi.PyWeakref_GetObject
+if _WEAKREF_GET_REF is not None:
+    _WEAKREF_GET_REF.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+    _WEAKREF_GET_REF.restype = ctypes.c_int
+    ctypes.pythonapi.Py_DecRef.argtypes = [ctypes.c_void_p]
+    ctypes.pythonapi.Py_DecRef.restype = None
+else:
+    _WEAKREF_GET_OBJECT.argtypes = [ctypes.c_void_p]
+    _WEAKREF_GET_OBJECT.restype = ctypes.c_void_p
+
+
+def PROXY_REFERENT(proxy: object) -> object:
+    if _WEAKREF_GET_REF is None:
+        return ctypes.cast(_WEAKREF_GET_OBJECT(id(proxy)), ctypes.py_object).value
+    out = ctypes.c_void_p()
+    if _WEAKREF_GET_REF(id(proxy), ctypes.byref(out)) != 1 or not out.value:
+        return None  # dead
+    referent = ctypes.cast(out.value, ctypes.py_object).value
+    ctypes.pythonapi.Py_DecRef(out.value)
+    return referent
+
+
 #: A ContextVar's value in the current context (C code; ContextVar cannot be subclassed).
 CONTEXTVAR_GET: Final = contextvars.ContextVar.get
 LRU_WRAPPER: Final[type | None] = getattr(functools, "_lru_cache_wrapper", None)  # the C lru_cache, when built
@@ -77,6 +105,10 @@ PARTIAL, FUNCTION, METHOD, BUILTIN, WRAPPER = range(12, 17)
 # Weak references, lru_cache wrappers, ContextVars, and modules: a module is entered only where it is no reload
 # unit of its own (one held in a plain list, say); which modules are units is the walk's ``units`` argument.
 REF, LRU, CVAR, MODULE = range(17, 21)
+# A weak proxy (its referent read as a weak reference's), and a C object without instance state of its own that
+# may still hold objects (an itertools iterator, a methodcaller, a dict view, a generator's frame): what it holds
+# is read through the GC protocol, and no path can name it.
+WPROXY, OPAQUE = range(21, 23)
 
 
 def _resolve_names(dotted: tuple[str, ...]) -> list[type]:
@@ -108,9 +140,6 @@ _LEAF_BASES: Final[tuple[type, ...]] = (
     range,
     slice,
     enum.Enum,
-    types.GeneratorType,
-    types.CoroutineType,
-    types.AsyncGeneratorType,
     types.CodeType,
     types.FrameType,
     types.TracebackType,
@@ -120,8 +149,6 @@ _LEAF_BASES: Final[tuple[type, ...]] = (
     property,
     staticmethod,
     classmethod,
-    weakref.ProxyType,
-    weakref.CallableProxyType,
     io.IOBase,
     _io._IOBase,  # the C base of every file object (io.IOBase is an ABC they are only registered with)
     logging.Logger,
@@ -173,6 +200,8 @@ KIND_BASES: Final[tuple[tuple[type, int], ...]] = (
     (torch._C.TensorBase, TENSOR),
     (nn.Module, MODULE),
     (weakref.ReferenceType, REF),
+    (weakref.ProxyType, WPROXY),
+    (weakref.CallableProxyType, WPROXY),
     (contextvars.ContextVar, CVAR),
     *(((LRU_WRAPPER, LRU),) if LRU_WRAPPER is not None else ()),
     *((base, LEAF) for base in _LEAF_BASES),
@@ -367,7 +396,8 @@ class Plan:
                 if type(name) is str and not name.startswith("__") and _is_data_descriptor(value)
             )
             if kind == OBJECT and self.dict_get is None and not slots and not shadowed:
-                self.kind = LEAF  # a C type without instance state we could read
+                # A C type without instance state we could read; what it holds (gc.get_referents) is read, unnamed.
+                self.kind = OPAQUE
         self.attrs = self.dict_get is not None or bool(self.slots) or bool(self.shadowed_slots)
         # Class attributes of plain objects and modules: the dicts of the classes along the MRO that are neither
         # builtin nor torch's own (whose class state is no model's), read at every walk since they can change.

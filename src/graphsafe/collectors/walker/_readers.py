@@ -9,6 +9,7 @@ at hand. The loops over dict items, sequence items and attributes are written ou
 from __future__ import annotations
 
 import gc
+import types
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
@@ -50,11 +51,13 @@ from graphsafe.collectors.walker._plans import (
     METHOD_FUNC,
     METHOD_SELF,
     NTUPLE,
+    OPAQUE,
     PARTIAL,
     PARTIAL_ARGS,
     PARTIAL_FUNC,
     PARTIAL_KEYWORDS,
     PROXY,
+    PROXY_REFERENT,
     REF,
     REF_REFERENT,
     SET,
@@ -63,6 +66,7 @@ from graphsafe.collectors.walker._plans import (
     TUPLE,
     TUPLE_ITER,
     TYPE_NAME,
+    WPROXY,
     WRAPPER,
     WRAPPER_SELF,
     Plan,
@@ -283,6 +287,25 @@ def read_ref(obj: Any, plan: Plan, kids: list[Kid]) -> None:
     add_kid(kids, UNNAMED, _REFERENT, REF_REFERENT(obj), NO_WRITE, None)
 
 
+def read_weak_proxy(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """A weak proxy's referent (if alive), as a weak reference's."""
+    add_kid(kids, UNNAMED, _REFERENT, PROXY_REFERENT(obj), NO_WRITE, None)
+
+
+def read_opaque(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """What a C object without instance state holds, through the GC protocol (C code, no user hooks): no path can
+    name it, so a device tensor in there makes the layer untrackable rather than unseen. A cell (a generator's
+    closure variable) is read for its contents."""
+    why = f"held by a {plan.name}"
+    for referent in gc.get_referents(obj):
+        if type(referent) is types.CellType:
+            try:
+                referent = CELL_CONTENTS(referent)
+            except ValueError:  # an empty cell
+                continue
+        add_kid(kids, UNNAMED, why, referent, NO_WRITE, None)
+
+
 def read_lru(obj: Any, plan: Plan, kids: list[Kid]) -> None:
     """An lru_cache's keys and results, through the GC protocol (C code; ``cache_info`` says nothing of values).
 
@@ -379,6 +402,8 @@ READERS: Final[dict[int, Reader]] = {
     SET: read_set,
     FSET: read_frozenset,
     REF: read_ref,
+    WPROXY: read_weak_proxy,
+    OPAQUE: read_opaque,
     LRU: read_lru,
     CVAR: read_contextvar,
 }
