@@ -73,6 +73,12 @@ class CapturedGraph:
         self.static_inputs: tuple[torch.Tensor, ...] = tuple(static_inputs)
         self.warmup = warmup
         self.name = name if name is not None else f"{getattr(fn, '__qualname__', type(fn).__name__)}#{next(_NAMES)}"
+        # The manifest keeps one capture per name (a recapture replaces it): a second open graph under the same
+        # name would replace, and on close discard, this one's reads. Each graph records under a key of its own.
+        taken = {g._key for g in _GRAPHS.get(contract, ()) if not g._closed}
+        self._key: str = self.name
+        while self._key in taken:
+            self._key = f"{self.name}#{next(_NAMES)}"
         self.device = _device_of(self.static_inputs, fn)
         cuda = self.device.type == "cuda"
         if use_graph is None:
@@ -86,12 +92,13 @@ class CapturedGraph:
         self.uses_graph: bool = use_graph
         #: How many times this graph was captured (1 after :func:`capture`, +1 per recapture).
         self.captures = 0
+        self._generation = 0  # the contract's capture generation at this graph's last capture
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out_spec: pytree.TreeSpec | None = None
         self._out_leaves: list[torch.Tensor] = []
         self._output: Any = None
         self._handle: RemovableHandle | None = None
-        self._closed = False
+        self._closed: bool = False
 
     # -- public ------------------------------------------------------------------------------------------------
     @property
@@ -119,6 +126,14 @@ class CapturedGraph:
             raise NotServingSafeError(
                 f"refusing to replay graph {self.name!r}: {contract.unsafe_reason}; next step: once the weights are "
                 "good, graph.recapture_and_reseal() (recapture, then reseal)",
+                contract.last_outcome,
+            )
+        if self._generation <= contract.invalidated_at:
+            # A reseal after another graph's recapture makes the contract safe, not this graph: it still reads
+            # the storage of before the reload that left the contract unsafe.
+            raise NotServingSafeError(
+                f"refusing to replay graph {self.name!r}: it was captured before a reload that left the contract "
+                "unsafe and not captured since; next step: graph.recapture() (or graph.recapture_and_reseal())",
                 contract.last_outcome,
             )
         if self.uses_graph:
@@ -158,7 +173,7 @@ class CapturedGraph:
             return
         self._closed = True
         if self._handle is not None:
-            _forget(self._handle, weakref.ref(self.contract), self.name)
+            _forget(self._handle, weakref.ref(self.contract), self._key)
         self._graph = None
 
     def __repr__(self) -> str:
@@ -172,7 +187,7 @@ class CapturedGraph:
         # The contract holds the callback weakly: a strong bound method would make a reference cycle, and a cycle
         # collected by the GC in the middle of some later capture would destroy this graph there and invalidate it.
         self._handle = self.contract.on_recapture(_WeakRecapture(self))
-        weakref.finalize(self, _forget, self._handle, weakref.ref(self.contract), self.name)
+        weakref.finalize(self, _forget, self._handle, weakref.ref(self.contract), self._key)
         return self
 
     def _on_recapture(self, outcome: ReloadOutcome) -> None:
@@ -196,17 +211,18 @@ class CapturedGraph:
                 # recorder, with a note, where the scan is unavailable).
                 graph = torch.cuda.CUDAGraph(keep_graph=True)
                 with (
-                    record_capture(contract, name=self.name, ignore=ignore, reindex=reindex, graph=graph),
+                    record_capture(contract, name=self._key, ignore=ignore, reindex=reindex, graph=graph),
                     torch.cuda.graph(graph),
                 ):
                     self._copy_out(self.fn(*inputs))
                 self._graph = graph
             else:
-                with record_capture(contract, name=self.name, ignore=ignore, reindex=reindex):
+                with record_capture(contract, name=self._key, ignore=ignore, reindex=reindex):
                     result = self.fn(*inputs)
                 self._ensure_output(result)
                 self._copy_out(result)
         self.captures += 1
+        self._generation = self.contract.captures  # record_capture reported this capture
 
     def _warm_up(self) -> Any:
         """Run ``fn`` ``warmup`` times (on a side stream for CUDA graphs, as torch requires); the last result."""

@@ -9,7 +9,7 @@ from graphsafe.cli._exit import EXIT_CLEAN, EXIT_FINDINGS, first_line, usage
 from graphsafe.cli._target import DEFAULT_TARGET, TargetError, legacy_zoo, load_target
 from graphsafe.collectors import record_capture
 from graphsafe.contract import GraphContract
-from graphsafe.errors import ContractViolation
+from graphsafe.errors import ContractViolation, NotServingSafeError
 from graphsafe.report import migration_report
 
 __all__ = ["run_report"]
@@ -40,6 +40,8 @@ def run_report(args: argparse.Namespace) -> int:
     try:
         with contract.reload():
             target.reload(model, args.seed)
+    except NotServingSafeError as exc:  # refused at begin(): the reload never ran, so there is nothing to report
+        return usage(f"the contract refused to reload TARGET {spec!r} ({first_line(exc)})")
     except ContractViolation:
         pass  # strict mode: the outcome and the report are on the contract
     except Exception as exc:

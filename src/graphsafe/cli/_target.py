@@ -83,6 +83,8 @@ def load_target(spec: str) -> ReloadTarget:
             obj = getattr(obj, part)
         except AttributeError as exc:
             raise TargetError(f"module {module_name!r} has no attribute {attr!r} (TARGET {spec!r})") from exc
+        except Exception as exc:  # a module __getattr__ or property of the user's: their TARGET, not a graphsafe bug
+            raise TargetError(f"looking up {attr!r} in module {module_name!r} raised {first_line(exc)}") from exc
     if not callable(obj):
         raise TargetError(f"TARGET {spec!r} names an object of type {type(obj).__name__}, which is not callable")
     try:
@@ -96,6 +98,16 @@ def _as_target(value: Any, spec: str) -> ReloadTarget:
     """``value`` (an object with ``model`` and ``reload``, or a tuple) as a checked :class:`ReloadTarget`."""
     if isinstance(value, ReloadTarget):
         return value
+    try:
+        return _unpack_target(value, spec)
+    except TargetError:
+        raise
+    except Exception as exc:  # a property of the user's that raises: their TARGET, not a graphsafe bug
+        raise TargetError(f"reading model/reload/warmup of what {spec}() returned raised {first_line(exc)}") from exc
+
+
+def _unpack_target(value: Any, spec: str) -> ReloadTarget:
+    """:func:`_as_target`'s checks; what the user's object raises on the way is turned into a TargetError there."""
     warmup: Any = None
     if isinstance(value, tuple):
         if len(value) not in (2, 3):

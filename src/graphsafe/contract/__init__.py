@@ -13,6 +13,7 @@ from graphsafe.contract._agreement import (
     StoreAgreement,
 )
 from graphsafe.contract._contract import DETECT_POLICIES, MODES, Detect, GraphContract, Mode, ReloadTransaction
+from graphsafe.contract._samples import version_of
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -27,4 +28,5 @@ __all__ = [
     "Mode",
     "ReloadTransaction",
     "StoreAgreement",
+    "version_of",
 ]

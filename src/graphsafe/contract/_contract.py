@@ -209,6 +209,8 @@ class GraphContract:
         # unsafe: a reseal needs a capture after it (None: no reload is waiting for a recapture).
         self._captures = 0
         self._recapture_after: int | None = None
+        # Never reset by a seal: an adapter's graph captured at or before it still reads the old storage.
+        self._invalidated_at = 0
         self.last_outcome: ReloadOutcome | None = None
         self.manifest: ManifestCheck | None = None
         self.reloads = 0
@@ -267,6 +269,13 @@ class GraphContract:
     def captures(self) -> int:
         """The capture generation: how many captures of this model's graphs were reported (:meth:`note_capture`)."""
         return self._captures
+
+    @property
+    def invalidated_at(self) -> int:
+        """The capture generation (:attr:`captures`) at which the captured graphs last became unsafe (a reload
+        that did not commit, :meth:`mark_unsafe`); 0 if never. A graph captured at this generation or before reads
+        the storage of before that reload until it is captured again, even after a :meth:`reseal`."""
+        return self._invalidated_at
 
     def note_capture(self) -> int:
         """Report that the graphs reading this model were captured (again) just now, from the model as it is.
@@ -377,10 +386,19 @@ class GraphContract:
     def _tracks_nothing(self) -> str:
         """Why an empty seal is not serving-safe, naming the setting that made it empty and what to do."""
         model = self.model
-        held = sorted({str(t.device) for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"})
-        where = f"its parameters and buffers are on {', '.join(held)}" if held else "it has no parameter or buffer"
+        tensors = (*model.parameters(), *model.buffers())
+        held = sorted({str(t.device) for t in tensors if t.device.type != "meta"})
+        # Meta tensors have no storage a graph could read: a model only on meta is not loaded yet.
+        on_meta = not held and bool(tensors)
+        where = (
+            f"its parameters and buffers are on {', '.join(held)}"
+            if held
+            else "its parameters and buffers are on meta: it is not loaded yet"
+            if on_meta
+            else "it has no parameter or buffer"
+        )
         devices = "every device" if self.devices is None else ", ".join(str(d) for d in self.devices.devices or ())
-        advice = []
+        advice = ["load its weights off meta"] if on_meta else []
         if self.devices is not None:
             advice.append('pass devices= naming the device the graphs read ("cuda" matches every cuda:N)')
         if self.detect == "declared-only":
@@ -610,6 +628,7 @@ class GraphContract:
         (used by adapters and by the transaction when a reload breaks off)."""
         self._unsafe_reason = reason
         self._recapture_after = self._captures
+        self._invalidated_at = self._captures
 
     # -- internals used by the transaction --------------------------------------------------------------------
     def _layer_entries(self, layer: nn.Module) -> list[SealedLayer]:
@@ -834,7 +853,8 @@ def _same_as_new(storage: Any, lo: int, hi: int, moves: Iterable[Any]) -> bool:
 
 def _next_step(reason: str | None) -> str:
     """What a refusal adds so that it names the way back (the reason may say it already)."""
-    if reason is not None and "recapture" in reason and "reseal" in reason:
+    # A reason that names reseal() names its own way back (an empty seal needs no recapture, only a new seal).
+    if reason is not None and "reseal()" in reason:
         return ""
     return "; next step: recapture the graphs, then reseal() (graphsafe.capture graphs: graph.recapture_and_reseal())"
 

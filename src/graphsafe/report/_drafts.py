@@ -47,6 +47,8 @@ class Draft:
     detail: str = ""
     #: Whether PWAL wrote it (made it, or wrote it in place) while the contract recorded PWAL; ``None``: unknown.
     written: bool | None = None
+    #: Whether a recorded capture wrote its storage (the graph overwrites it: scratch).
+    graph_writes: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +131,7 @@ def to_entries(drafts: Iterable[Draft], layers: Mapping[str, nn.Module]) -> Draf
                 detail=strip_addresses(draft.detail),
                 data_ptr=draft.fp.data_ptr,
                 written=draft.written,
+                graph_writes=draft.graph_writes,
             )
         )
     return Drafted(tuple(entries), tuple(known))

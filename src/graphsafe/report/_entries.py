@@ -102,6 +102,8 @@ class ReportEntry(SlotNamed):
     #: Whether PWAL wrote it (made it, or wrote it in place) while the contract recorded what PWAL does; ``None``
     #: when no recording says. What decides ``static=True`` in the fixes (never the absence of a finding).
     written: bool | None = None
+    #: Whether a recorded capture wrote its storage (the graph overwrites it: scratch); JSON leaves it out.
+    graph_writes: bool = False
 
     @property
     def drift(self) -> str:

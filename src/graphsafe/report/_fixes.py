@@ -71,8 +71,13 @@ def _keep_vanished(members: Sequence[ReportEntry]) -> tuple[list[Fix], list[Repo
     vanished: dict[str, list[ReportEntry]] = {}
     rest: list[ReportEntry] = []
     for entry in members:
+        # Only scratch a capture was seen writing: a static storage nothing fills would leave a lazily computed,
+        # weight-derived tensor (``if self._w_t is None: compute``) uninitialised, as the forward finds it there.
         plain = (
-            entry.drift_kind is FindingKind.VANISHED and entry.pwal is not None and _ATTRIBUTES.fullmatch(entry.path)
+            entry.drift_kind is FindingKind.VANISHED
+            and entry.pwal is not None
+            and entry.graph_writes
+            and _ATTRIBUTES.fullmatch(entry.path)
         )
         if plain:
             vanished.setdefault(str(entry.pwal), []).append(entry)
@@ -107,6 +112,14 @@ def _lazy_note(members: Sequence[ReportEntry]) -> str:
         )
     calls = "; ".join(_stable_empty_call(e) for e in vanished)
     names = ", ".join(e.path for e in vanished)
+    if not all(e.graph_writes for e in vanished):
+        return (
+            f"{names} vanished during the reload (something dropped it; the graph still reads the old storage) and "
+            "no capture was seen writing it, so it may be computed from the weights: compute it in PWAL at every "
+            "load instead of dropping it (then declare it there), so a reload refreshes it at its captured address; "
+            f"only if it is scratch whose contents do not derive from the weights, allocate it with {calls}, which "
+            "hands back the same storage every time"
+        )
     return (
         f"{names} vanished during the reload (something dropped it; the graph still reads the old storage), so "
         f"declaring is not enough: keep the storage, by not resetting it in PWAL or by allocating it with {calls}, "
@@ -145,11 +158,31 @@ def _static_paths(members: Sequence[ReportEntry], reloaded: bool) -> set[str]:
     for entry in members:
         wrote.setdefault(entry.path, []).append(_pwal_wrote(entry))
     lazy = {e.path for e in members if e.lazy}
+    # Found stale: its inputs changed and nothing wrote it, so as far as anything knows its values follow the
+    # weights (a PWAL "already processed" guard looks just like a fixed table). static=True would commit them stale.
+    stale = _stale_paths(members)
     return {
         path
         for path, seen in wrote.items()
-        if not any(w is True for w in seen) and (all(w is False for w in seen) or path in lazy)
+        if path not in stale and not any(w is True for w in seen) and (all(w is False for w in seen) or path in lazy)
     }
+
+
+def _stale_paths(members: Sequence[ReportEntry]) -> list[str]:
+    """Paths found stale, unless a capture wrote them (scratch the graph overwrites: its contents are its own)."""
+    stale = {e.path for e in members if e.drift_kind in _UNTOUCHED}
+    scratch = {e.path for e in members if e.graph_writes} - {e.path for e in members if not e.graph_writes}
+    return [p for p in dict.fromkeys(e.path for e in members) if p in stale and p not in scratch]
+
+
+def _stale_note(stale: Sequence[str]) -> str:
+    names = ", ".join(stale)
+    return (
+        f"{names} went stale in the reload (its inputs changed, PWAL neither rebuilt nor wrote it): make PWAL rebuild "
+        'it at every load (an "already processed" guard skips it); only if its contents do not derive from the '
+        "weights (a fixed table), declare it static=True, or record the initial load with contract.record_inputs() "
+        "so the report can tell"
+    )
 
 
 def _pwal_fixes(members: Sequence[ReportEntry], static: set[str]) -> list[Fix]:
@@ -169,7 +202,8 @@ def _pwal_fixes(members: Sequence[ReportEntry], static: set[str]) -> list[Fix]:
         derived = [p for p in common if p not in static]
         frozen = [p for p in common if p in static]
         lines = tuple(_decorator(group, group is frozen) for group in (derived, frozen) if group)
-        note = _static_note(frozen) if frozen else ""
+        stale = [p for p in _stale_paths(members) if p in common]
+        note = "; ".join(n for n in (_static_note(frozen) if frozen else "", _stale_note(stale) if stale else "") if n)
         fixes.append(Fix(FixKind.GRAPH_VISIBLE, owner, where, common, layers, lines, note))
     if partial:
         having = set().union(*(layers_with[p] for p in partial))

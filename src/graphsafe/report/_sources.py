@@ -9,7 +9,7 @@ tensor to declare, an alias (``Origin.ALIAS``) is restored with the slot it alia
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -210,6 +210,14 @@ def from_contract(contract: GraphContract) -> Collected:
                     collected.drafts.append(_walked_draft(qualname, layer, entry, lazy=True, evidence="after-seal"))
                 else:
                     collected.aliases += _alias(qualname, type(layer).__name__, entry.path.text, entry.alias_of)
+    manifest = contract.manifest
+    if isinstance(manifest, Manifest):  # what a capture wrote is scratch the graph overwrites (static evidence)
+        # By storage, not holder: a tensor allocated after the seal (lazy scratch) has no holder in the manifest.
+        wrote = {id(live) for e in manifest.storages() if e.written and (live := e.storage_ref()) is not None}
+        collected.drafts = [
+            replace(d, graph_writes=True) if (live := d.fp.storage_ref()) is not None and id(live) in wrote else d
+            for d in collected.drafts
+        ]
     collected.drafts = in_model_order(collected.drafts, collected.layers)
     collected.aliases = in_model_order(collected.aliases, collected.layers)
     return collected

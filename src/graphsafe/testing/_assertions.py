@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from graphsafe.collectors import Manifest, record_capture
-from graphsafe.contract import MODES, GraphContract, Mode
+from graphsafe.contract import MODES, GraphContract, Mode, version_of
 from graphsafe.errors import ContractViolation
 from graphsafe.outcome import Fingerprint, Origin, ReloadOutcome, SlotInfo, SlotRef, Status, fingerprint
 from graphsafe.paths import SlotPath
@@ -255,17 +255,22 @@ class _Check:
         self, contract: GraphContract, subject: nn.Module, weights: str, step: str, tracked: list[_Tracked]
     ) -> tuple[ReloadOutcome, set[str]]:
         """One reload under the contract; returns its outcome and the tracked slots its PWAL wrote (a new tensor
-        at the path, or the old one written in place: its version counter moved), as seen before the contract's
-        restore."""
+        at the path, or the old one written in place: its version counter moved or its bytes changed), as seen
+        before the contract's restore."""
         generator = torch.Generator().manual_seed(self.seeds[weights])
         before = {t.where: _version_of(_resolve_on(subject, t.info)) for t in tracked if t.compare}
+        # A write through ``.data``, or to an inference tensor, moves no version counter: its bytes tell.
+        bytes_before = {t.where: _clone_or_none(_resolve_on(subject, t.info)) for t in tracked if t.compare}
         written: set[str] = set()
         txn = contract.reload()
         try:
             with txn:
                 self.load_weights(subject, generator)
                 for t in tracked:
-                    if t.where in before and _version_of(_resolve_on(subject, t.info)) != before[t.where]:
+                    if t.where not in before:
+                        continue
+                    now = _resolve_on(subject, t.info)
+                    if _version_of(now) != before[t.where] or not _same_bytes(bytes_before[t.where], now):
                         written.add(t.where)
         except ContractViolation:  # strict mode raises on any finding; the outcome is the verdict
             if txn.outcome is None:
@@ -355,7 +360,7 @@ class _Version:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.ref = weakref.ref(tensor)
-        self.version = tensor._version
+        self.version = version_of(tensor)  # -1 for an inference tensor, which counts no writes
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, _Version):
@@ -372,6 +377,18 @@ def _version_of(tensor: torch.Tensor | None) -> _Version | None:
 
 def _clone_or_none(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.clone()
+
+
+def _same_bytes(before: torch.Tensor | None, now: torch.Tensor | None) -> bool:
+    """Same dtype, shape and bytes (NaNs compare equal to themselves; -0.0 and 0.0 differ)."""
+    if before is None or now is None:
+        return before is None and now is None
+    if before.dtype != now.dtype or before.shape != now.shape or before.device != now.device:
+        return False
+    try:
+        return torch.equal(before.reshape(-1).view(torch.uint8), now.reshape(-1).view(torch.uint8))
+    except RuntimeError:  # a dtype with no byte view: compare values
+        return torch.equal(before, now)
 
 
 def _output(value: object) -> torch.Tensor:
