@@ -313,12 +313,26 @@ class WithOdd(nn.Module):
         self.w2 = self.weight * 2.0
 
 
+_JAGGED_WALKED = pytest.mark.xfail(
+    strict=True,
+    reason="the walker reads a jagged nested tensor (a wrapper subclass whose sizes are symbolic) as a slot and "
+    "walks into its _metadata_cache: seal() raises, or every reload is stale (docs/fault-matrix.md)",
+)
+
+
 @pytest.mark.parametrize("detect", ["declared-only", "every-reload"])
 @pytest.mark.parametrize("buffer", [False, True], ids=["attribute", "buffer"])
-@pytest.mark.parametrize("kind", ["sparse-coo", "sparse-csr", "mkldnn", "nested", "jagged"])
-def test_a_layer_holding_a_tensor_without_strided_storage_still_reloads(kind: str, buffer: bool, detect: str) -> None:
+@pytest.mark.parametrize(
+    "kind",
+    ["sparse-coo", "sparse-csr", "mkldnn", "nested", "jagged"],
+)
+def test_a_layer_holding_a_tensor_without_strided_storage_still_reloads(
+    request: pytest.FixtureRequest, kind: str, buffer: bool, detect: str
+) -> None:
     if kind == "mkldnn" and not torch.backends.mkldnn.is_available():
         pytest.skip("no mkldnn in this torch build")
+    if kind == "jagged" and detect == "every-reload":
+        request.applymarker(_JAGGED_WALKED)
     raised: BaseException | None = None
     out: ReloadOutcome | None = None
     model = WithOdd(kind, buffer)

@@ -36,6 +36,7 @@ __all__ = [
     "geometry_key",
     "inner_tensors",
     "memory_tensors",
+    "read_params",
     "tensor_kind",
 ]
 
@@ -88,6 +89,23 @@ def memory_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [part for _, value in inner for part in memory_tensors(value)]
 
 
+def read_params(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """How a quantized tensor's bytes are read (its scheme, scale and zero point, per tensor or per channel), or
+    ``None`` for any other tensor. A kernel gets them at launch, so a captured graph keeps the ones it saw, and a
+    ``copy_`` into a quantized tensor takes its source's: like a lazy bit, they must match for a copy to restore."""
+    if not tensor.is_quantized:
+        return None
+    scheme = tensor.qscheme()
+    if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        return (scheme, float(tensor.q_scale()), int(tensor.q_zero_point()))
+    return (
+        scheme,
+        int(tensor.q_per_channel_axis()),
+        tuple(tensor.q_per_channel_scales().tolist()),
+        tuple(tensor.q_per_channel_zero_points().tolist()),
+    )
+
+
 def _comparable(meta: Any) -> Any:
     # A wrapper's flatten metadata is part of how its bytes are read (a block size, an original dtype). Compare it
     # by value where that gives a plain bool, else by its text.
@@ -124,7 +142,8 @@ class Fingerprint:
     neg: bool = False
     layout: torch.layout = torch.strided
     kind: type = torch.Tensor
-    #: A wrapper subclass's inner tensors ``(name, fingerprint)`` and its flatten metadata (comparable form).
+    #: A wrapper subclass's inner tensors ``(name, fingerprint)`` and its flatten metadata (comparable form); a
+    #: quantized tensor's :func:`read_params`.
     inner: tuple[tuple[str, Fingerprint], ...] = ()
     meta: Any = None
 
@@ -242,6 +261,8 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint:
             tensor.is_neg(),
             tensor.layout,
             torch.Tensor,
+            (),
+            read_params(tensor),  # a quantized tensor's scale and zero point (None for any other)
         )
     inner = inner_tensors(tensor)
     if inner is not None:
@@ -279,6 +300,7 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint:
         neg=tensor.is_neg(),
         layout=tensor.layout,
         kind=tensor_kind(tensor),
+        meta=read_params(tensor),
     )
 
 
@@ -289,7 +311,7 @@ def geometry_key(tensor: torch.Tensor) -> tuple[Any, ...]:
     shape = tuple(tensor.shape)
     inner = inner_tensors(tensor)
     if inner is None:
-        extra: tuple[Any, ...] = ()
+        extra: tuple[Any, ...] = (read_params(tensor),)
         bits = (tensor.is_conj(), tensor.is_neg())
     else:
         extra = (

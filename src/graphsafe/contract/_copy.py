@@ -76,17 +76,29 @@ def distinct_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def clone_laid_out(tensor: torch.Tensor) -> torch.Tensor:
-    """A clone of ``tensor``'s values whose broadcast (stride-0) dimensions stay broadcast: ``clone()`` materializes
-    them, and :func:`distinct_views` then refuses the clone as the source (or the saved bytes) of a broadcast
-    destination."""
+    """A clone of ``tensor``'s values whose broadcast (stride-0) dimensions stay broadcast and whose lazy conjugate
+    and negative bits stay set: ``clone()`` materializes both, and a clone that lost them is the source (or the
+    saved bytes) of a destination that has them, which :func:`distinct_views` refuses for a broadcast and torch's
+    ``_foreach_copy_`` refuses for a lazy bit."""
     tensor = tensor.detach()
+    conj, neg = tensor.is_conj(), tensor.is_neg()
+    if conj:
+        tensor = tensor.conj()  # the stored bytes, set back on the clone below
+    if neg:
+        tensor = torch._neg_view(tensor)
     if 0 not in tensor.stride():
-        return tensor.clone()
-    index = tuple(
-        slice(0, 1) if step == 0 and size > 1 else slice(None)
-        for size, step in zip(tensor.shape, tensor.stride(), strict=True)
-    )
-    return tensor[index].clone().expand(tensor.shape)
+        clone = tensor.clone()
+    else:
+        index = tuple(
+            slice(0, 1) if step == 0 and size > 1 else slice(None)
+            for size, step in zip(tensor.shape, tensor.stride(), strict=True)
+        )
+        clone = tensor[index].clone().expand(tensor.shape)
+    if neg:
+        clone = torch._neg_view(clone)
+    if conj:
+        clone = clone.conj()
+    return clone
 
 
 def plain_layout(conj: bool, neg: bool, stride: Sequence[int]) -> bool:

@@ -93,6 +93,8 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor | None:
         tensor = tensor.as_subclass(torch.Tensor)
     if tensor.layout is not torch.strided or tensor.is_conj() or tensor.is_neg() or not tensor.is_contiguous():
         return None
+    if tensor.is_quantized:  # its bytes as integers (a copy): torch cannot make or view an empty quantized tensor
+        return tensor.int_repr()
     return tensor
 
 
@@ -191,7 +193,10 @@ def _flatten(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def flat_copy(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s elements in a new 1-D contiguous tensor (one copy) that can always be viewed as bytes:
-    ``clone()`` and ``contiguous()`` keep a size-1 dimension's odd stride, which ``view(torch.uint8)`` refuses."""
+    ``clone()`` and ``contiguous()`` keep a size-1 dimension's odd stride, which ``view(torch.uint8)`` refuses.
+    A quantized tensor gives its stored integers (its scale is how they are read: ``outcome.read_params``)."""
+    if tensor.is_quantized:
+        tensor = tensor.int_repr()
     return torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device).copy_(tensor.reshape(-1))
 
 

@@ -53,6 +53,7 @@ from graphsafe.outcome import (
     geometry_key,
     inner_tensors,
     memory_tensors,
+    read_params,
     tensor_kind,
 )
 from graphsafe.paths import MISSING, Getter, Setter, SlotPath, compile_getter, compile_setter
@@ -77,8 +78,18 @@ _MISSING: Any = MISSING
 
 def _view(tensor: torch.Tensor) -> tuple[Any, ...]:
     """The cheap layout tuple of a tensor as it is now (compared with :attr:`SealedSlot.layout`): everything that
-    changes how its bytes are read, the class included."""
-    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.is_conj(), tensor.is_neg(), type(tensor))
+    changes how its bytes are read, the class and a quantized tensor's scale included."""
+    quantized = read_params(tensor) if tensor.is_quantized else None
+    return (
+        tensor.shape,
+        tensor.stride(),
+        tensor.dtype,
+        tensor.device,
+        tensor.is_conj(),
+        tensor.is_neg(),
+        type(tensor),
+        quantized,
+    )
 
 
 @dataclass(slots=True)
@@ -105,7 +116,7 @@ class SealedSlot:
     # The compiled plan (derived from the fields above at construction):
     get: Getter = field(init=False, repr=False)
     set: Setter = field(init=False, repr=False)
-    #: ``_view`` as sealed: (shape, stride, dtype, device, conj bit, neg bit, class).
+    #: ``_view`` as sealed: (shape, stride, dtype, device, conj bit, neg bit, class, quantization parameters).
     layout: tuple[Any, ...] = field(init=False, repr=False)
     #: A wrapper subclass: its memory is its inner tensors', restored and verified one by one (never fast paths).
     wrapped: bool = field(init=False, repr=False)
@@ -124,7 +135,7 @@ class SealedSlot:
         tensor = self.tensor_ref()
         # The raw class of the sealed object (a Parameter stays a Parameter), so that the in-place check matches it.
         cls = type(tensor) if tensor is not None else fp.kind
-        self.layout = (fp.shape, fp.stride, fp.dtype, fp.device, fp.conj, fp.neg, cls)
+        self.layout = (fp.shape, fp.stride, fp.dtype, fp.device, fp.conj, fp.neg, cls, None if fp.inner else fp.meta)
         self.wrapped = bool(fp.inner)
         self.group = (fp.device, fp.dtype, tensor.layout if tensor is not None else torch.strided)
         self.nbytes = fp.nbytes
@@ -238,6 +249,8 @@ def _describe_geometry_change(slot: SealedSlot, tensor: torch.Tensor) -> str:
     elif (tensor.is_conj(), tensor.is_neg()) != (slot.fp.conj, slot.fp.neg):
         now = _bits(tensor.is_conj(), tensor.is_neg())
         changes.append(f"conj/neg bits {_bits(slot.fp.conj, slot.fp.neg)} -> {now}")
+    elif tensor.dtype == slot.fp.dtype and read_params(tensor) != slot.fp.meta:
+        changes.append(f"quantization (scheme, scale, zero point) {slot.fp.meta} -> {read_params(tensor)}")
     if tuple(tensor.shape) != slot.fp.shape:
         changes.append(f"shape {list(slot.fp.shape)} -> {list(tensor.shape)}")
     if tensor.dtype != slot.fp.dtype:
@@ -319,7 +332,14 @@ def _getter(path: SlotPath) -> Getter:
 
 
 def _strided(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.layout is torch.strided and value.device.type != "meta"
+    """Whether ``value`` is a tensor with strided storage whose values can be sampled (not sparse, mkldnn, meta, or
+    nested: torch's nested tensors report a strided layout but have no sizes or strides to read)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.layout is torch.strided
+        and value.device.type != "meta"
+        and not value.is_nested
+    )
 
 
 def written_unseen(entries: Sequence[tuple[torch.Tensor | None, int, Sample | None, Any]]) -> list[bool]:
@@ -390,7 +410,9 @@ _UNCHANGED, _MAYBE, _CHANGED = 0, 1, 2
 
 
 def _input_before(value: Any, samples: SampleBatch) -> _InputBefore:
-    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+    # A tensor without strided storage to sample (sparse, mkldnn, nested, meta) is taken as no tensor before: where
+    # it is one now, it counts as changed (fail closed: a slot left in place beside it is judged stale).
+    if not _strided(value):
         return None
     return weakref.ref(value.untyped_storage()), version_of(value), samples.take(value, INPUT_ELEMENTS), digest(value)
 
@@ -861,14 +883,15 @@ class LayerSnapshot:
                     clones = dict(zip(map(id, memory_tensors(current)), saved[1], strict=True))
                     inner_pairs = [(dst, clones.get(id(src), src)) for dst, src in inner_pairs]
                 exact = False
-            elif current.layout is not torch.strided:
-                # Sparse, mkldnn: no strided storage to ask about, and no copy can lay it out as captured. Nothing
-                # reads captured memory through it, so it is not kept as a reader of the plan's writes.
+            elif current.layout is not torch.strided or current.is_nested:
+                # Sparse, mkldnn, nested: no strided storage to ask about, and no copy can lay it out as captured.
+                # Nothing reads captured memory through it, so it is not kept as a reader of the plan's writes.
+                what = "nested" if current.is_nested else str(current.layout)
                 self.findings.append(
                     sealed.finding(
                         FindingKind.RESPECIFIED,
                         slot,
-                        detail=f"PWAL gave it a {current.layout} tensor, which has no strided storage a copy into the "
+                        detail=f"PWAL gave it a {what} tensor, which has no strided storage a copy into the "
                         "captured one could restore: keep the captured strided layout in PWAL, or recapture",
                     )
                 )
@@ -1327,11 +1350,11 @@ class LayerSnapshot:
                 )
                 continue
             if after.key != slot.key or not after.same_storage(slot.fp):
-                self.findings.append(
-                    self.sealed.finding(
-                        FindingKind.MOVED, slot, after=after, detail="not at its captured storage after restore"
-                    )
-                )
+                detail = "not at its captured storage after restore"
+                if after.data_ptr == slot.fp.data_ptr and after.same_storage(slot.fp) and not slot.wrapped:
+                    # The captured memory, now read another way (a quantized tensor's scale changed in place).
+                    detail = f"its captured memory is now read another way ({_describe_geometry_change(slot, current)})"
+                self.findings.append(self.sealed.finding(FindingKind.MOVED, slot, after=after, detail=detail))
 
 
 _LOADED = (Origin.PARAMETER, Origin.BUFFER)
@@ -1925,14 +1948,19 @@ class RestorePlan:
             hold(tensor)
 
     def writing(self) -> contextlib.AbstractContextManager[Any]:
-        """Where the plan writes (its copies, a reader's bytes written back): under ``torch.inference_mode()`` when
-        some destination is an inference tensor (made there: an engine's warm-up, a PWAL run there), which torch
-        lets no one write outside it; plain tensors take the same writes either way."""
+        """Where the plan writes (its copies, a reader's bytes written back) and compares what it wrote: with the
+        ``__torch_function__`` of tensor subclasses off, so a class's own ``copy_`` (one that transforms what it
+        is given, one that refuses) cannot turn a copy of bytes into another write; and under
+        ``torch.inference_mode()`` when some destination is an inference tensor (made there: an engine's warm-up,
+        a PWAL run there), which torch lets no one write outside it; plain tensors take the same writes either
+        way."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch._C.DisableTorchFunctionSubclass())
         if torch.is_inference_mode_enabled():
-            return contextlib.nullcontext()
+            return stack
         if any(move.dst.is_inference() for move in self.moves) or any(r.view.is_inference() for r in self._readers):
-            return torch.inference_mode()
-        return contextlib.nullcontext()
+            stack.enter_context(torch.inference_mode())
+        return stack
 
     def launch(self, batch: CopyBatch) -> None:
         """Launch every planned copy through ``batch`` (grouped ``_foreach_copy_``) and flush it."""
