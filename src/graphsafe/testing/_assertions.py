@@ -11,8 +11,8 @@ manifest, as an engine would capture it. It is then reloaded B, A, B, A... under
 * **values**, like with like (every side right after a load and its PWAL, before any forward): each tracked
   tensor that this reload's PWAL wrote (a new tensor at its path, or its version counter moved), and each
   parameter and buffer the reload wrote, must equal that of a second layer built cold on B (after A -> B), or
-  what the subject held right after its first load of A (after B -> A). Tensors PWAL leaves alone (scratch) are address-checked only. The forward output after the
-  reload must equal the cold layer's after the same warm-up.
+  what the subject held right after its first load of A (after B -> A). Tensors PWAL leaves alone (scratch) are
+  address-checked only. The forward output after the reload must equal the cold layer's after the same warm-up.
 
 A failure raises ``AssertionError`` whose message is the migration report of the subject (the same report, and
 the same fixes, as ``graphsafe report``) plus the reload's outcome and the address or value checks that failed.
