@@ -53,11 +53,14 @@ def run_report(args: argparse.Namespace) -> int:
         prepared = _prepare_and_reload(args)
     if isinstance(prepared, int):
         return prepared
-    return _print_report(args, prepared, migration_report(prepared))
+    contract, model = prepared  # the contract holds its model weakly: keep it alive until the report is made
+    status = _print_report(args, contract, migration_report(contract))
+    del model
+    return status
 
 
-def _prepare_and_reload(args: argparse.Namespace) -> GraphContract | int:
-    """Load TARGET, seal, warm up, reload once: the contract, or the exit status of a usage error."""
+def _prepare_and_reload(args: argparse.Namespace) -> tuple[GraphContract, nn.Module] | int:
+    """Load TARGET, seal, warm up, reload once: the contract and its model, or the exit status of a usage error."""
     spec = args.target or DEFAULT_TARGET
     try:
         target = load_target(args.target) if args.target else legacy_zoo()
@@ -94,7 +97,7 @@ def _prepare_and_reload(args: argparse.Namespace) -> GraphContract | int:
             "made from seed into the model it is given (then run PWAL); without new weights the report cannot "
             "tell what follows them"
         )
-    return contract
+    return contract, model
 
 
 def _print_report(args: argparse.Namespace, contract: GraphContract, report: MigrationReport) -> int:

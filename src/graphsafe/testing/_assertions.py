@@ -579,13 +579,15 @@ def _compare(what: str, actual: torch.Tensor, expected: torch.Tensor, weights: s
     the same values sit at another alignment), far tighter than the gap between two seeds' weights. The absolute
     tolerance (1e-5) is scaled down to a tensor smaller than 1: an FP8 scale of 1e-4 differs between two seeds by
     about 1e-5, so a fixed 1e-5 would pass the other weights' scale."""
-    tolerance: dict[str, float] = {}
     rtol = _RTOL.get(expected.dtype)
+    atol: float | None = None
     if rtol is not None and expected.numel() and expected.device.type != "meta":
-        magnitude = float(expected.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
-        tolerance = {"rtol": rtol, "atol": 1e-5 * min(1.0, magnitude)}
+        atol = 1e-5 * min(1.0, float(expected.detach().abs().nan_to_num(0.0, 0.0, 0.0).max()))
     try:
-        torch.testing.assert_close(actual, expected, equal_nan=True, check_device=True, **tolerance)
+        if atol is None:  # integers (exact) and dtypes torch picks its own tolerances for
+            torch.testing.assert_close(actual, expected, equal_nan=True, check_device=True)
+        else:
+            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True, check_device=True)
     except AssertionError as exc:
         detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         return [f"{what}: differs from weights {weights}: {detail}"]

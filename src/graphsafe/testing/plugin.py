@@ -15,7 +15,8 @@ test that uses neither.
     error), and, once the test body has passed, fails the test if any of those contracts saw a finding in any
     reload (problems, and ``auto-restored`` repairs too: an undeclared tensor that needed repair is a finding) or
     was left not serving-safe. A marked test that created no contract through the fixture, or ran no reload through
-    any of them, fails as well: the marker would otherwise check nothing. The marker reads only what the fixture recorded; it patches nothing.
+    any of them, fails as well: the marker would otherwise check nothing. The marker reads only what the fixture
+    recorded; it patches nothing.
 
 ``--graphsafe-report=PATH``
     Writes one JSON document at the end of the run: for every layer that a fixture-made contract tracked, or that
