@@ -211,11 +211,11 @@ def test_report_on_the_legacy_zoo_in_each_format(fmt: str) -> None:
         assert "graphsafe.testing.zoo.marlin.MarlinLinearMethod.process_weights_after_loading" in out
         # PWAL drops the forward's scratch. Without a capture nothing says the graph overwrites it (a dropped
         # weight-derived cache looks the same): stable_empty is only an alternative in the note, never the fix line.
-        call = 'stable_empty(layer, "_permute_scratch", (16, 16), torch.float32'
-        assert call in out and f"layer._permute_scratch = {call}" not in out
+        call = 'stable_empty(self, "_permute_scratch", (16, 16), torch.float32'  # PermuteMoE's own PWAL: `self`
+        assert call in out and f"self._permute_scratch = {call}" not in out
         # With --capture the graph is seen writing it: the fix re-binds its stable storage at the end of that PWAL.
         captured = graphsafe("report", "--capture", "--format", fmt)
-        assert f"layer._permute_scratch = {call}" in captured.stdout, captured.stderr
+        assert f"self._permute_scratch = {call}" in captured.stdout, captured.stderr
 
 
 def test_report_strict_mode_and_output_file(tmp_path: Path) -> None:

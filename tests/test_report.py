@@ -527,7 +527,8 @@ def test_lazy_tensors_get_register_derived_not_a_decorator(
     # It vanished in the reload: declaring alone would not keep the storage, so the fix line itself allocates it
     # through stable_empty (applied literally, the next reload keeps it).
     assert fix.kind is FixKind.REGISTER_DERIVED
-    assert fix.lines == ('layer._scratch = stable_empty(layer, "_scratch", (4, 6), torch.float32, "cpu")',)
+    # Attention's own PWAL has no `layer`: the line names the layer `self`, as pasted there (s6).
+    assert fix.lines == ('self._scratch = stable_empty(self, "_scratch", (4, 6), torch.float32, "cpu")',)
     assert all("_scratch" not in line for f in report.fixes if f.kind is FixKind.GRAPH_VISIBLE for line in f.lines)
 
 
@@ -581,7 +582,7 @@ def test_fix_lines_are_grouped_by_owner_and_exact(golden: tuple[GoldenModel, Gra
         ('@graph_visible("W_UV", "W_UK_T", "topk", "act.keywords[\'perm\']")', '@graph_visible("rope", static=True)'),
     )
     assert fixes[3][0] is FixKind.REGISTER_DERIVED
-    assert fixes[3][3] == ('layer._scratch = stable_empty(layer, "_scratch", (4, 6), torch.float32, "cpu")',)
+    assert fixes[3][3] == ('self._scratch = stable_empty(self, "_scratch", (4, 6), torch.float32, "cpu")',)
     assert len(fixes) == 4
 
 
@@ -603,7 +604,7 @@ def _apply_fixes(report: MigrationReport) -> tuple[type[WorkspaceMethod], type[A
         for fix in report.fixes:
             if fix.kind is FixKind.REGISTER_DERIVED and set(fix.paths) & set(paths):
                 for line in fix.lines:
-                    eval(line, namespace, {"layer": layer})
+                    eval(line, namespace, {"layer": layer, "self": layer})  # `self` in the layer's own code
 
     method_pwal = decorated(WorkspaceMethod)
 

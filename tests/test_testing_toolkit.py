@@ -435,7 +435,7 @@ def test_a_lazy_scratch_is_not_blamed_on_pwal() -> None:
     # A contract that records PWAL only at its first reload (the CLI) advises register_derived(static=True) where
     # the scratch is allocated, never a decorator on PWAL; following it literally commits.
     report = _report_after_one_reload(LazyScratchKernel, "strict", x)
-    assert 'register_derived(layer, "_act_scratch", static=True)' in report
+    assert 'register_derived(self, "_act_scratch", static=True)' in report  # the layer's own forward: `self`
     assert '@graph_visible("_act_scratch"' not in report and "right after the code that assigns" in report
 
     class Fixed(LazyScratchKernel):

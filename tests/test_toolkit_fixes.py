@@ -41,8 +41,9 @@ def _protocol(example: Example) -> tuple[Callable[[], nn.Module], Callable[[nn.M
 def _run_lines(paths: tuple[str, ...], lines: tuple[str, ...], layer: nn.Module) -> None:
     """Each line of a fix (one per path), for the paths this layer has (a fix may cover only some layers)."""
     for path, line in zip(paths, lines, strict=True):
-        if line.startswith("layer.") or isinstance(SlotPath(path).resolve_or(layer, None), torch.Tensor):
-            exec(line, dict(_NAMESPACE, torch=torch), {"layer": layer})
+        if line.startswith(("layer.", "self.")) or isinstance(SlotPath(path).resolve_or(layer, None), torch.Tensor):
+            # A fix for the layer's own code names it `self`; one for a quant method's `(self, layer)`, `layer`.
+            exec(line, dict(_NAMESPACE, torch=torch), {"layer": layer, "self": layer})
 
 
 class _Applied:

@@ -3,20 +3,64 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+
+import torch
+from torch import nn
 
 from graphsafe.cli._exit import EXIT_CLEAN, EXIT_FINDINGS, first_line, usage
 from graphsafe.cli._target import DEFAULT_TARGET, TargetError, legacy_zoo, load_target
 from graphsafe.collectors import record_capture
-from graphsafe.contract import GraphContract
+from graphsafe.contract import GraphContract, version_of
 from graphsafe.errors import ContractViolation, NotServingSafeError
-from graphsafe.report import migration_report
+from graphsafe.report import MigrationReport, migration_report
 
 __all__ = ["run_report"]
 
 
+#: Elements of each parameter and buffer compared before and after the reload (enough to see new weights).
+_SAMPLED = 64
+
+
+def _sample(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().reshape(-1)
+    sample = flat[:: max(1, flat.numel() // _SAMPLED)].clone()
+    try:
+        return sample.view(torch.uint8)  # bytes: NaN equals NaN, any changed bit is a write
+    except RuntimeError:  # a dtype with no byte view: its values
+        return sample
+
+
+def _state(model: nn.Module) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """Each parameter and buffer with its version counter and a strided sample of its bytes."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return [(t, version_of(t), _sample(t)) for t in tensors if t.device.type != "meta" and t.numel() > 0]
+
+
+def _loaded_nothing(before: list[tuple[torch.Tensor, int, torch.Tensor]]) -> bool:
+    """Whether no parameter or buffer was written since ``before``: after a reload that loaded nothing the report
+    cannot tell what follows the weights (it would call a weight-derived tensor static)."""
+    return bool(before) and all(
+        version_of(tensor) == version and torch.equal(_sample(tensor), sample) for tensor, version, sample in before
+    )
+
+
 def run_report(args: argparse.Namespace) -> int:
     """Run ``graphsafe report`` with parsed ``args``; the exit status."""
+    # Only the report goes to stdout (``-f json | jq``): what TARGET prints (progress, logs) goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        prepared = _prepare_and_reload(args)
+    if isinstance(prepared, int):
+        return prepared
+    contract, model = prepared  # the contract holds its model weakly: keep it alive until the report is made
+    status = _print_report(args, contract, migration_report(contract))
+    del model
+    return status
+
+
+def _prepare_and_reload(args: argparse.Namespace) -> tuple[GraphContract, nn.Module] | int:
+    """Load TARGET, seal, warm up, reload once: the contract and its model, or the exit status of a usage error."""
     spec = args.target or DEFAULT_TARGET
     try:
         target = load_target(args.target) if args.target else legacy_zoo()
@@ -37,6 +81,7 @@ def run_report(args: argparse.Namespace) -> int:
                     target.warmup(model)
     except Exception as exc:
         return usage(f"preparing TARGET {spec!r} (seal, warm-up, capture) raised {first_line(exc)}")
+    before = _state(model)
     try:
         with contract.reload():
             target.reload(model, args.seed)
@@ -46,7 +91,16 @@ def run_report(args: argparse.Namespace) -> int:
         pass  # strict mode: the outcome and the report are on the contract
     except Exception as exc:
         return usage(f"the reload of TARGET {spec!r} raised {first_line(exc)}")
-    report = migration_report(contract)
+    if _loaded_nothing(before):
+        return usage(
+            f"the reload of TARGET {spec!r} changed no parameter or buffer: reload(model, seed) must load weights "
+            "made from seed into the model it is given (then run PWAL); without new weights the report cannot "
+            "tell what follows them"
+        )
+    return contract, model
+
+
+def _print_report(args: argparse.Namespace, contract: GraphContract, report: MigrationReport) -> int:
     rendered = report.render(args.format)
     if args.output:
         try:

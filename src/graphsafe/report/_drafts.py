@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from graphsafe.outcome import FindingKind, Fingerprint
+from graphsafe.paths import SlotPath
 from graphsafe.report._entries import Evidence, ReportEntry
 from graphsafe.report._owners import owner_of, unknown_owner, via
 
@@ -57,6 +58,9 @@ class Drafted:
 
     entries: tuple[ReportEntry, ...]
     owner_known: tuple[bool, ...]
+    #: ``(pwal, path)`` of entries whose path some other layer that PWAL runs for does not hold: a decorator
+    #: listing it would raise there.
+    not_on_every_layer: frozenset[tuple[str, str]] = frozenset()
 
 
 class _InLayer(Protocol):
@@ -132,6 +136,26 @@ def to_entries(drafts: Iterable[Draft], layers: Mapping[str, nn.Module]) -> Draf
                 data_ptr=draft.fp.data_ptr,
                 written=draft.written,
                 graph_writes=draft.graph_writes,
+                receiver=owner.receiver,
             )
         )
-    return Drafted(tuple(entries), tuple(known))
+    return Drafted(tuple(entries), tuple(known), _not_on_every_layer(entries, layers))
+
+
+def _not_on_every_layer(entries: Iterable[ReportEntry], layers: Mapping[str, nn.Module]) -> frozenset[tuple[str, str]]:
+    """``(pwal, path)`` of the entries whose path does not resolve to a tensor on every layer of ``layers`` that the
+    same PWAL runs for (layers with no entry included: a layer without a bias, say)."""
+    runs_for: dict[str, list[nn.Module]] = {}
+    for module in layers.values():
+        pwal = owner_of(module).pwal
+        if pwal is not None:
+            runs_for.setdefault(pwal, []).append(module)
+    wanted = {(e.pwal, e.path) for e in entries if e.pwal is not None and not e.lazy}
+    return frozenset((pwal, path) for pwal, path in wanted if not all(_holds(m, path) for m in runs_for.get(pwal, ())))
+
+
+def _holds(layer: nn.Module, path: str) -> bool:
+    try:
+        return isinstance(SlotPath(path).resolve_or(layer, None), torch.Tensor)
+    except Exception:  # a user property that raises: the decorator would not resolve it either
+        return False

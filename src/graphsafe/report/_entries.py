@@ -104,6 +104,8 @@ class ReportEntry(SlotNamed):
     written: bool | None = None
     #: Whether a recorded capture wrote its storage (the graph overwrites it: scratch); JSON leaves it out.
     graph_writes: bool = False
+    #: How the owner's code names the layer in a fix's lines (:attr:`Owner.receiver`); JSON leaves it out.
+    receiver: str = "layer"
 
     @property
     def drift(self) -> str:

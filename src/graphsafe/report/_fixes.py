@@ -47,8 +47,8 @@ def _quote(path: str) -> str:
     return json.dumps(path)  # a double-quoted string literal, valid Python for every slot path
 
 
-def _register_lines(paths: Iterable[str], static: Collection[str] = ()) -> tuple[str, ...]:
-    return tuple(f"register_derived(layer, {_quote(p)}{', static=True' if p in static else ''})" for p in paths)
+def _register_lines(paths: Iterable[str], static: Collection[str] = (), receiver: str = "layer") -> tuple[str, ...]:
+    return tuple(f"register_derived({receiver}, {_quote(p)}{', static=True' if p in static else ''})" for p in paths)
 
 
 def _decorator(paths: Sequence[str], static: bool) -> str:
@@ -57,7 +57,7 @@ def _decorator(paths: Sequence[str], static: bool) -> str:
 
 def _stable_empty_call(entry: ReportEntry) -> str:
     shape = "(" + ", ".join(str(n) for n in entry.shape) + ("," if len(entry.shape) == 1 else "") + ")"
-    return f"stable_empty(layer, {_quote(entry.path)}, {shape}, torch.{entry.dtype}, {_quote(entry.device)})"
+    return f"stable_empty({entry.receiver}, {_quote(entry.path)}, {shape}, torch.{entry.dtype}, {_quote(entry.device)})"
 
 
 _ATTRIBUTES: Final = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -94,7 +94,7 @@ def _keep_vanished(members: Sequence[ReportEntry]) -> tuple[list[Fix], list[Repo
                 f"{pwal}, at its end (it drops {names}, which the graph still reads)",
                 tuple(e.path for e in by_path),
                 tuple(dict.fromkeys(e.layer for e in entries)),
-                tuple(f"layer.{e.path} = {_stable_empty_call(e)}" for e in by_path),
+                tuple(f"{e.receiver}.{e.path} = {_stable_empty_call(e)}" for e in by_path),
                 "the same storage, declared static, is at the path again when PWAL returns; the code that allocates "
                 "it lazily then finds it there (or, simpler, stop resetting it in PWAL and declare it where it is "
                 "allocated)",
@@ -185,16 +185,20 @@ def _stale_note(stale: Sequence[str]) -> str:
     )
 
 
-def _pwal_fixes(members: Sequence[ReportEntry], static: set[str]) -> list[Fix]:
+def _pwal_fixes(
+    members: Sequence[ReportEntry], static: set[str], not_on_every_layer: Collection[tuple[str, str]]
+) -> list[Fix]:
     """One decorator covers every layer the PWAL runs for, but only for the paths every such layer has (a declared
-    path that does not resolve raises); the rest get ``register_derived`` in that PWAL."""
+    path that does not resolve raises), those without an entry included; the rest get ``register_derived`` in that
+    PWAL."""
     owner = members[0].owner
     layers = tuple(dict.fromkeys(e.layer for e in members))
     layers_with: dict[str, set[str]] = {}
     for entry in members:
         layers_with.setdefault(entry.path, set()).add(entry.layer)
-    common = tuple(p for p, have in layers_with.items() if len(have) == len(layers))
-    partial = tuple(p for p, have in layers_with.items() if len(have) < len(layers))
+    everywhere = {p for p in layers_with if (members[0].pwal, p) not in not_on_every_layer}
+    common = tuple(p for p, have in layers_with.items() if len(have) == len(layers) and p in everywhere)
+    partial = tuple(p for p in layers_with if p not in common)
     pwal = members[0].pwal
     where = pwal if pwal is not None else f"the {PWAL} that runs for {owner} (its quant_method's, if it has one)"
     fixes: list[Fix] = []
@@ -214,7 +218,7 @@ def _pwal_fixes(members: Sequence[ReportEntry], static: set[str]) -> list[Fix]:
                 f"{where}, after it assigns each path",
                 partial,
                 tuple(n for n in layers if n in having),
-                _register_lines(partial, static),
+                _register_lines(partial, static, members[0].receiver),
                 "only some of its layers have these paths, so a decorator "
                 "(which requires every path on every layer) cannot declare them",
             )
@@ -250,13 +254,14 @@ def fixes(drafted: Drafted, reloaded: bool) -> tuple[Fix, ...]:
                 f"{owner}: right after the code that assigns each path (it is not "
                 "there when PWAL returns, e.g. the first forward allocates it)"
             )
-            lines = _register_lines(paths, static)
+            lines = _register_lines(paths, static, members[0].receiver)
             result.append(Fix(FixKind.REGISTER_DERIVED, owner, target, paths, layers, lines, _lazy_note(members)))
         elif group == "no-pwal":
             target = f"{owner}: where it assigns each path ({owner} has no {PWAL})"
-            result.append(Fix(FixKind.REGISTER_DERIVED, owner, target, paths, layers, _register_lines(paths, static)))
+            lines = _register_lines(paths, static, members[0].receiver)
+            result.append(Fix(FixKind.REGISTER_DERIVED, owner, target, paths, layers, lines))
         else:
-            result += _pwal_fixes(members, static)
+            result += _pwal_fixes(members, static, drafted.not_on_every_layer)
     return tuple(result)
 
 

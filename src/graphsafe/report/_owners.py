@@ -25,6 +25,9 @@ class Owner:
     pwal: str | None
     #: ``False`` when the layer object was not available (an outcome without its model).
     known: bool = True
+    #: How the owner's code names the layer: ``"layer"`` in a quant method's ``(self, layer)``, ``"self"`` when the
+    #: owner is the layer itself (a fix's line pasted into its own methods has no ``layer``).
+    receiver: str = "layer"
 
 
 def _qualified(cls: type) -> str:
@@ -51,7 +54,7 @@ def owner_of(layer: nn.Module) -> Owner:
         pwal = _pwal_of(type(quant_method))
         if pwal is not None:
             return Owner(_qualified(type(quant_method)), pwal)
-    return Owner(_qualified(type(layer)), _pwal_of(type(layer)))
+    return Owner(_qualified(type(layer)), _pwal_of(type(layer)), receiver="self")
 
 
 def via(layer: nn.Module, path: str) -> tuple[str, ...]:

@@ -14,8 +14,9 @@ test that uses neither.
     Sets the mode of every contract the test creates through the fixture (a different explicit ``mode`` is an
     error), and, once the test body has passed, fails the test if any of those contracts saw a finding in any
     reload (problems, and ``auto-restored`` repairs too: an undeclared tensor that needed repair is a finding) or
-    was left not serving-safe. A marked test that created no contract through the fixture fails as well: the
-    marker would otherwise check nothing. The marker reads only what the fixture recorded; it patches nothing.
+    was left not serving-safe. A marked test that created no contract through the fixture, or ran no reload through
+    any of them, fails as well: the marker would otherwise check nothing. The marker reads only what the fixture
+    recorded; it patches nothing.
 
 ``--graphsafe-report=PATH``
     Writes one JSON document at the end of the run: for every layer that a fixture-made contract tracked, or that
@@ -213,6 +214,12 @@ def _marker_verdict(item: pytest.Item, mode: str) -> str | None:
         if not bad and entry.contract.serving_safe:
             continue
         parts.append((_full_part if full else _short_part)(number, entry, bad))
+    if not parts and not any(entry.outcomes for entry in tracked):
+        return (
+            f"@pytest.mark.graphsafe(mode={mode!r}): no reload ran through the contract(s) the test made with the "
+            "graphsafe_contract fixture, so nothing was checked (a reload outside the contract moves what the graphs "
+            "read unseen); reload inside `with contract.reload():`"
+        )
     if not parts:
         return None
     header = f"@pytest.mark.graphsafe(mode={mode!r}): a reload under the contract had findings"

@@ -42,6 +42,7 @@ EPLB_UTILS = "vllm.v1.worker.gpu.eplb_utils"
 CUDAGRAPH_UTILS = "vllm.v1.worker.gpu.cudagraph_utils"
 SCHEDULER = "vllm.v1.core.sched.scheduler"
 DISPATCHER = "vllm.v1.cudagraph_dispatcher"
+ENCODER_CUDAGRAPH = "vllm.v1.worker.encoder_cudagraph"
 
 
 class HookMismatchError(GraphSafeError):
@@ -102,6 +103,7 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     HookPoint(CUDAGRAPH_UTILS, "CudaGraphManager.dispatch", ("self", "num_reqs", "num_tokens"), core=False),
     HookPoint(SCHEDULER, "Scheduler.__init__", ("self", "vllm_config"), core=False),
     HookPoint(DISPATCHER, "CudagraphDispatcher.dispatch", ("self", "num_tokens"), core=False),
+    HookPoint(ENCODER_CUDAGRAPH, "EncoderCudaGraphManager.execute", ("self", "mm_kwargs"), core=False),
 )
 
 

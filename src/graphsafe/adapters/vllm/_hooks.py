@@ -194,10 +194,11 @@ def _wrap_finalize(state: AdapterState) -> Callable[[Callable[..., Any]], Wrappe
 def _wrap_reload_weights(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
     def make(original: Callable[..., Any]) -> Wrapper:
         def reload_weights(vllm_config: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if _kernel_format(args, kwargs) and model in state.contracts:
+            if _kernel_format(args, kwargs):
                 # vLLM copies kernel-format weights into the parameters itself, with no layerwise hooks and no
                 # PWAL: one whole-model transaction around it checks what the copy leaves (a derived slot computed
-                # from the old weights is stale).
+                # from the old weights is stale). A model with no contract yet (bound, or loaded before the plugin
+                # was on) is sealed first, as the layerwise route's begin() does.
                 session = begin(state, model, layerwise=False)
                 try:
                     result = original(vllm_config, model, *args, **kwargs)
@@ -476,6 +477,21 @@ def _wrap_dispatch_v2(state: AdapterState) -> Callable[[Callable[..., Any]], Wra
     return make
 
 
+def _wrap_encoder_execute(state: AdapterState) -> Callable[[Callable[..., Any]], Wrapper]:
+    """The serving gate on V1's encoder CUDA graphs, which replay outside the dispatcher: while the gate is closed,
+    ``None`` (vLLM's own "no graph" answer: the runner then runs the encoder eager)."""
+
+    def make(original: Callable[..., Any]) -> Wrapper:
+        def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not state.recapturing and _gate_reason(state) is not None:
+                return None
+            return original(self, *args, **kwargs)
+
+        return execute
+
+    return make
+
+
 # -- installation --------------------------------------------------------------------------------------------------
 def install(state: AdapterState, resolved: dict[str, ResolvedHook]) -> HookSet:
     """Wrap every resolved hook point; returns the :class:`HookSet` that undoes it."""
@@ -505,6 +521,7 @@ def install(state: AdapterState, resolved: dict[str, ResolvedHook]) -> HookSet:
         f"{_guard.SCHEDULER}:Scheduler.__init__": _wrap_scheduler_init(state),
         f"{_guard.DISPATCHER}:CudagraphDispatcher.dispatch": _wrap_dispatch_v1(state),
         f"{_guard.CUDAGRAPH_UTILS}:CudaGraphManager.dispatch": _wrap_dispatch_v2(state),
+        f"{_guard.ENCODER_CUDAGRAPH}:EncoderCudaGraphManager.execute": _wrap_encoder_execute(state),
     }
     for name, make in methods.items():
         if name in resolved:

@@ -201,12 +201,30 @@ PACK: tuple[PackEntry, ...] = (
             "vllm.model_executor.layers.quantization.inc.schemes.inc_mxfp4_moe:INCMxfp4MoEMethod",
         )
     ),
-    PackEntry(
-        "vllm.model_executor.layers.quantization.fp8:Fp8LinearMethod",
-        ("quant_method.fp8_linear.locks",),
-        "FP8 linear on the humming kernel: PWAL makes new lock (semaphore) tensors the kernel reads; serving "
-        "scratch, not computed from the weights",
-        static=("quant_method.fp8_linear.locks",),
+    *(
+        PackEntry(
+            target,
+            (f"{holder}.fp8_linear.locks",),
+            f"{target.rpartition(':')[2]}: FP8 linear on the humming kernel: PWAL makes new lock (semaphore) tensors "
+            "the kernel reads; serving scratch, not computed from the weights",
+            static=(f"{holder}.fp8_linear.locks",),
+        )
+        for target, holder in (
+            # Every 0.33 FP8 linear method whose PWAL builds ``self.fp8_linear`` (init_fp8_linear_kernel, the humming
+            # kernel among its choices): on the quant method, or on the scheme compressed-tensors and Quark delegate to.
+            ("vllm.model_executor.layers.quantization.fp8:Fp8LinearMethod", "quant_method"),
+            ("vllm.model_executor.layers.quantization.online.fp8:Fp8PerTensorOnlineLinearMethod", "quant_method"),
+            ("vllm.model_executor.layers.quantization.online.fp8:Fp8PerBlockOnlineLinearMethod", "quant_method"),
+            ("vllm.model_executor.layers.quantization.online.fp8:Fp8PtpcOnlineLinearMethod", "quant_method"),
+            ("vllm.model_executor.layers.quantization.fbgemm_fp8:FBGEMMFp8LinearMethod", "quant_method"),
+            (
+                "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_fp8:"
+                "CompressedTensorsW8A8Fp8",
+                "scheme",
+            ),
+            ("vllm.model_executor.layers.quantization.quark.schemes.quark_w8a8_fp8:QuarkW8A8Fp8", "scheme"),
+            ("vllm.model_executor.layers.quantization.quark.schemes.quark_w8a8_fp8:QuarkW8A8Fp8PerBlock", "scheme"),
+        )
     ),
     PackEntry(
         "vllm.model_executor.layers.attention.mla_attention:MLAAttention",
@@ -310,7 +328,8 @@ def declare_loaded(result: PackResult, model: nn.Module) -> int:
 
     The pack declares after each PWAL; a model loaded before the plugin was turned on (``GRAPHSAFE_MODE`` set
     after the engine started) had its PWAL run unwrapped. This applies the same declarations to it, before its
-    contract seals: a layer is covered when it is an instance of the entry's class, or its ``quant_method`` is.
+    contract seals: a layer is covered when it is an instance of the entry's class, or its ``quant_method`` (or the
+    ``scheme`` compressed-tensors and Quark delegate PWAL to) is.
     """
     covered = 0
     for entry in result.applied:
@@ -320,7 +339,8 @@ def declare_loaded(result: PackResult, model: nn.Module) -> int:
         parsed = tuple(SlotPath(p) for p in entry.paths)
         usage = result.usage.setdefault(entry.name, {})
         for module in model.modules():
-            if isinstance(module, cls) or isinstance(getattr(module, "quant_method", None), cls):
+            held = (getattr(module, "quant_method", None), getattr(module, "scheme", None))
+            if isinstance(module, cls) or any(isinstance(owner, cls) for owner in held):
                 _declare_resolved(entry, parsed, module, usage)
                 covered += 1
     return covered
