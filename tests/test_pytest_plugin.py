@@ -370,3 +370,24 @@ def test_importing_the_plugin_loads_nothing_beyond_the_package(pytester: pytest.
 def test_marker_is_registered_for_strict_markers(pytester: pytest.Pytester) -> None:
     result = run(pytester, "--markers")
     result.stdout.fnmatch_lines(["@pytest.mark.graphsafe(mode='strict'): *"])
+
+
+@pytest.mark.parametrize("where", ["file-as-directory", "directory"])
+def test_an_unwritable_report_path_is_a_one_line_usage_error_before_any_test_runs(
+    pytester: pytest.Pytester, where: str
+) -> None:
+    write(
+        pytester,
+        """
+        def test_clean():
+            pass
+        """,
+    )
+    pytester.path.joinpath("blocker").write_text("a file, not a directory\n")
+    target = "blocker/report.json" if where == "file-as-directory" else "."
+    result = run(pytester, f"--graphsafe-report={target}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [line for line in result.stderr.lines if "graphsafe" in line and "--graphsafe-report" in line]
+    assert len(errors) == 1 and "writable" in errors[0], result.stderr.str()
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    assert "test_clean" not in result.stdout.str()  # refused before collecting, not after running the tests

@@ -1230,3 +1230,28 @@ def test_a_class_attribute_is_shadowed_by_the_same_name_nearer_along_the_mro() -
     result = walk(layer)
     assert paths(result) == ["base.cache", "base.table", "derived.table"]
     assert result.refs[2].tensor is Base.table
+
+
+def test_class_code_wrappers_add_no_walk_level() -> None:
+    """A ``classmethod``/``staticmethod``/``property`` over a plain function is class code, like a method, also
+    when the wrapper carries the function's metadata (``__wrapped__``, ``__annotations__``: vLLM's
+    ``CustomOp.register`` cut every layer's walk at ``max_depth`` on a real engine while it was followed)."""
+
+    class Op:
+        @classmethod
+        def register(cls, name: str) -> Any:
+            return name
+
+        @staticmethod
+        def helper(x: int) -> int:
+            return x
+
+        @property
+        def size(self) -> int:
+            return 1
+
+    Op.__dict__["register"].__annotations__ = {"name": str}  # what functools.wraps-style copying leaves there
+    layer = Layer()
+    layer.op = Op()
+    result = walk(layer, budget=WalkBudget(max_depth=1))
+    assert result.exhausted is None and result.objects_visited == 2

@@ -152,7 +152,9 @@ def pytest_configure(config: pytest.Config) -> None:
         worker = getattr(config, "workerinput", {}).get("workerid")
         if worker:  # pytest-xdist: one document per worker, instead of workers overwriting each other's
             path = path.with_name(f"{path.stem}.{worker}{path.suffix}")
-        config.stash[_REPORT] = _ReportSink(path)
+        sink = _ReportSink(path)
+        sink.check_writable()
+        config.stash[_REPORT] = sink
 
 
 @pytest.fixture
@@ -187,8 +189,15 @@ def pytest_runtest_call(item: pytest.Item) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     sink = session.config.stash.get(_REPORT, None)
-    if sink is not None:
+    if sink is None:
+        return
+    try:
         sink.write()
+    except OSError as exc:  # the path went away during the session: say so in one line, fail the run
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(sink.unwritable(exc), red=True)
+        session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -331,6 +340,25 @@ class _ReportSink:
                     "report": own.to_dict(),
                 }
             )
+
+    def check_writable(self) -> None:
+        """Refuse the session at configure time when the report could not be written at its end."""
+        existed = self.path.exists()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a"):
+                pass
+        except OSError as exc:
+            raise pytest.UsageError(self.unwritable(exc)) from None
+        if not existed:
+            self.path.unlink()
+
+    def unwritable(self, exc: OSError) -> str:
+        reason = exc.strerror or type(exc).__name__
+        return (
+            f"graphsafe pytest plugin: --graphsafe-report {self.path}: cannot write there ({reason}); "
+            "pass a writable file path"
+        )
 
     def write(self) -> None:
         document = {"schema": REPORT_SCHEMA, "tests": sorted(self.tests), "layers": self.layers, "errors": self.errors}
