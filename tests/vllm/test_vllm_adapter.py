@@ -1261,3 +1261,24 @@ def test_a_model_loaded_before_the_plugin_gets_the_packs_declarations_at_seal(
     assert state.contracts[model].sealed
     declared = {name: d.static for name, d in declarations_of(attn).items()}
     assert declared == {"kv_cache": True}, declared
+
+
+def test_a_re_registered_detect_policy_is_reported_as_the_contract_uses_it(
+    vllm_config: VllmConfig, plugin: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM calls ``register()`` again in each process; a changed GRAPHSAFE_DETECT cannot reach a sealed contract
+    (its slots were classified under the old policy), so the status and the report must name the policy in use."""
+    plugin("migrate", detect="every-reload")
+    model = build(vllm_config, seed=0)
+
+    class Extended(gs_vllm.GraphsafeWorkerExtension):
+        model_runner = StubRunner(vllm_config, model)
+
+    worker = Extended()
+    reload_weight_transfer(vllm_config, model, seed=16)
+    assert worker.graphsafe_status()["detect"] == "every-reload"
+    with caplog.at_level("WARNING", logger="graphsafe"):
+        plugin("migrate", detect="declared-only")
+    assert worker.graphsafe_status()["detect"] == "every-reload"
+    assert worker.graphsafe_last_report()["detect"] == "every-reload"
+    assert any("GRAPHSAFE_DETECT" in r.getMessage() and "every-reload" in r.getMessage() for r in caplog.records)

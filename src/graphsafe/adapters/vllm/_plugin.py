@@ -61,6 +61,14 @@ def register() -> AdapterState | None:
             for contract in _STATE.contracts.values():
                 assert config.mode != "off"
                 contract.mode = config.mode
+                if contract.detect != config.detect:  # its slots were classified under its own policy
+                    log.warning(
+                        "graphsafe: GRAPHSAFE_DETECT=%s applies to models sealed from now on; the %s contract keeps "
+                        "detect=%s (a contract's policy is fixed when it is made)",
+                        config.detect,
+                        type(contract.model).__name__,
+                        contract.detect,
+                    )
             return _STATE
         from graphsafe.adapters.vllm import _guard, _pack
         from graphsafe.adapters.vllm._hooks import install

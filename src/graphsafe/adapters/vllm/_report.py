@@ -40,7 +40,7 @@ def build_report(state: AdapterState, session: Session, outcome: ReloadOutcome) 
         "rank": _rank(),
         "model": type(model).__name__ if model is not None else None,
         "mode": state.config.mode,
-        "detect": state.config.detect,
+        "detect": session.contract.detect,
         "outcome": outcome.to_dict(),
         "migration": migration,
         "serving_safe": session.contract.serving_safe,

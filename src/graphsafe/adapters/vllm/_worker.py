@@ -50,7 +50,7 @@ class GraphsafeWorkerExtension:
         return {
             "registered": True,
             "mode": state.config.mode,
-            "detect": state.config.detect,
+            "detect": contract.detect if contract is not None else state.config.detect,
             "sealed": contract.sealed if contract is not None else False,
             "serving_safe": contract.serving_safe if contract is not None else None,
             "unsafe_reason": contract.unsafe_reason if contract is not None else None,
