@@ -457,9 +457,7 @@ def test_leaf_types_are_never_entered() -> None:
     holder = Obj(t=torch.ones(3))
     t_gen = torch.ones(4)
     layer = Layer()
-    layer.cls = Holder
     layer.mod = module
-    layer.color = Color.RED
     layer.dtype = torch.float16
     layer.device = torch.device("cpu")
     layer.size = torch.Size([1, 2])
@@ -475,6 +473,14 @@ def test_leaf_types_are_never_entered() -> None:
     result = walk(layer)
     assert result.refs == ()
     assert [note.split(":")[0] for note in result.notes] == ["gen", "proxy"]
+    # A class held as a value is no leaf either (round s6: a kernel class with class-level state): its class
+    # attributes are read, never restorable; an enum member of a user enum is read for what hangs on it.
+    del layer.gen, layer.proxy
+    layer.cls = Holder
+    layer.color = Color.RED
+    result = walk(layer)
+    assert [(ref.path, ref.restorable) for ref in result.refs] == [("cls.planted", False)]
+    assert result.notes == ()
 
 
 # ----------------------------------------------------------------------------------------------------------------

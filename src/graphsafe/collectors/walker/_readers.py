@@ -37,6 +37,7 @@ from graphsafe.collectors.walker._plans import (
     DEQUE_ITER,
     DICT,
     DICT_ITEMS,
+    DICT_VALUES,
     FROZENSET_ITER,
     FSET,
     FUNC_CLOSURE,
@@ -44,12 +45,14 @@ from graphsafe.collectors.walker._plans import (
     FUNC_KWDEFAULTS,
     FUNCTION,
     KINDS,
+    KLASS,
     LIST,
     LIST_ITER,
     LRU,
     METHOD,
     METHOD_FUNC,
     METHOD_SELF,
+    NDARRAY,
     NTUPLE,
     OPAQUE,
     PARTIAL,
@@ -355,6 +358,18 @@ def read_class_attributes(obj: Any, plan: Plan, kids: list[Kid], cache: dict[int
     return True
 
 
+def _wraps_code(value: Any) -> bool:
+    """Whether a C wrapper (``property``, ``staticmethod``, ``classmethod``) holds only code and leaves, also in its
+    own ``__dict__`` (``__wrapped__``): then it is code like a method, and not followed (no edge, no depth)."""
+    for referent in gc.get_referents(value):
+        inner = DICT_VALUES(referent) if type(referent) is dict else (referent,)
+        for item in inner:
+            kind = kind_of(item)
+            if kind > SKIP and kind not in _CLASS_CODE:
+                return False
+    return True
+
+
 def class_attribute_kids(plan: Plan) -> tuple[tuple[str, Kid], ...]:
     """``(name, edge)`` for every class attribute of ``plan``'s class an instance may read (see
     :func:`read_class_attributes`); what does not depend on the instance, worked out once per class and walk."""
@@ -376,6 +391,8 @@ def class_attribute_kids(plan: Plan) -> tuple[tuple[str, Kid], ...]:
             # Most of a class dict is code and leaves; dunder names are tested only for what is left.
             if ck <= SKIP or ck in _CLASS_CODE or (name[:2] == "__" and name[-2:] == "__"):
                 continue
+            if ck == OPAQUE and _wraps_code(value):  # a property or staticmethod over a method: code as well
+                continue
             if is_descriptor(value):
                 why = f"class attribute {name!r} of {class_name}, a descriptor"
                 found.append((name, (UNNAMED, why, value, ck, NO_WRITE, None)))
@@ -384,6 +401,23 @@ def class_attribute_kids(plan: Plan) -> tuple[tuple[str, Kid], ...]:
             else:
                 found.append((name, (ATTR, name, value, ck, NO_WRITE, plan.class_attr_reason)))
     return tuple(found)
+
+
+def read_class(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """A class held as a value (``self.kernel = KernelClass``, whose class attributes hold a workspace): the class
+    attributes its instances would read (:func:`class_attribute_kids`; none for builtin or torch classes), never
+    restorable. ``plan`` is the metaclass's: a Python ``__getattribute__`` there makes the paths unresolved."""
+    for _, kid in class_attribute_kids(plan_of(obj)):
+        if plan.attr_reason is not None:
+            kid = (kid[0], kid[1], kid[2], kid[3], plan.attr_mode, plan.attr_reason)
+        kids.append(kid)
+
+
+def read_ndarray(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """A numpy array of Python objects (per-expert tensors in an object array): numpy gives its items to no GC
+    traversal, so they are read as a list (numpy's C ``tolist``); no path names them. Numeric arrays hold none."""
+    if obj.dtype.hasobject:
+        add_kid(kids, UNNAMED, "an item of a numpy object array", obj.tolist(), NO_WRITE, None)
 
 
 # Kinds without a reader: leaves (never entered), tensors and modules and plain objects (attributes only).
@@ -404,6 +438,8 @@ READERS: Final[dict[int, Reader]] = {
     REF: read_ref,
     WPROXY: read_weak_proxy,
     OPAQUE: read_opaque,
+    KLASS: read_class,
+    NDARRAY: read_ndarray,
     LRU: read_lru,
     CVAR: read_contextvar,
 }
