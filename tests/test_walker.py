@@ -1236,3 +1236,29 @@ def test_a_class_attribute_is_shadowed_by_the_same_name_nearer_along_the_mro() -
     result = walk(layer)
     assert paths(result) == ["base.cache", "base.table", "derived.table"]
     assert result.refs[2].tensor is Base.table
+
+
+def test_holders_read_since_round_s6_run_no_user_code() -> None:
+    """A numpy object array (a subclass whose Python ``__getattribute__`` must not run), a raw storage, a property
+    over a partial and a class under a metaclass that counts its hooks: read through C getters only."""
+    import numpy as np
+
+    class TrapArray(np.ndarray):  # type: ignore[type-arg]
+        def __getattribute__(self, name: str) -> Any:
+            CALLS["ndarray.__getattribute__"] += 1
+            return super().__getattribute__(name)
+
+    table = np.empty(1, dtype=object).view(TrapArray)
+    np.ndarray.__setitem__(table, 0, torch.ones(1))
+    layer = Layer()
+    layer.table = table
+    layer.pool = torch.ones(2).untyped_storage()
+    layer.trap_class = Trap
+    type(layer).prop = property(functools.partial(lambda t, s: t, torch.ones(3)))  # type: ignore[attr-defined]
+    CALLS.clear()  # (setting the attributes ran nn.Module.__setattr__'s isinstance tests)
+    try:
+        result = walk(layer)
+    finally:
+        del type(layer).prop  # type: ignore[attr-defined]
+    assert not CALLS, dict(CALLS)
+    assert sorted(note.split(":")[0] for note in result.notes) == ["<layer>", "pool", "table"]

@@ -262,10 +262,15 @@ def _stateful_subclass(mro: tuple[type, ...], d: Any) -> bool:
     return bool(homes) and id(mro[0]) not in _STATEFUL_LEAVES and not any(module in home for home in homes)
 
 
-def _is_ndarray(mro: tuple[type, ...]) -> bool:
-    """Whether a class is numpy's ndarray or a subclass (numpy already imported: else no array exists)."""
+def numpy_ndarray() -> Any:
+    """numpy's ndarray class, or None while numpy is not imported (then no array exists)."""
     numpy = sys.modules.get("numpy")
-    ndarray = getattr(numpy, "ndarray", None) if numpy is not None else None
+    return getattr(numpy, "ndarray", None) if numpy is not None else None
+
+
+def _is_ndarray(mro: tuple[type, ...]) -> bool:
+    """Whether a class is numpy's ndarray or a subclass."""
+    ndarray = numpy_ndarray()
     return ndarray is not None and any(klass is ndarray for klass in mro)
 
 

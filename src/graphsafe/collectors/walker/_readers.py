@@ -68,6 +68,7 @@ from graphsafe.collectors.walker._plans import (
     SKIP,
     TUPLE,
     TUPLE_ITER,
+    TYPE_DICT,
     TYPE_NAME,
     WPROXY,
     WRAPPER,
@@ -75,6 +76,7 @@ from graphsafe.collectors.walker._plans import (
     Plan,
     is_descriptor,
     kind_of,
+    numpy_ndarray,
     plan_of,
 )
 from graphsafe.collectors.walker._plans import (
@@ -416,8 +418,9 @@ def read_class(obj: Any, plan: Plan, kids: list[Kid]) -> None:
 def read_ndarray(obj: Any, plan: Plan, kids: list[Kid]) -> None:
     """A numpy array of Python objects (per-expert tensors in an object array): numpy gives its items to no GC
     traversal, so they are read as a list (numpy's C ``tolist``); no path names them. Numeric arrays hold none."""
-    if obj.dtype.hasobject:
-        add_kid(kids, UNNAMED, "an item of a numpy object array", obj.tolist(), NO_WRITE, None)
+    ndarray = numpy_ndarray()  # numpy's own C getter and method: a subclass's Python overrides are not run
+    if TYPE_DICT(ndarray)["dtype"].__get__(obj).hasobject:
+        add_kid(kids, UNNAMED, "an item of a numpy object array", ndarray.tolist(obj), NO_WRITE, None)
 
 
 # Kinds without a reader: leaves (never entered), tensors and modules and plain objects (attributes only).
