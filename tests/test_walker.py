@@ -481,6 +481,10 @@ def test_leaf_types_are_never_entered() -> None:
     result = walk(layer)
     assert [(ref.path, ref.restorable) for ref in result.refs] == [("cls.planted", False)]
     assert result.notes == ()
+    # An enum member is read for what hangs on it only (not its class's member maps): one object, no deeper level.
+    del layer.cls
+    result = walk(layer, budget=WalkBudget(max_depth=1))
+    assert result.objects_visited == 2 and result.exhausted is None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -12,9 +12,9 @@ methods (``__func__``, and ``__self__`` unless it is a module), builtin methods 
 mappingproxies; a class held as a value for its class attributes (never restorable); instances of user subclasses
 of enums, threads, loggers, handlers and files for their ``__dict__``. Untrackable (read, but no slot path can name
 what they hold): a weak reference's referent, what a C object without instance state holds (a generator's frame,
-a ``staticmethod``/``property`` over anything but code, a slice), the items of a numpy object array, and a raw
+a ``staticmethod``/``property`` over anything but code), the items of a numpy object array, and a raw
 storage (``UntypedStorage``) on a walked device. Never entered: child modules (each is its own reload unit),
-Python modules, the builtin and stdlib enum, thread, logger and file classes' own instances,
+Python modules, the builtin and stdlib enum, thread, logger and file classes' own instances, slices,
 streams/events/graphs, dtypes, devices, scalars, strings and code, nor
 compiled artifacts: instances of classes defined by torch.compile (``torch._dynamo``, ``torch._inductor``,
 ``torch._functorch``, ``torch._guards``, ``torch.fx``) or by ``vllm.compilation``. A compiled callable runs on

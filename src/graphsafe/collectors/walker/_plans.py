@@ -143,6 +143,7 @@ _LEAF_BASES: Final[tuple[type, ...]] = (
     type(Ellipsis),
     type(NotImplemented),
     range,
+    slice,
     enum.Enum,
     types.CodeType,
     types.FrameType,
@@ -204,11 +205,11 @@ KIND_BASES: Final[tuple[tuple[type, int], ...]] = (
     (type, KLASS),
     *((base, STORAGE) for base in _resolve_names(("torch._C.StorageBase",))),
     # C objects that hold any object, read through the GC protocol like OPAQUE ones (no path names what they hold):
-    # a descriptor class attribute (``staticmethod(partial(op, workspace))``), a slice, a cell held as a value.
+    # a descriptor class attribute (``staticmethod(partial(op, workspace))``), a cell held as a value. (A slice
+    # stays a leaf: common, and a tensor in one is not worth a node per slice.)
     (staticmethod, OPAQUE),
     (classmethod, OPAQUE),
     (property, OPAQUE),
-    (slice, OPAQUE),
     (types.CellType, OPAQUE),
     *((base, LEAF) for base in _LEAF_BASES),
     (dict, DICT),
@@ -456,7 +457,9 @@ class Plan:
         self.class_attr_reason = (
             f"a class attribute of {self.name}: assigning through an instance would shadow it, not restore it"
         )
-        if kind in (OBJECT, MODULE):
+        # (Not for a stateful leaf's subclass: an enum's class attributes are its members and their maps, which
+        # would add two levels under every member; what hangs on the instance is read.)
+        if kind in (OBJECT, MODULE) and self.internals is None:
             self.class_dicts = tuple((TYPE_NAME(klass), _class_dict(d)) for klass, d in pairs if _user_class(klass, d))
 
 
