@@ -250,7 +250,7 @@ _STATEFUL_LEAVES: Final[dict[int, tuple[str, ...]]] = {
     id(io.IOBase): ("io", "_io", "_pyio"),
     id(_io._IOBase): ("io", "_io", "_pyio"),
 }
-# Attributes of such instances not read: an enum member's class (its class attributes are read anyway).
+# Attributes of such instances not read: an enum member's class (the enum's machinery, not the member's state).
 _STATEFUL_INTERNALS: Final = frozenset({"__objclass__"})
 
 
