@@ -37,7 +37,6 @@ from graphsafe.collectors.walker._plans import (
     DEQUE_ITER,
     DICT,
     DICT_ITEMS,
-    DICT_VALUES,
     FROZENSET_ITER,
     FSET,
     FUNC_CLOSURE,
@@ -361,14 +360,20 @@ def read_class_attributes(obj: Any, plan: Plan, kids: list[Kid], cache: dict[int
 
 
 def _wraps_code(value: Any) -> bool:
-    """Whether a C wrapper (``property``, ``staticmethod``, ``classmethod``) holds only code and leaves, also in its
-    own ``__dict__`` (``__wrapped__``): then it is code like a method, and not followed (no edge, no depth)."""
+    """Whether a C wrapper (``property``, ``staticmethod``, ``classmethod``) holds only code and leaves: then it is
+    code like a method, and not followed (no edge, no depth). Its own ``__dict__``'s dunder entries (``__wrapped__``,
+    ``__annotations__``, copied from the function) are the function's metadata."""
     for referent in gc.get_referents(value):
-        inner = DICT_VALUES(referent) if type(referent) is dict else (referent,)
-        for item in inner:
-            kind = kind_of(item)
-            if kind > SKIP and kind not in _CLASS_CODE:
-                return False
+        if type(referent) is dict:
+            for name, item in DICT_ITEMS(referent):
+                kind = kind_of(item)
+                dunder = type(name) is str and name[:2] == "__" and name[-2:] == "__"
+                if kind > SKIP and kind not in _CLASS_CODE and not dunder:
+                    return False
+            continue
+        kind = kind_of(referent)
+        if kind > SKIP and kind not in _CLASS_CODE:
+            return False
     return True
 
 
