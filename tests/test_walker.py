@@ -1266,3 +1266,28 @@ def test_holders_read_since_round_s6_run_no_user_code() -> None:
         del type(layer).prop  # type: ignore[attr-defined]
     assert not CALLS, dict(CALLS)
     assert sorted(note.split(":")[0] for note in result.notes) == ["<layer>", "pool", "table"]
+
+
+def test_class_code_wrappers_add_no_walk_level() -> None:
+    """A ``classmethod``/``staticmethod``/``property`` over a plain function is class code, like a method, also
+    when the wrapper carries the function's metadata (``__wrapped__``, ``__annotations__``: vLLM's
+    ``CustomOp.register`` cut every layer's walk at ``max_depth`` on a real engine while it was followed)."""
+
+    class Op:
+        @classmethod
+        def register(cls, name: str) -> Any:
+            return name
+
+        @staticmethod
+        def helper(x: int) -> int:
+            return x
+
+        @property
+        def size(self) -> int:
+            return 1
+
+    Op.__dict__["register"].__annotations__ = {"name": str}  # what functools.wraps-style copying leaves there
+    layer = Layer()
+    layer.op = Op()
+    result = walk(layer, budget=WalkBudget(max_depth=1))
+    assert result.exhausted is None and result.objects_visited == 2
