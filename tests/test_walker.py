@@ -457,9 +457,7 @@ def test_leaf_types_are_never_entered() -> None:
     holder = Obj(t=torch.ones(3))
     t_gen = torch.ones(4)
     layer = Layer()
-    layer.cls = Holder
     layer.mod = module
-    layer.color = Color.RED
     layer.dtype = torch.float16
     layer.device = torch.device("cpu")
     layer.size = torch.Size([1, 2])
@@ -475,6 +473,18 @@ def test_leaf_types_are_never_entered() -> None:
     result = walk(layer)
     assert result.refs == ()
     assert [note.split(":")[0] for note in result.notes] == ["gen", "proxy"]
+    # A class held as a value is no leaf either (round s6: a kernel class with class-level state): its class
+    # attributes are read, never restorable; an enum member of a user enum is read for what hangs on it.
+    del layer.gen, layer.proxy
+    layer.cls = Holder
+    layer.color = Color.RED
+    result = walk(layer)
+    assert [(ref.path, ref.restorable) for ref in result.refs] == [("cls.planted", False)]
+    assert result.notes == ()
+    # An enum member is read for what hangs on it only (not its class's member maps): one object, no deeper level.
+    del layer.cls
+    result = walk(layer, budget=WalkBudget(max_depth=1))
+    assert result.objects_visited == 2 and result.exhausted is None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1230,6 +1240,32 @@ def test_a_class_attribute_is_shadowed_by_the_same_name_nearer_along_the_mro() -
     result = walk(layer)
     assert paths(result) == ["base.cache", "base.table", "derived.table"]
     assert result.refs[2].tensor is Base.table
+
+
+def test_holders_read_since_round_s6_run_no_user_code() -> None:
+    """A numpy object array (a subclass whose Python ``__getattribute__`` must not run), a raw storage, a property
+    over a partial and a class under a metaclass that counts its hooks: read through C getters only."""
+    import numpy as np
+
+    class TrapArray(np.ndarray):  # type: ignore[type-arg]
+        def __getattribute__(self, name: str) -> Any:
+            CALLS["ndarray.__getattribute__"] += 1
+            return super().__getattribute__(name)
+
+    table = np.empty(1, dtype=object).view(TrapArray)
+    np.ndarray.__setitem__(table, 0, torch.ones(1))
+    layer = Layer()
+    layer.table = table
+    layer.pool = torch.ones(2).untyped_storage()
+    layer.trap_class = Trap
+    type(layer).prop = property(functools.partial(lambda t, s: t, torch.ones(3)))  # type: ignore[attr-defined]
+    CALLS.clear()  # (setting the attributes ran nn.Module.__setattr__'s isinstance tests)
+    try:
+        result = walk(layer)
+    finally:
+        del type(layer).prop  # type: ignore[attr-defined]
+    assert not CALLS, dict(CALLS)
+    assert sorted(note.split(":")[0] for note in result.notes) == ["<layer>", "pool", "table"]
 
 
 def test_class_code_wrappers_add_no_walk_level() -> None:

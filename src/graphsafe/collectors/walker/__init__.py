@@ -9,9 +9,13 @@ buffers and child modules are someone else's business), then, recursively, plain
 ``__slots__``), dicts (``str``/``int`` keys), lists, deques, tuples, NamedTuples, ``functools.partial``
 (``func``, ``args``, ``keywords``), functions (closure cells, ``__defaults__``, ``__kwdefaults__``), bound
 methods (``__func__``, and ``__self__`` unless it is a module), builtin methods (``__self__``) and
-mappingproxies. Never entered: child modules (each is its own reload unit), classes, Python modules, enums,
-streams/events/graphs, dtypes, devices, scalars, strings, generators and files (a weak reference's referent is
-followed, but it is untrackable: no slot path can name it), nor
+mappingproxies; a class held as a value for its class attributes (never restorable); instances of user subclasses
+of enums, threads, loggers, handlers and files for their ``__dict__``. Untrackable (read, but no slot path can name
+what they hold): a weak reference's referent, what a C object without instance state holds (a generator's frame,
+a ``staticmethod``/``property`` over anything but code), the items of a numpy object array, and a raw
+storage (``UntypedStorage``) on a walked device. Never entered: child modules (each is its own reload unit),
+Python modules, the builtin and stdlib enum, thread, logger and file classes' own instances, slices,
+streams/events/graphs, dtypes, devices, scalars, strings and code, nor
 compiled artifacts: instances of classes defined by torch.compile (``torch._dynamo``, ``torch._inductor``,
 ``torch._functorch``, ``torch._guards``, ``torch.fx``) or by ``vllm.compilation``. A compiled callable runs on
 the module's own tensors, which the walk reaches through the module; constants an artifact keeps itself are for

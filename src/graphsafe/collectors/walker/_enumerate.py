@@ -184,6 +184,8 @@ def _restorability(graph: WalkGraph, edges: list[int], texts: list[str]) -> tupl
 def _unprintable(graph: WalkGraph, tensor: torch.Tensor, path: str, exc: Exception, inner: bool) -> None:
     """A tensor that cannot be fingerprinted (no ref is made for it): a note, unless it holds tensors of its own
     (``inner``: a wrapper subclass, whose inner tensors are the slots)."""
-    if not inner:
+    if not isinstance(tensor, torch.Tensor):  # a raw storage (see WalkGraph.read)
+        graph.notes[f"{path}: a raw {TYPE_NAME(type(tensor))}, in which no slot path can name a tensor"] = None
+    elif not inner:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         graph.notes[f"{path}: cannot fingerprint a {TYPE_NAME(type(tensor))} ({first})"] = None

@@ -30,6 +30,8 @@ from graphsafe.collectors.walker._plans import (
     MODULE,
     OBJECT,
     PLANS,
+    STORAGE,
+    STORAGE_DEVICE,
     TENSOR,
     TENSOR_DEVICE,
     TUPLE,
@@ -139,7 +141,7 @@ class WalkGraph:
         # no object of the budget.
         queue = [0]
         # The plain tensor class, tested by identity before any plan lookup: most tensors are plain.
-        plain, tensor_device = torch.Tensor, TENSOR_DEVICE  # locals: read once per child
+        plain, tensor_device, storage_device = torch.Tensor, TENSOR_DEVICE, STORAGE_DEVICE  # read once per child
         tensor_plan = plan_of(plain)
         plain_dict = tensor_plan.dict_get if not tensor_plan.slots and tensor_plan.dict_get is not None else None
         no_class_kids: set[int] = set()  # plans whose classes give no class attribute (class_kids keeps them alive)
@@ -165,7 +167,7 @@ class WalkGraph:
             kids: list[Kid] = []
             root_module = node == 0 and plan.kind == MODULE
             if plan.attrs:
-                read_attributes(obj, plan, kids, MODULE_INTERNALS if root_module else None)
+                read_attributes(obj, plan, kids, MODULE_INTERNALS if root_module else plan.internals)
             if (
                 plan.class_dicts
                 and id(plan) not in no_class_kids
@@ -182,10 +184,12 @@ class WalkGraph:
             estart[node] = len(e_child)
             child_depth = level + 1
             for tk, key, child, ck, mode, reason in kids:
-                if ck == TENSOR:
+                if ck in (TENSOR, STORAGE):
                     if mode != STATE:
                         try:
-                            device = tensor_device(child)
+                            # A raw storage (a storage pool) is a terminal like a tensor, on its device; it cannot
+                            # be fingerprinted, so the enumeration notes it (untrackable).
+                            device = tensor_device(child) if ck == TENSOR else storage_device(child)
                         except Exception as exc:  # an exotic tensor subclass: say so rather than fail the walk
                             where = self.path_of(node, (tk, key))
                             self.notes[f"{where}: cannot read the device of a {TYPE_NAME(type(child))} ({exc})"] = None
@@ -195,6 +199,7 @@ class WalkGraph:
                             ok = wanted[device] = device in devices
                         if not ok:
                             continue
+                    ck = TENSOR
                 elif ck == MODULE and (units is None or id(child) in units):
                     continue  # a reload unit of its own (a registered module): its own seal entry walks it
                 cid = id(child)

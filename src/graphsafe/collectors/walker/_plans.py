@@ -17,6 +17,7 @@ import functools
 import gc
 import io
 import logging
+import sys
 import threading
 import types
 import weakref
@@ -46,6 +47,7 @@ PARTIAL_FUNC: Final = functools.partial.__dict__["func"].__get__
 PARTIAL_ARGS: Final = functools.partial.__dict__["args"].__get__
 PARTIAL_KEYWORDS: Final = functools.partial.__dict__["keywords"].__get__
 TENSOR_DEVICE: Final = torch._C.TensorBase.__dict__["device"].__get__
+STORAGE_DEVICE: Final = torch._C.StorageBase.__dict__["device"].__get__
 #: The referent of a weak reference: the C call of ``weakref.ref`` (a subclass's Python ``__call__`` is not run).
 REF_REFERENT: Final = weakref.ReferenceType.__call__
 #: The referent of a weak proxy (None once dead), through the C API, since every Python-level operation on a
@@ -109,6 +111,10 @@ REF, LRU, CVAR, MODULE = range(17, 21)
 # may still hold objects (an itertools iterator, a methodcaller, a dict view, a generator's frame): what it holds
 # is read through the GC protocol, and no path can name it.
 WPROXY, OPAQUE = range(21, 23)
+# A class held as a value (a kernel class with class-level state): its class attributes are read. A raw storage
+# (a storage pool): no path can name a tensor in it, so the walk reports it like an unprintable tensor. A numpy
+# array: its items, when it holds Python objects (numpy does not expose them to the GC protocol).
+KLASS, STORAGE, NDARRAY = range(23, 26)
 
 
 def _resolve_names(dotted: tuple[str, ...]) -> list[type]:
@@ -125,7 +131,6 @@ def _resolve_names(dotted: tuple[str, ...]) -> list[type]:
 
 
 _LEAF_BASES: Final[tuple[type, ...]] = (
-    type,
     types.ModuleType,
     str,
     bytes,
@@ -143,12 +148,8 @@ _LEAF_BASES: Final[tuple[type, ...]] = (
     types.CodeType,
     types.FrameType,
     types.TracebackType,
-    types.CellType,
     types.GetSetDescriptorType,
     types.MemberDescriptorType,
-    property,
-    staticmethod,
-    classmethod,
     io.IOBase,
     _io._IOBase,  # the C base of every file object (io.IOBase is an ABC they are only registered with)
     logging.Logger,
@@ -179,9 +180,6 @@ _LEAF_BASES: Final[tuple[type, ...]] = (
             "torch._utils._CudaStreamBase",
             "torch._utils._CudaEventBase",
             "torch._utils._CUDAGraph",
-            "torch.UntypedStorage",
-            "torch.TypedStorage",
-            "torch._C.StorageBase",
             "torch._ops.OperatorBase",
             "torch._ops.OpOverloadPacket",
             # A hook handle only removes its hook; the hooks are read where they are registered (a module's hook
@@ -204,6 +202,15 @@ KIND_BASES: Final[tuple[tuple[type, int], ...]] = (
     (weakref.CallableProxyType, WPROXY),
     (contextvars.ContextVar, CVAR),
     *(((LRU_WRAPPER, LRU),) if LRU_WRAPPER is not None else ()),
+    (type, KLASS),
+    *((base, STORAGE) for base in _resolve_names(("torch._C.StorageBase",))),
+    # C objects that hold any object, read through the GC protocol like OPAQUE ones (no path names what they hold):
+    # a descriptor class attribute (``staticmethod(partial(op, workspace))``), a cell held as a value. (A slice
+    # stays a leaf: common, and a tensor in one is not worth a node per slice.)
+    (staticmethod, OPAQUE),
+    (classmethod, OPAQUE),
+    (property, OPAQUE),
+    (types.CellType, OPAQUE),
     *((base, LEAF) for base in _LEAF_BASES),
     (dict, DICT),
     (list, LIST),
@@ -229,6 +236,43 @@ _CONTAINERS: Final[dict[int, type]] = {
     NTUPLE: tuple,
     PARTIAL: functools.partial,
 }
+
+
+# Leaf bases whose subclasses' instances carry state of their own in ``__dict__`` (an enum member with a workspace
+# hung on it, a prefetch thread keeping its buffer): instances of a subclass defined outside the base's own modules
+# are read as plain objects. The bases themselves (and the stdlib's subclasses) stay leaves: a logger reaches the
+# whole logging tree, a thread its target's object.
+_STATEFUL_LEAVES: Final[dict[int, tuple[str, ...]]] = {
+    id(enum.Enum): ("enum",),
+    id(threading.Thread): ("threading",),
+    id(logging.Logger): ("logging",),
+    id(logging.Handler): ("logging",),
+    id(io.IOBase): ("io", "_io", "_pyio"),
+    id(_io._IOBase): ("io", "_io", "_pyio"),
+}
+# Attributes of such instances not read: an enum member's class (the enum's machinery, not the member's state).
+_STATEFUL_INTERNALS: Final = frozenset({"__objclass__"})
+
+
+def _stateful_subclass(mro: tuple[type, ...], d: Any) -> bool:
+    """Whether a leaf class is a subclass of a stateful leaf base defined outside that base's modules."""
+    module = d.get("__module__")
+    if type(module) is not str or module == "builtins" or module == "torch" or module.startswith("torch."):
+        return False
+    homes = [_STATEFUL_LEAVES[id(klass)] for klass in mro[1:] if id(klass) in _STATEFUL_LEAVES]
+    return bool(homes) and id(mro[0]) not in _STATEFUL_LEAVES and not any(module in home for home in homes)
+
+
+def numpy_ndarray() -> Any:
+    """numpy's ndarray class, or None while numpy is not imported (then no array exists)."""
+    numpy = sys.modules.get("numpy")
+    return getattr(numpy, "ndarray", None) if numpy is not None else None
+
+
+def _is_ndarray(mro: tuple[type, ...]) -> bool:
+    """Whether a class is numpy's ndarray or a subclass."""
+    ndarray = numpy_ndarray()
+    return ndarray is not None and any(klass is ndarray for klass in mro)
 
 
 def _base_kind(mro: tuple[type, ...]) -> int:
@@ -318,6 +362,7 @@ class Plan:
         "data_descriptors",
         "dict_get",
         "fields",
+        "internals",
         "item_mode",
         "item_reason",
         "kind",
@@ -335,6 +380,13 @@ class Plan:
         kind = _base_kind(mro)
         if kind == OBJECT and _compiled_artifact(dicts[0]):
             kind = LEAF  # a compiled artifact: opaque (see COMPILED_ARTIFACT_MODULES)
+        #: Instance attributes not read (see _STATEFUL_INTERNALS); None: every one.
+        self.internals: frozenset[str] | None = None
+        if kind == LEAF and _stateful_subclass(mro, dicts[0]):
+            kind = OBJECT
+            self.internals = _STATEFUL_INTERNALS
+        elif kind == OBJECT and _is_ndarray(mro):
+            kind = NDARRAY
 
         # First definition of every name along the MRO: what attribute lookup would find on the class.
         first: dict[str, Any] = {}
@@ -405,7 +457,9 @@ class Plan:
         self.class_attr_reason = (
             f"a class attribute of {self.name}: assigning through an instance would shadow it, not restore it"
         )
-        if kind in (OBJECT, MODULE):
+        # (Not for a stateful leaf's subclass: an enum's class attributes are its members and their maps, which
+        # would add two levels under every member; what hangs on the instance is read.)
+        if kind in (OBJECT, MODULE) and self.internals is None:
             self.class_dicts = tuple((TYPE_NAME(klass), _class_dict(d)) for klass, d in pairs if _user_class(klass, d))
 
 

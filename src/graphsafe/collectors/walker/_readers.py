@@ -44,12 +44,14 @@ from graphsafe.collectors.walker._plans import (
     FUNC_KWDEFAULTS,
     FUNCTION,
     KINDS,
+    KLASS,
     LIST,
     LIST_ITER,
     LRU,
     METHOD,
     METHOD_FUNC,
     METHOD_SELF,
+    NDARRAY,
     NTUPLE,
     OPAQUE,
     PARTIAL,
@@ -65,6 +67,7 @@ from graphsafe.collectors.walker._plans import (
     SKIP,
     TUPLE,
     TUPLE_ITER,
+    TYPE_DICT,
     TYPE_NAME,
     WPROXY,
     WRAPPER,
@@ -72,6 +75,7 @@ from graphsafe.collectors.walker._plans import (
     Plan,
     is_descriptor,
     kind_of,
+    numpy_ndarray,
     plan_of,
 )
 from graphsafe.collectors.walker._plans import (
@@ -355,6 +359,24 @@ def read_class_attributes(obj: Any, plan: Plan, kids: list[Kid], cache: dict[int
     return True
 
 
+def _wraps_code(value: Any) -> bool:
+    """Whether a C wrapper (``property``, ``staticmethod``, ``classmethod``) holds only code and leaves: then it is
+    code like a method, and not followed (no edge, no depth). Its own ``__dict__``'s dunder entries (``__wrapped__``,
+    ``__annotations__``, copied from the function) are the function's metadata."""
+    for referent in gc.get_referents(value):
+        if type(referent) is dict:
+            for name, item in DICT_ITEMS(referent):
+                kind = kind_of(item)
+                dunder = type(name) is str and name[:2] == "__" and name[-2:] == "__"
+                if kind > SKIP and kind not in _CLASS_CODE and not dunder:
+                    return False
+            continue
+        kind = kind_of(referent)
+        if kind > SKIP and kind not in _CLASS_CODE:
+            return False
+    return True
+
+
 def class_attribute_kids(plan: Plan) -> tuple[tuple[str, Kid], ...]:
     """``(name, edge)`` for every class attribute of ``plan``'s class an instance may read (see
     :func:`read_class_attributes`); what does not depend on the instance, worked out once per class and walk."""
@@ -376,6 +398,8 @@ def class_attribute_kids(plan: Plan) -> tuple[tuple[str, Kid], ...]:
             # Most of a class dict is code and leaves; dunder names are tested only for what is left.
             if ck <= SKIP or ck in _CLASS_CODE or (name[:2] == "__" and name[-2:] == "__"):
                 continue
+            if ck == OPAQUE and _wraps_code(value):  # a property or staticmethod over a method: code as well
+                continue
             if is_descriptor(value):
                 why = f"class attribute {name!r} of {class_name}, a descriptor"
                 found.append((name, (UNNAMED, why, value, ck, NO_WRITE, None)))
@@ -384,6 +408,24 @@ def class_attribute_kids(plan: Plan) -> tuple[tuple[str, Kid], ...]:
             else:
                 found.append((name, (ATTR, name, value, ck, NO_WRITE, plan.class_attr_reason)))
     return tuple(found)
+
+
+def read_class(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """A class held as a value (``self.kernel = KernelClass``, whose class attributes hold a workspace): the class
+    attributes its instances would read (:func:`class_attribute_kids`; none for builtin or torch classes), never
+    restorable. ``plan`` is the metaclass's: a Python ``__getattribute__`` there makes the paths unresolved."""
+    for _, kid in class_attribute_kids(plan_of(obj)):
+        if plan.attr_reason is not None:
+            kid = (kid[0], kid[1], kid[2], kid[3], plan.attr_mode, plan.attr_reason)
+        kids.append(kid)
+
+
+def read_ndarray(obj: Any, plan: Plan, kids: list[Kid]) -> None:
+    """A numpy array of Python objects (per-expert tensors in an object array): numpy gives its items to no GC
+    traversal, so they are read as a list (numpy's C ``tolist``); no path names them. Numeric arrays hold none."""
+    ndarray = numpy_ndarray()  # numpy's own C getter and method: a subclass's Python overrides are not run
+    if TYPE_DICT(ndarray)["dtype"].__get__(obj).hasobject:
+        add_kid(kids, UNNAMED, "an item of a numpy object array", ndarray.tolist(obj), NO_WRITE, None)
 
 
 # Kinds without a reader: leaves (never entered), tensors and modules and plain objects (attributes only).
@@ -404,6 +446,8 @@ READERS: Final[dict[int, Reader]] = {
     REF: read_ref,
     WPROXY: read_weak_proxy,
     OPAQUE: read_opaque,
+    KLASS: read_class,
+    NDARRAY: read_ndarray,
     LRU: read_lru,
     CVAR: read_contextvar,
 }
