@@ -496,3 +496,44 @@ TestReloadSequences.settings = settings(
     database=None,
     suppress_health_check=list(HealthCheck),
 )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 7. While the ranks agree, a rank whose own reload did not commit reads as serving-safe.
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rank_waiting_for_agreement_on_a_reload_it_could_not_restore_is_not_serving_safe(mode: str) -> None:
+    """Attacker: a rank's PWAL respecified its declared ``w_t`` (a shorter tensor: no copy restores it), so its local
+    outcome is NEEDS_RECAPTURE and its captured memory keeps the old values. It then waits in the rank agreement
+    (``StoreAgreement`` waits up to 300 s for slow peers). ``_settle`` has already cleared the open transaction and
+    nothing has marked the contract unsafe yet: for the whole wait ``serving_safe`` is True and ``unsafe_reason`` is
+    None, so the serving thread (the torch adapter's ``replay()``, the vLLM serving gate, which ask exactly that)
+    replays graphs that read the old values.
+
+    Promise 1 (``serving_safe``: "never while a reload transaction is open: its layers may be half-restored").
+    Missing rule: ``ReloadTransaction._settle``/``_finish`` (contract/_contract.py) mark the contract unsafe only
+    after the agreement returns, although this rank's own outcome already says it is not."""
+    net = nn.Sequential(Layer(1), Layer(2))
+    contract = GraphContract(net, mode).seal()  # type: ignore[arg-type]
+    graph_reads = [layer.w_t for layer in net]
+    seen: list[tuple[bool, str | None]] = []
+
+    def agreement(local: ReloadOutcome) -> ReloadOutcome:
+        # What the serving thread sees while this rank waits for its peers.
+        seen.append((contract.serving_safe, contract.unsafe_reason))
+        return local
+
+    def reload() -> None:
+        with contract.reload(agreement=agreement), torch.no_grad():
+            for index, layer in enumerate(net):
+                layer.weight.copy_(w(10 + index))
+                layer.w_t = (layer.weight * 2.0 + 1.0)[:3].clone()  # respecified: no copy restores it
+
+    status = _status(contract, reload)
+    assert status is not Status.COMMITTED
+    assert not any(torch.equal(t[:3], w(10 + i)[:3] * 2.0 + 1.0) for i, t in enumerate(graph_reads))
+    assert seen and not seen[0][0], (
+        f"while waiting for the peers the contract said serving_safe={seen[0][0]} (unsafe_reason={seen[0][1]!r}) "
+        "although its own reload left the captured memory with the old values"
+    )
