@@ -537,3 +537,74 @@ def test_a_rank_waiting_for_agreement_on_a_reload_it_could_not_restore_is_not_se
         f"while waiting for the peers the contract said serving_safe={seen[0][0]} (unsafe_reason={seen[0][1]!r}) "
         "although its own reload left the captured memory with the old values"
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 8. A tensor built lazily from the weights by the warm-up forward, after a recording: the default policy finds it
+#    at every reload and never checks it.
+
+
+class LazyScale(nn.Module):
+    """``_x`` is built from the weight on the first forward (the warm-up, after the seal), never by PWAL: the
+    pattern the fault matrix's "lazily allocated tensor" row and ``detect="every-reload"`` exist for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(w(1), requires_grad=False)
+        self.w_t = self.weight * 2.0 + 1.0
+        register_derived(self, "w_t")
+
+    def process_weights_after_loading(self) -> None:
+        self.w_t = self.weight * 2.0 + 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "_x", None) is None:
+            self._x = self.weight * 3.0  # lazily, from the weight, once
+        return x * self.w_t + self._x
+
+
+@pytest.mark.parametrize("recorded", ["record_inputs", "first_reload"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tensor_that_appeared_after_the_recording_is_checked_for_freshness(mode: str, recorded: str) -> None:
+    """Attacker: the initial load is recorded (``record_inputs()``, the README's advice; or the contract's first
+    reload records by itself), then the warm-up forward builds ``_x`` from the weight, and the graphs are captured.
+    A reload with new weights leaves ``_x`` as it was (nothing rebuilds it). ``detect="every-reload"`` (the default)
+    finds ``_x`` at every reload, but a walker slot's ``unrecorded`` defaults to False, so "a recording exists and
+    did not see PWAL compute it" makes it a fixed table it never saw: every reload COMMITS while the graph reads
+    ``_x`` of the first weights.
+
+    Promise 1, and the docs: a tensor only the walker found "is checked like a declared derived slot until a
+    recording shows PWAL does not compute it ... (or it appeared unseen): then ... it stays watched". Missing rule:
+    ``_sealed_slot`` (contract/_contract.py) makes walker slots ``unrecorded=False``: "no recording saw it" reads as
+    "a recording saw PWAL leave it"."""
+    net = nn.Sequential(LazyScale())
+    layer = net[0]
+    contract = GraphContract(net, mode)  # type: ignore[arg-type]
+
+    def load(seed: int) -> None:
+        with torch.no_grad():
+            layer.weight.copy_(w(seed))
+            layer.process_weights_after_loading()
+
+    if recorded == "record_inputs":
+        with contract.record_inputs():
+            load(1)
+        contract.seal()
+    else:
+        contract.seal()
+        with contract.reload():
+            load(1)
+    with torch.no_grad():
+        net(torch.ones(4))  # warm-up: _x is built
+    graph_reads = layer._x
+
+    def reload() -> None:
+        with contract.reload():
+            load(2)
+
+    status = _status(contract, reload)
+    cold = w(2) * 3.0
+    assert not torch.equal(graph_reads, cold)
+    assert status is not Status.COMMITTED, (
+        f"committed although the graph reads _x={graph_reads.tolist()} and a cold model computes {cold.tolist()}"
+    )
