@@ -972,6 +972,7 @@ class ReloadTransaction:
         self._closed: dict[int, ClosedLayer] = {}
         #: The capture manifest's storages with exactly recorded bytes (see ``_reads_no_copy_reached``), read once.
         self._byte_ranges: list[Any] | None = None
+        self._written: dict[int, Any] | None = None  # storages a recorded capture wrote, by id (see _graph_writes)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -1468,6 +1469,7 @@ class ReloadTransaction:
             samples=self._samples,
             recorded=contract._recorded,
             outer=functools.partial(contract._outer, sealed.qualname),
+            scratch=self._graph_writes,
         )
         # Untrackable at the seal or now: no check can tell whether the graph still reads their memory.
         for where in dict.fromkeys(sealed.untrackable + untrackable):
@@ -1487,6 +1489,21 @@ class ReloadTransaction:
         if flush:
             self._samples.flush()
         return snapshot
+
+    def _graph_writes(self, tensor: torch.Tensor) -> bool:
+        """Whether a recorded capture wrote ``tensor``'s storage: scratch the graph overwrites at every replay, so
+        its values before a reload are not the graph's input (read once per reload from the manifest)."""
+        if self._written is None:
+            entries = getattr(self.contract.manifest, "entries", None)
+            self._written = {}
+            for entry in entries() if callable(entries) else ():
+                storage = entry.storage_ref() if entry.written else None
+                if storage is not None:
+                    self._written[id(storage)] = storage
+        if not self._written or tensor.layout is not torch.strided or tensor.device.type == "meta":
+            return False
+        storage = tensor.untyped_storage()
+        return self._written.get(id(storage)) is storage
 
     def _still_in_model(self, sealed: SealedLayer, layer: nn.Module) -> bool:
         if not sealed.qualname:

@@ -640,6 +640,7 @@ class LayerSnapshot:
         samples: SampleBatch,
         recorded: bool = False,
         outer: Callable[[], list[tuple[str, nn.Module]]] | None = None,
+        scratch: Callable[[torch.Tensor], bool] | None = None,
     ) -> LayerSnapshot:
         """Snapshot ``layer`` before its load.
 
@@ -648,7 +649,8 @@ class LayerSnapshot:
         it; one PWAL never touched is static (a scratch, a table, a KV cache). Before any recording nothing says
         which it is, so it is watched: a weight change that leaves it as it was is ``stale`` (fail closed).
         ``outer`` lists the modules above the layer (see :attr:`_Inputs.outer`). Value samples are taken through
-        ``samples``, which the caller flushes before the load.
+        ``samples``, which the caller flushes before the load. ``scratch``: whether a recorded capture wrote a
+        captured tensor's storage (the graph overwrites it at every replay); a walker-found one is not watched.
         """
         slots = list(sealed.slots)
         slots.extend(extra)
@@ -673,8 +675,10 @@ class LayerSnapshot:
                     )
                 )
                 continue
-            if slot.tracks_freshness and (
-                slot.origin is not Origin.WALKER or not recorded or slot.inputs or slot.unrecorded or slot.owed
+            if (
+                slot.tracks_freshness
+                and (slot.origin is not Origin.WALKER or not recorded or slot.inputs or slot.unrecorded or slot.owed)
+                and not (slot.origin is Origin.WALKER and scratch is not None and scratch(tensor))
             ):
                 current = slot.get(layer)
                 if isinstance(current, tensor_type):
