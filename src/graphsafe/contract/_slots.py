@@ -645,9 +645,10 @@ class LayerSnapshot:
         """Snapshot ``layer`` before its load.
 
         ``recorded``: a recording of PWAL (the first reload's, or the initial load's under ``record_inputs()``)
-        exists. A tensor only the walker found is then watched for freshness only if that recording saw PWAL compute
-        it; one PWAL never touched is static (a scratch, a table, a KV cache). Before any recording nothing says
-        which it is, so it is watched: a weight change that leaves it as it was is ``stale`` (fail closed).
+        exists. A tensor only the walker found is then watched for freshness if that recording saw PWAL compute it
+        or classified nothing about it (``unrecorded``); one the initial load's recording saw PWAL leave alone is
+        static (a table, a KV cache). Before any recording nothing says which it is, so it is watched: a weight
+        change that leaves it as it was is ``stale`` (fail closed).
         ``outer`` lists the modules above the layer (see :attr:`_Inputs.outer`). Value samples are taken through
         ``samples``, which the caller flushes before the load. ``scratch``: whether a recorded capture wrote a
         captured tensor's storage (the graph overwrites it at every replay); a walker-found one is not watched.
