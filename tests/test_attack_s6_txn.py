@@ -608,3 +608,48 @@ def test_a_tensor_that_appeared_after_the_recording_is_checked_for_freshness(mod
     assert status is not Status.COMMITTED, (
         f"committed although the graph reads _x={graph_reads.tolist()} and a cold model computes {cold.tolist()}"
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 9. A ModuleList reordered between reloads: the moved layers are "vanished", never snapshotted, so a stale slot
+#    of theirs goes unchecked and NEEDS_RECAPTURE sends the recapture to read it.
+
+
+@pytest.mark.parametrize("mode", ["recapture", "migrate"])
+def test_a_reordered_layer_is_still_checked_for_stale_values_before_a_recapture(mode: str) -> None:
+    """Attacker: the engine reorders ``layers`` between reloads (swaps two entries of the ``ModuleList``). The next
+    reload loads each position's weights into the module now there, and the PWAL of one of them skips ``w_t`` (the
+    guard bug). Both sealed layers are ``vanished`` at their qualnames ("the layer itself was replaced or removed"),
+    so neither is snapshotted: no freshness check runs on them, the outcome is NEEDS_RECAPTURE (every finding is
+    recapture-fixable), the ``on_recapture`` callback recaptures and the contract reseals serving-safe on a model
+    whose ``layers.1.w_t`` was computed from other weights than ``layers.1.weight``.
+
+    Promise 1 ("NEEDS_RECAPTURE after which a recapture would read wrong values"). Missing rule:
+    ``ReloadTransaction._snapshot`` (contract/_contract.py) drops a sealed layer that left its qualname even when
+    the same module object is still in the model: a stale value in it can then never be found."""
+    net = nn.Module()
+    net.layers = nn.ModuleList([Guarded(), Guarded()])
+    for index, layer in enumerate(net.layers):
+        with torch.no_grad():
+            layer.weight.copy_(w(1 + index))
+            layer.process_weights_after_loading()
+    contract = GraphContract(net, mode).seal()  # type: ignore[arg-type]
+    recaptured: list[list[torch.Tensor]] = []
+    contract.on_recapture(lambda outcome: recaptured.append([layer.w_t for layer in net.layers]))
+    first, second = net.layers[0], net.layers[1]
+    net.layers[0], net.layers[1] = second, first
+
+    def reload() -> None:
+        with contract.reload(), torch.no_grad():
+            for index, layer in enumerate(net.layers):
+                layer.weight.copy_(w(10 + index))
+                layer.skip = index == 1  # the guard bug, in the module now at layers.1
+                layer.process_weights_after_loading()
+
+    status = _status(contract, reload)
+    stale = net.layers[1].w_t
+    assert not torch.equal(stale, w(11) * 2.0 + 1.0)  # layers.1 holds w_t of other weights
+    assert status is not Status.NEEDS_RECAPTURE and not recaptured, (
+        f"{status}: the recapture reads layers.1.w_t={stale.tolist()}, a cold model computes "
+        f"{(w(11) * 2.0 + 1.0).tolist()}"
+    )

@@ -954,6 +954,7 @@ class ReloadTransaction:
         # (layer, path) -> (id, version counter, data_ptr) of what each untracked manifest path held at the start
         self._held_before: dict[tuple[str, str], tuple[int, int, int]] = {}
         self._gone: set[int] = set()  # sealed layers already reported as replaced or removed
+        self._moved: set[int] = set()  # of those, the ones still in the model elsewhere when snapshotted
         self._findings: list[Finding] = []
         #: New tensors earlier restore steps left at their paths (findings): later steps treat them as readers.
         self._kept: list[torch.Tensor] = []
@@ -1455,9 +1456,13 @@ class ReloadTransaction:
             self._gone.add(id(sealed))
             for slot in sealed.slots:
                 self._findings.append(
-                    sealed.finding(FindingKind.VANISHED, slot, detail="the layer itself was replaced or removed")
+                    sealed.finding(FindingKind.VANISHED, slot, detail="the layer itself was replaced, moved or removed")
                 )
-            return None
+            if layer is None or all(module is not layer for module in contract.model.modules()):
+                return None
+            # Moved within the model (a reordered ModuleList): still snapshotted and restored, so that a stale value
+            # in it is found before a recapture would read it.
+            self._moved.add(id(sealed))
         contract._adopt_late_declarations(sealed, layer)
         self._closed.pop(id(sealed), None)  # reloaded again in this transaction: this snapshot's restore decides
         extras, exhausted, untrackable = contract._walker_extras(sealed, layer)
@@ -1535,7 +1540,7 @@ class ReloadTransaction:
         plan = RestorePlan(self.contract._shared)
         work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]] = []
         for snapshot in group:
-            if not self._still_in_model(snapshot.sealed, snapshot.layer):
+            if not self._still_in_model(snapshot.sealed, snapshot.layer) and id(snapshot.sealed) not in self._moved:
                 # Replaced after the snapshot: the loader filled the new layer, so restoring the orphaned one would
                 # commit captured storage that keeps the old values.
                 snapshot.findings.extend(
