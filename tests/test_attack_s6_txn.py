@@ -383,8 +383,8 @@ def test_a_seal_running_while_a_reload_begins_does_not_let_the_reload_commit_unr
 
 # ----------------------------------------------------------------------------------------------------------------
 # 6. The property behind 1, 2 and 9: any sequence of reloads (rebuilt, written in place, skipped, raising; retried),
-#    recaptures + reseals after failures, layers reordered, and declarations removed and added again. After every COMMITTED outcome
-#    every captured tensor holds what a cold model on the model's current weights computes.
+#    recaptures + reseals after failures, layers reordered, and declarations removed and added again. After every
+#    COMMITTED outcome every captured tensor holds what a cold model on the model's current weights computes.
 
 
 def _val(seed: int, index: int) -> torch.Tensor:
