@@ -612,14 +612,17 @@ def _load_rope(model: RopeModel, seed: int) -> None:
 
 
 @pytest.mark.parametrize("detect", ["sealed-paths", "declared-only"])
-def test_a_lazily_built_static_table_commits_once_a_reload_recorded_it(detect: str) -> None:
+def test_a_lazily_built_static_table_commits_once_declared_static(detect: str) -> None:
     """Legitimate: a rotary table built lazily by the warm-up forward (after seal, before capture), never touched
     by PWAL; the initial load is recorded with ``record_inputs()`` (the README's remedy for tables that are really
-    fixed). Under ``every-reload`` this commits; before the last commits ``sealed-paths`` committed too. Now the
-    manifest walks under ``sealed-paths`` and ``_manifest_extras`` watches ``_cos_sin`` with
-    ``unrecorded = contract._recorded`` (True), so it is judged for freshness against every weight of the layer,
-    and since no reload ever records PWAL again (the initial load was recorded) it is ``stale`` on EVERY reload:
-    FAILED forever, no way out but a static declaration."""
+    fixed), but the table did not exist then, so no recording vouches for it. The first reload reports it
+    ``stale``; the way out is the one its finding names, a ``static=True`` declaration.
+
+    Changed in session s6: this test used to let the failed reload's own recording teach that ``_cos_sin`` is a
+    fixed table, so that after a recapture and reseal reloads committed with no declaration. That recording cannot
+    tell a fixed table from a tensor PWAL's skip guard wrongly left (the same reload reports both ``stale``), and
+    the lesson made the guard bug commit its old values from then on
+    (``tests/test_attack_s6_txn.py::test_a_reload_that_found_an_undeclared_tensor_stale_does_not_teach_that_it_is_a_fixed_table``)."""
     model = RopeModel()
     contract = GraphContract(model, "recapture", detect=detect)  # type: ignore[arg-type]
     with contract.record_inputs():
@@ -637,8 +640,9 @@ def test_a_lazily_built_static_table_commits_once_a_reload_recorded_it(detect: s
     outcome = contract.last_outcome
     assert outcome is not None and outcome.status is Status.FAILED
     assert {(f.kind, f.path) for f in outcome.problems} == {(FindingKind.STALE, "_cos_sin")}
-    # The author checks it is a fixed table and takes the graphs again: from then on the recording says PWAL never
-    # computes it, and reloads commit (before, it stayed unrecorded and failed on every reload, whatever was done).
+    # The author checks it is a fixed table, declares it so, and takes the graphs again: reloads commit.
+    for layer in model.layers:
+        register_derived(layer, "_cos_sin", static=True)
     with torch.no_grad(), record_capture(contract, ignore=[x]):
         model(x)
     contract.reseal()

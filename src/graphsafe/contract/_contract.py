@@ -6,6 +6,7 @@ The contract is the only place that decides an outcome. Adapters translate a fra
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import reprlib
 import threading
@@ -124,6 +125,9 @@ def _sealed_slot(entry: Classified) -> SealedSlot:
         restorable=entry.restorable,
         reason=entry.reason,
         alias_of=entry.alias_of,
+        # A tensor only the walker found is watched until a recording of the initial load says PWAL leaves it
+        # alone: one that appeared after that recording (a warm-up's lazy cache) was seen by none.
+        unrecorded=entry.origin is Origin.WALKER,
     )
 
 
@@ -203,8 +207,9 @@ class GraphContract:
         # caller should not do anyway reads stale memory rather than memory the allocator handed to someone else.
         self._quarantine: list[torch.Tensor] = []
         self._active: ReloadTransaction | None = None
-        # One transaction at a time: begin() takes it without blocking, finish() gives it back.
+        # One transaction at a time: begin() takes it without blocking, finish() gives it back. A seal takes it too.
         self._lock = threading.Lock()
+        self._lock_owner: int | None = None  # the thread holding _lock (a seal inside its own reload's action)
         # The capture generation (note_capture), and the one the graphs were at when a reload left the contract
         # unsafe: a reseal needs a capture after it (None: no reload is waiting for a recapture).
         self._captures = 0
@@ -286,6 +291,9 @@ class GraphContract:
         new capture generation (:attr:`captures`).
         """
         self._captures += 1
+        active = self._active
+        if active is not None:
+            active._captured_meanwhile()
         return self._captures
 
     def slots(self) -> Iterator[SlotInfo]:
@@ -324,7 +332,25 @@ class GraphContract:
         serving-safe: a contract that tracks nothing cannot keep any captured address. :attr:`unsafe_reason` says
         which setting to change.
         """
-        return self._seal(recaptured=False)
+        return self._seal_alone(recaptured=False)
+
+    def _seal_alone(self, *, recaptured: bool) -> GraphContract:
+        """``_seal`` under the transaction lock: a reload begun on another thread while a seal walks the model
+        would snapshot the old seal and finish against the new one, taken mid-load. The thread that holds the lock
+        while its reload acts (a listener, an ``on_recapture`` callback) seals as before."""
+        if self._lock.acquire(blocking=False):
+            self._lock_owner = threading.get_ident()
+            try:
+                return self._seal(recaptured=recaptured)
+            finally:
+                self._lock_owner = None
+                self._lock.release()
+        if self._lock_owner != threading.get_ident() or self._active is not None:
+            raise GraphSafeError(
+                f"graphsafe contract of {self._model_name()}: seal() while a reload transaction is open (begun, not "
+                "finished, possibly on another thread); finish() it, then seal"
+            )
+        return self._seal(recaptured=recaptured)
 
     def _seal(self, *, recaptured: bool) -> GraphContract:
         if self._active is not None:
@@ -353,17 +379,18 @@ class GraphContract:
             raise
         # What PWAL was seen reading belongs to the layers, not to one seal: a reseal keeps it (and that a recording
         # was blind to a slot, which must not make it a fixed table).
+        # So does a slot a reload left stale: sealing its tensor does not make its values fresh (SealedSlot.owed).
         recorded = {
-            (id(sealed.layer_ref()), slot.path.text): (sealed.layer_ref, slot.inputs, slot.unrecorded)
+            (id(sealed.layer_ref()), slot.path.text): (sealed.layer_ref, slot.inputs, slot.unrecorded, slot.owed)
             for sealed in self._layers
             for slot in sealed.slots
-            if slot.inputs is not None or slot.unrecorded
+            if slot.tracks_freshness
         }
         for sealed in layers:
             for slot in sealed.slots:
                 entry = recorded.get((id(sealed.layer_ref()), slot.path.text)) if slot.tracks_freshness else None
                 if entry is not None and entry[0]() is sealed.layer_ref():
-                    slot.inputs, slot.unrecorded = entry[1], entry[2]
+                    slot.inputs, slot.unrecorded, slot.owed = entry[1], entry[2], entry[3]
         self._layers = layers
         self._slot_keys = {(sealed.qualname, slot.path.text) for sealed in layers for slot in sealed.slots}
         self._manifest_slots = {}
@@ -564,7 +591,7 @@ class GraphContract:
         that reads this model's memory was captured again after that reload, from the model as it is now (or that
         no captured graph reads it any more), and that nothing rebound the model's tensors since.
         """
-        return self._seal(recaptured=recaptured)
+        return self._seal_alone(recaptured=recaptured)
 
     def _seal_layer(self, qualname: str, layer: nn.Module) -> SealedLayer | None:
         generation = declarations_generation(layer)
@@ -770,7 +797,7 @@ class GraphContract:
                         outcome,
                     ) from exc
             self.note_capture()  # the callbacks are the recapture
-            self.seal()
+            self._seal(recaptured=False)  # the finishing reload holds the lock
             return
         self.mark_unsafe(
             "the last reload failed: " + (repr(error) if error is not None else f"{len(outcome.problems)} finding(s)")
@@ -927,6 +954,7 @@ class ReloadTransaction:
         # (layer, path) -> (id, version counter, data_ptr) of what each untracked manifest path held at the start
         self._held_before: dict[tuple[str, str], tuple[int, int, int]] = {}
         self._gone: set[int] = set()  # sealed layers already reported as replaced or removed
+        self._moved: set[int] = set()  # of those, the ones still in the model elsewhere when snapshotted
         self._findings: list[Finding] = []
         #: New tensors earlier restore steps left at their paths (findings): later steps treat them as readers.
         self._kept: list[torch.Tensor] = []
@@ -945,6 +973,7 @@ class ReloadTransaction:
         self._closed: dict[int, ClosedLayer] = {}
         #: The capture manifest's storages with exactly recorded bytes (see ``_reads_no_copy_reached``), read once.
         self._byte_ranges: list[Any] | None = None
+        self._written: dict[int, Any] | None = None  # storages a recorded capture wrote, by id (see _graph_writes)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -980,8 +1009,9 @@ class ReloadTransaction:
         if not contract._lock.acquire(blocking=False):
             raise GraphSafeError(
                 f"{self._where()}: a reload transaction is already open on this contract (in another thread, or "
-                "one that began and never finished); finish() it before beginning another"
+                "one that began and never finished, or a seal() is running); finish() it before beginning another"
             )
+        contract._lock_owner = threading.get_ident()
         try:
             if not contract.serving_safe:
                 refused = NotServingSafeError(
@@ -1011,6 +1041,7 @@ class ReloadTransaction:
             if contract._active is self:
                 contract._active = None
             self._begun = False
+            contract._lock_owner = None
             contract._lock.release()
             raise
         if contract.record_first_reload and (
@@ -1089,6 +1120,7 @@ class ReloadTransaction:
                 contract._notify(self.outcome)  # a listener's own error gives way to the interrupt
             finally:
                 contract._active = None
+                contract._lock_owner = None
                 contract._lock.release()
             return
         self.finish(error=exc)
@@ -1172,21 +1204,28 @@ class ReloadTransaction:
         """
         self._require_open("finish()")
         self._finished = True
+        self.contract._lock_owner = threading.get_ident()  # its listeners and callbacks may seal (see seal())
         try:
             return self._finish(error)
         finally:
             # Held through the decision and the mode's action: a reload begun meanwhile would see the old state.
+            self.contract._lock_owner = None
             self.contract._lock.release()
 
     def _finish(self, error: BaseException | None) -> ReloadOutcome:
-        with collections_paused():  # the contract's own work; the agreement, listeners and callbacks are not
-            outcome = self._settle(error)
+        try:
+            with collections_paused():  # the contract's own work; the agreement, listeners and callbacks are not
+                outcome = self._settle(error)
+        except BaseException as exc:
+            self._record_failure(exc, "graphsafe's restore raised", agree=True)
+            raise
         contract = self.contract
         if self.agreement is not None:
             try:
                 outcome = self.agreement(outcome)
             except BaseException as exc:
                 contract.mark_unsafe(f"rank agreement raised {exc!r}; the group's outcome is unknown")
+                self._record_failure(exc, "the rank agreement raised", agree=False)
                 raise
         self.outcome = outcome
         if outcome.status is not Status.COMMITTED:
@@ -1204,6 +1243,51 @@ class ReloadTransaction:
         if listener_error is not None:
             raise listener_error
         return outcome
+
+    def _record_failure(self, exc: BaseException, what: str, *, agree: bool) -> None:
+        """A reload that ended in an error of graphsafe's own step (the contract is already unsafe): record it as
+        ``FAILED`` (``last_outcome``, ``txn.outcome``), let the peers take part in this agreement round (else they
+        wait for this rank until their timeout, and its round counter falls one behind theirs for good), and tell
+        the listeners, so the previous outcome never stands for a half-restored model. The caller re-raises."""
+        contract = self.contract
+        outcome = ReloadOutcome(
+            Status.FAILED,
+            contract.mode,
+            findings=(
+                Finding(
+                    FindingKind.RELOAD_ERROR,
+                    layer="",
+                    layer_class=contract._model_name(),
+                    path="",
+                    declared=True,
+                    detail=f"{what} {exc!r}; slots may be half-restored: recapture the graphs once the weights are "
+                    "good, then reseal()",
+                ),
+            ),
+            layers=len(contract._layers),
+            error=exc,
+        )
+        if agree and self.agreement is not None and isinstance(exc, Exception):
+            with contextlib.suppress(Exception):  # the step's own error is the one raised
+                outcome = self.agreement(outcome)
+        self.outcome = contract.last_outcome = outcome
+        contract._notify(outcome)  # a listener's own error gives way to the step's
+
+    def _captured_meanwhile(self) -> None:
+        """A capture was reported while this reload is open (another thread's graph): that graph read the model
+        mid-reload, PWAL's new tensors that the restore then drops or overwrites, so the reload cannot commit."""
+        self._findings.append(
+            Finding(
+                FindingKind.UNTRACKABLE,
+                layer="",
+                layer_class=self.contract._model_name(),
+                path="",
+                declared=True,
+                detail="a capture was reported (note_capture) while this reload was open: that graph read the model "
+                "mid-reload, tensors the restore drops or overwrites; capture graphs before or after a reload, not "
+                "during it: recapture them, then reseal()",
+            )
+        )
 
     def _settle(self, error: BaseException | None) -> ReloadOutcome:
         """Restore what is left, verify, and decide this rank's outcome (nothing outside the contract runs)."""
@@ -1234,7 +1318,19 @@ class ReloadTransaction:
                     self._findings.extend(
                         f for f in contract.manifest.check(contract) if not f.path or (f.layer, f.path) not in flagged
                     )
+                # What a reseal must not take for fresh: the slots this reload found stale (SealedSlot.owed).
+                stale = {(f.layer, f.path) for f in self._findings if f.kind is FindingKind.STALE}
+                for sealed in contract._layers:
+                    for slot in sealed.slots:
+                        slot.owed = slot.tracks_freshness and (sealed.qualname, slot.path.text) in stale
             else:
+                for snapshot in self._snapshots.values():
+                    try:
+                        left = snapshot.left_stale()
+                    except Exception:  # cannot tell: every watched slot may be left stale (fail closed)
+                        left = list(snapshot.freshness)
+                    for index in left:
+                        snapshot.slots[index].owed = True
                 self._quarantine_all()
                 self._findings.append(
                     Finding(
@@ -1250,6 +1346,9 @@ class ReloadTransaction:
             # Deciding asks code outside the contract too (the adapter's graphless hook, the manifest): an error
             # there leaves an unrestored model, so it must not leave the contract serving-safe either.
             status = contract._decide(self._findings, error)
+            if status is not Status.COMMITTED and contract._unsafe_reason is None:
+                # Unsafe from this rank's own outcome on, not from the group's: the agreement may wait minutes.
+                contract.mark_unsafe(f"this rank's reload ended {status.value}; its outcome is being agreed on")
             unread = getattr(contract.manifest, "unread", None)  # the kernel scan's: slots no graph reads
             unread_slots = unread(contract) if callable(unread) and error is None else None
         except BaseException as exc:
@@ -1357,9 +1456,13 @@ class ReloadTransaction:
             self._gone.add(id(sealed))
             for slot in sealed.slots:
                 self._findings.append(
-                    sealed.finding(FindingKind.VANISHED, slot, detail="the layer itself was replaced or removed")
+                    sealed.finding(FindingKind.VANISHED, slot, detail="the layer itself was replaced, moved or removed")
                 )
-            return None
+            if layer is None or all(module is not layer for module in contract.model.modules()):
+                return None
+            # Moved within the model (a reordered ModuleList): still snapshotted and restored, so that a stale value
+            # in it is found before a recapture would read it.
+            self._moved.add(id(sealed))
         contract._adopt_late_declarations(sealed, layer)
         self._closed.pop(id(sealed), None)  # reloaded again in this transaction: this snapshot's restore decides
         extras, exhausted, untrackable = contract._walker_extras(sealed, layer)
@@ -1371,6 +1474,7 @@ class ReloadTransaction:
             samples=self._samples,
             recorded=contract._recorded,
             outer=functools.partial(contract._outer, sealed.qualname),
+            scratch=self._graph_writes,
         )
         # Untrackable at the seal or now: no check can tell whether the graph still reads their memory.
         for where in dict.fromkeys(sealed.untrackable + untrackable):
@@ -1390,6 +1494,21 @@ class ReloadTransaction:
         if flush:
             self._samples.flush()
         return snapshot
+
+    def _graph_writes(self, tensor: torch.Tensor) -> bool:
+        """Whether a recorded capture wrote ``tensor``'s storage: scratch the graph overwrites at every replay, so
+        its values before a reload are not the graph's input (read once per reload from the manifest)."""
+        if self._written is None:
+            entries = getattr(self.contract.manifest, "entries", None)
+            self._written = {}
+            for entry in entries() if callable(entries) else ():
+                storage = entry.storage_ref() if entry.written else None
+                if storage is not None:
+                    self._written[id(storage)] = storage
+        if not self._written or tensor.layout is not torch.strided or tensor.device.type == "meta":
+            return False
+        storage = tensor.untyped_storage()
+        return self._written.get(id(storage)) is storage
 
     def _still_in_model(self, sealed: SealedLayer, layer: nn.Module) -> bool:
         if not sealed.qualname:
@@ -1421,7 +1540,7 @@ class ReloadTransaction:
         plan = RestorePlan(self.contract._shared)
         work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]] = []
         for snapshot in group:
-            if not self._still_in_model(snapshot.sealed, snapshot.layer):
+            if not self._still_in_model(snapshot.sealed, snapshot.layer) and id(snapshot.sealed) not in self._moved:
                 # Replaced after the snapshot: the loader filled the new layer, so restoring the orphaned one would
                 # commit captured storage that keeps the old values.
                 snapshot.findings.extend(
@@ -1783,7 +1902,7 @@ class ReloadTransaction:
                 if key in contract._recorded_extras:  # a recording saw PWAL run over this path (before a reseal)
                     slot.inputs = contract._recorded_extras[key]
                 else:
-                    slot.unrecorded = contract._recorded
+                    slot.unrecorded = True  # no recording saw PWAL over it (see _sealed_slot)
                 slot.watch_only = True
                 # Watched even as an alias path: the copy into its slot's memory (or its slot's own write) changes
                 # its values, so only a path nothing refreshed looks stale; its slot may be empty or gone.

@@ -106,12 +106,19 @@ class SealedSlot:
     alias_of: str | None = None
     #: What PWAL was seen computing this slot from (a recorded reload), or ``None`` when never recorded.
     inputs: tuple[InputRef, ...] | None = None
-    #: A walker-found slot that no recording saw (it came to be tracked after the one recording): whether PWAL
-    #: computes it is unknown, so it stays watched for freshness (see :meth:`LayerSnapshot.take`).
+    #: A walker-found slot that no recording classified (it came to be tracked after the initial load's recording,
+    #: or a reload's PWAL left it, which a wrong skip guard does too): whether PWAL computes it is unknown, so it
+    #: stays watched for freshness (see :meth:`LayerSnapshot.take`). Set for every walker slot at seal; only the
+    #: initial load's recording (``record_inputs()``) or a recorded PWAL computing it clears it.
     unrecorded: bool = False
     #: Only its freshness is judged (a path the capture manifest saw holding captured storage under
     #: ``detect="declared-only"``): never restored nor verified here; where it moved, the manifest's check speaks.
     watch_only: bool = False
+    #: A reload left it holding values not computed from the inputs its layer holds now (found ``stale``, or the
+    #: reload raised after its inputs were written and before PWAL refreshed it), and a reseal keeps it so: until a
+    #: reload rebuilds it or changes its values, leaving it as it is is ``stale``, whether its inputs change or not
+    #: (a same-weights retry must not take it for fresh).
+    owed: bool = False
     key: tuple[Any, ...] = field(init=False)
     # The compiled plan (derived from the fields above at construction):
     get: Getter = field(init=False, repr=False)
@@ -655,15 +662,18 @@ class LayerSnapshot:
         samples: SampleBatch,
         recorded: bool = False,
         outer: Callable[[], list[tuple[str, nn.Module]]] | None = None,
+        scratch: Callable[[torch.Tensor], bool] | None = None,
     ) -> LayerSnapshot:
         """Snapshot ``layer`` before its load.
 
         ``recorded``: a recording of PWAL (the first reload's, or the initial load's under ``record_inputs()``)
-        exists. A tensor only the walker found is then watched for freshness only if that recording saw PWAL compute
-        it; one PWAL never touched is static (a scratch, a table, a KV cache). Before any recording nothing says
-        which it is, so it is watched: a weight change that leaves it as it was is ``stale`` (fail closed).
+        exists. A tensor only the walker found is then watched for freshness if that recording saw PWAL compute it
+        or classified nothing about it (``unrecorded``); one the initial load's recording saw PWAL leave alone is
+        static (a table, a KV cache). Before any recording nothing says which it is, so it is watched: a weight
+        change that leaves it as it was is ``stale`` (fail closed).
         ``outer`` lists the modules above the layer (see :attr:`_Inputs.outer`). Value samples are taken through
-        ``samples``, which the caller flushes before the load.
+        ``samples``, which the caller flushes before the load. ``scratch``: whether a recorded capture wrote a
+        captured tensor's storage (the graph overwrites it at every replay); a walker-found one is not watched.
         """
         slots = list(sealed.slots)
         slots.extend(extra)
@@ -688,8 +698,10 @@ class LayerSnapshot:
                     )
                 )
                 continue
-            if slot.tracks_freshness and (
-                slot.origin is not Origin.WALKER or not recorded or slot.inputs or slot.unrecorded
+            if (
+                slot.tracks_freshness
+                and (slot.origin is not Origin.WALKER or not recorded or slot.inputs or slot.unrecorded or slot.owed)
+                and not (slot.origin is Origin.WALKER and scratch is not None and scratch(tensor))
             ):
                 current = slot.get(layer)
                 if isinstance(current, tensor_type):
@@ -742,27 +754,20 @@ class LayerSnapshot:
         return notes
 
     def _learn_recorded(self, updated: Callable[[Any], bool]) -> None:
-        """Which walker-found slots this recording tells about (``unrecorded`` cleared): one PWAL computed, and one
-        PWAL left while its inputs changed (this reload judges it: ``stale`` unless it really is a fixed table).
-        One PWAL left while nothing it may be computed from changed (a partial reload, a skip guard that was right
-        this time) tells nothing: it stays watched, or a later reload that changes its inputs would take it for a
-        fixed table. Nor does one made or written where the recording could not see (:func:`written_unseen`)."""
+        """Which walker-found slots this recording tells about (``unrecorded`` cleared): one PWAL computed. One a
+        reload's PWAL left tells nothing, whatever its inputs did: a skip guard that was wrong (this reload judges
+        it ``stale``) looks exactly like a fixed table, and taking it for one would stop watching the very tensor
+        just found stale (a recapture and reseal later, reloads with new weights committed its old values). It stays
+        watched; a fixed table is declared ``static=True``, or seen in the initial load's recording
+        (``record_inputs()``), where PWAL runs in full. Nor does one made or written where the recording could not
+        see (another thread, a raw kernel)."""
         layer = self.layer
-        unseen: list[tuple[SealedSlot, tuple[torch.Tensor | None, int, Sample | None, Any]]] = []
         for index in self.freshness:
             slot = self.slots[index]
             if slot.origin is not Origin.WALKER:
                 continue
             current = slot.get(layer)
-            computed = isinstance(current, torch.Tensor) and updated(current)
-            slot.unrecorded = not computed and not self.changed_inputs(index)
-            if not computed and isinstance(current, torch.Tensor):
-                before, version, sample, _ = self.freshness[index]
-                unseen.append((slot, (before, version, sample, current)))
-        if unseen:
-            for (slot, _), blind in zip(unseen, written_unseen([entry for _, entry in unseen]), strict=True):
-                if blind:
-                    slot.unrecorded = True  # keeps the fallback inputs: watched at every reload
+            slot.unrecorded = not (isinstance(current, torch.Tensor) and updated(current))
 
     def in_place(self) -> bool:
         """Whether every slot is its captured tensor on its captured memory: then restore and verify are no-ops.
@@ -1144,6 +1149,22 @@ class LayerSnapshot:
                 )
             )
 
+    def left_stale(self) -> list[int]:
+        """For a reload that raised (nothing checked): the watched slots PWAL left on their captured memory with
+        their old value sample while an input changed, as :meth:`_check_fresh` would judge them (see
+        :attr:`SealedSlot.owed`)."""
+        left = [
+            (index, sample, current)
+            for index, (before, _, sample, _) in self.freshness.items()
+            if isinstance(current := self.slots[index].get(self.layer), torch.Tensor)
+            and current.layout is torch.strided
+            and current.device.type != "meta"
+            and current.untyped_storage() is before.untyped_storage()
+            and self.changed_inputs(index)
+        ]
+        same = unchanged([(sample, current) for _, sample, current in left], SLOT_ELEMENTS)
+        return [index for (index, _, _), kept in zip(left, same, strict=True) if kept]
+
     def changed_inputs(self, index: int) -> list[str]:
         """The names of slot ``index``'s freshness inputs that changed since the snapshot (none if unwatched)."""
         before = self.freshness.get(index)
@@ -1174,9 +1195,15 @@ class LayerSnapshot:
             if change != _UNCHANGED:
                 changed.append(self.inputs.inputs[key][0])
                 worst = max(worst, change)
-        if worst == _UNCHANGED or (worst == _MAYBE and rewritten):
+        fresh = worst == _UNCHANGED or (worst == _MAYBE and rewritten)
+        if fresh and not slot.owed:
             return  # a partial reload that did not touch this slot's inputs, or the same values written again
         what = "kept the old values through an in-place write" if rewritten else "neither rebuilt it nor wrote it"
+        cause = (
+            "an earlier reload left it stale (or raised before PWAL refreshed it), a reseal kept it so,"
+            if fresh
+            else f"its input(s) {', '.join(changed)} changed"
+        )
         if slot.origin is Origin.WALKER:
             # Undeclared: nothing recorded says PWAL does not compute it, so a weight change that leaves it is stale.
             fix = (
@@ -1190,8 +1217,7 @@ class LayerSnapshot:
                 FindingKind.STALE,
                 slot,
                 after=fingerprint(current),
-                detail=f"its input(s) {', '.join(changed)} changed but PWAL {what}; the graph would read old values "
-                f"at the right address. {fix}",
+                detail=f"{cause} but PWAL {what}; the graph would read old values at the right address. {fix}",
             )
         )
 
