@@ -978,20 +978,18 @@ class ReloadTransaction:
             raise GraphSafeError(f"{self._where()}: begin() twice: this reload transaction is already open")
         # Never blocks: a second reload waiting for the first would then reload on top of whatever it decided.
         if not contract._lock.acquire(blocking=False):
-            raise GraphSafeError(
+            busy = GraphSafeError(
                 f"{self._where()}: a reload transaction is already open on this contract (in another thread, or "
                 "one that began and never finished); finish() it before beginning another"
             )
+            self._take_part_failed(busy)
+            raise busy
         try:
             if not contract.serving_safe:
-                refused = NotServingSafeError(
+                raise NotServingSafeError(
                     f"refusing to reload: {contract.unsafe_reason}{_next_step(contract.unsafe_reason)}",
                     contract.last_outcome,
                 )
-                if self.agreement is not None:
-                    # The peers reload and wait for this rank: take part as FAILED so agreement rounds stay paired.
-                    self.agreement(ReloadOutcome(Status.FAILED, contract.mode, error=refused))
-                raise refused
             contract._active = self
             self._begun = True
             # Whole model: every layer now. Layer by layer: those whose captured storage another layer reads too
@@ -1005,13 +1003,15 @@ class ReloadTransaction:
                     self._samples.flush()  # every layer's value samples in one copy per dtype, before the load
                 self._seconds += time.perf_counter() - start
             self._findings.extend(contract._unsealed_modules())
-        except BaseException:
+        except BaseException as exc:
             # Nothing was loaded yet: leave the contract as it was, not stuck with an open transaction.
             self._snapshots.clear()
             if contract._active is self:
                 contract._active = None
             self._begun = False
             contract._lock.release()
+            if isinstance(exc, Exception):  # an interrupt does not take part (docs/distributed.md, pairing rule)
+                self._take_part_failed(exc)
             raise
         if contract.record_first_reload and (
             not contract._recorded or any(slot.unrecorded for slot in contract._manifest_slots.values())
@@ -1022,6 +1022,23 @@ class ReloadTransaction:
             self._dataflow.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             self._recording_thread = threading.get_ident()
         return self
+
+    def _take_part_failed(self, error: Exception) -> None:
+        """A group reload leaving before its agreement still takes part in its round, as ``FAILED``.
+
+        The peers reload and wait for this rank; rounds pair the n-th group reload of every rank, so a rank that
+        skipped one would pair its next reload with the peers' current one. The transaction is spent afterwards.
+        """
+        if self.agreement is None:
+            return
+        self._finished = True
+        try:
+            self.agreement(ReloadOutcome(Status.FAILED, self.contract.mode, error=error))
+        except Exception as exc:
+            error.add_note(
+                f"graphsafe: taking part in the rank agreement as FAILED raised {exc!r} too; treat this reload as "
+                "failed on every rank of the group"
+            )
 
     def _stop_recording(self) -> Dataflow | None:
         dataflow, self._dataflow = self._dataflow, None
@@ -1179,8 +1196,12 @@ class ReloadTransaction:
             self.contract._lock.release()
 
     def _finish(self, error: BaseException | None) -> ReloadOutcome:
-        with collections_paused():  # the contract's own work; the agreement, listeners and callbacks are not
-            outcome = self._settle(error)
+        try:
+            with collections_paused():  # the contract's own work; the agreement, listeners and callbacks are not
+                outcome = self._settle(error)
+        except Exception as exc:  # the restore raised (the contract is marked unsafe): the peers still wait
+            self._take_part_failed(exc)
+            raise
         contract = self.contract
         if self.agreement is not None:
             try:
