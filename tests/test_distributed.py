@@ -10,6 +10,7 @@ Every process has a hard deadline: a hung rank fails the test, it never hangs th
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import traceback
@@ -22,7 +23,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from _ranks import on_threads
 from graphsafe import (
@@ -288,6 +292,98 @@ def test_a_rank_that_refuses_to_begin_still_takes_part_so_rounds_stay_paired() -
     assert first0 is F
     assert elapsed0 < 5  # told by the refusing rank, not by the 10 s timeout
     assert second0 is C and second1 is C
+
+
+class _FailingCopies(TorchFunctionMode):
+    """On the thread that enters it: every copy raises (a restore that fails mid-way, as a CUDA error would)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if "copy" in getattr(func, "__name__", ""):
+            raise RuntimeError(self.message)
+        return func(*args, **(kwargs or {}))
+
+
+def _group_reloads(plan: list[tuple[str, ...]], timeout: float = 3.0) -> list[list[str]]:
+    """Run ``plan`` on threads: ``plan[k][r]`` is what rank ``r`` does at its ``k``-th group reload: ``ok``,
+    ``raise`` (its load raises, naming ``k``), ``busy`` (``begin()`` raises before any agreement: a reload
+    transaction without agreement is already open on its contract) or ``restore`` (``finish()``'s restore raises
+    before the agreement, naming ``k``). Returns, per rank, what each reload ended as."""
+
+    def run(group: AgreementGroup) -> list[str]:
+        model, contract = _shard(group.rank)
+        seen: list[str] = []
+        for k, actions in enumerate(plan):
+            if not contract.serving_safe:  # after a failed group reload every rank recaptures and reseals
+                contract.note_capture()
+                contract.reseal()
+            action = actions[group.rank]
+            side = contract.reload().begin() if action == "busy" else None
+            failing = _FailingCopies(f"reload {k} failed on rank {group.rank}: a copy raised")
+            try:
+                with contract.reload(agreement=StoreAgreement(group, timeout)):
+                    _load(model, seed=100 * k + group.rank)
+                    if action == "raise":
+                        raise ValueError(f"reload {k} failed on rank {group.rank}")
+                    if action == "restore":
+                        failing.__enter__()
+                assert contract.last_outcome is not None
+                seen.append(contract.last_outcome.status.value)
+            except Exception as exc:
+                seen.append(f"{type(exc).__name__}: {exc}")
+            finally:
+                if action == "restore":
+                    failing.__exit__(None, None, None)
+                if side is not None:
+                    side.finish()
+        return seen
+
+    return on_threads(len(plan[0]), run, limit=20 + timeout * len(plan))
+
+
+def _assert_paired(plan: list[tuple[str, ...]], seen: list[Any]) -> None:
+    """Every group reload k ends COMMITTED on every rank or on none, and no rank hears of a peer reload but k."""
+    for rank, result in enumerate(seen):
+        assert isinstance(result, list), f"rank {rank}: {result!r}"
+    for k, actions in enumerate(plan):
+        ends = [seen[r][k] for r in range(len(actions))]
+        committed = [e == "committed" for e in ends]
+        assert all(committed) or not any(committed), f"reload {k}: plan {actions}, ranks ended {ends}"
+        if all(a == "ok" for a in actions):
+            assert all(committed), f"reload {k}: every rank reloaded cleanly, yet ranks ended {ends}"
+        for rank, end in enumerate(ends):
+            heard = {int(n) for n in re.findall(r"reload (\d+) failed on rank", end)}
+            assert heard <= {k}, f"reload {k} on rank {rank} describes peer reload(s) {sorted(heard)}: {end}"
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_whose_begin_or_restore_raises_before_agreeing_keeps_later_rounds_paired() -> None:
+    plan = [("ok", "busy"), ("ok", "ok"), ("ok", "raise"), ("ok", "ok"), ("busy", "ok"), ("raise", "ok")]
+    plan += [("restore", "ok"), ("ok", "ok"), ("ok", "restore"), ("busy", "restore"), ("ok", "ok")]
+    seen = _group_reloads(plan)
+    _assert_paired(plan, seen)
+    assert seen[1][0].startswith("GraphSafeError: ") and "already open" in seen[1][0]
+    assert seen[0][0].startswith("RankAgreementError: ") and "because of rank(s) 1," in seen[0][0]
+
+
+@pytest.mark.timeout(240)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(*[st.sampled_from(["ok", "ok", "raise", "busy", "restore"])] * 2),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_any_sequence_of_early_and_late_failures_keeps_every_reload_all_or_nothing(
+    plan: list[tuple[str, ...]],
+) -> None:
+    _assert_paired(plan, _group_reloads(plan))
 
 
 @pytest.mark.timeout(30)

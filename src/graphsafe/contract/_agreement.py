@@ -10,7 +10,8 @@ How ranks exchange (one round per reload, through the group's key-value store, n
 
 1. Each rank takes the next round number from its own counter in the store (``next/<rank>``). Round *n* pairs the
    *n*-th group reload of every rank, so ranks must make the same sequence of group reloads; the contract makes a
-   rank that refuses to begin a reload still take part (as ``FAILED``), which keeps the counters paired.
+   reload that leaves before agreeing (``begin()`` raised, or ``finish()``'s restore did) still take part (as
+   ``FAILED``), which keeps the counters paired.
 2. It posts a short JSON summary under ``<n>/rank/<rank>``: status, mode, problem count, the error's ``repr`` and
    the first :data:`SUMMARY_FINDINGS` findings (kind, layer, path, detail).
 3. It waits for every rank's summary with ``store.wait(keys, remaining timeout)``.

@@ -6,7 +6,6 @@ The contract is the only place that decides an outcome. Adapters translate a fra
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import reprlib
 import threading
@@ -1007,21 +1006,19 @@ class ReloadTransaction:
             raise GraphSafeError(f"{self._where()}: begin() twice: this reload transaction is already open")
         # Never blocks: a second reload waiting for the first would then reload on top of whatever it decided.
         if not contract._lock.acquire(blocking=False):
-            raise GraphSafeError(
+            busy = GraphSafeError(
                 f"{self._where()}: a reload transaction is already open on this contract (in another thread, or "
                 "one that began and never finished, or a seal() is running); finish() it before beginning another"
             )
+            self._take_part_failed(busy)
+            raise busy
         contract._lock_owner = threading.get_ident()
         try:
             if not contract.serving_safe:
-                refused = NotServingSafeError(
+                raise NotServingSafeError(
                     f"refusing to reload: {contract.unsafe_reason}{_next_step(contract.unsafe_reason)}",
                     contract.last_outcome,
                 )
-                if self.agreement is not None:
-                    # The peers reload and wait for this rank: take part as FAILED so agreement rounds stay paired.
-                    self.agreement(ReloadOutcome(Status.FAILED, contract.mode, error=refused))
-                raise refused
             contract._active = self
             self._begun = True
             # Whole model: every layer now. Layer by layer: those whose captured storage another layer reads too
@@ -1035,7 +1032,7 @@ class ReloadTransaction:
                     self._samples.flush()  # every layer's value samples in one copy per dtype, before the load
                 self._seconds += time.perf_counter() - start
             self._findings.extend(contract._unsealed_modules())
-        except BaseException:
+        except BaseException as exc:
             # Nothing was loaded yet: leave the contract as it was, not stuck with an open transaction.
             self._snapshots.clear()
             if contract._active is self:
@@ -1043,6 +1040,8 @@ class ReloadTransaction:
             self._begun = False
             contract._lock_owner = None
             contract._lock.release()
+            if isinstance(exc, Exception):  # an interrupt does not take part (docs/distributed.md, pairing rule)
+                self._take_part_failed(exc)
             raise
         if contract.record_first_reload and (
             not contract._recorded or any(slot.unrecorded for slot in contract._manifest_slots.values())
@@ -1053,6 +1052,25 @@ class ReloadTransaction:
             self._dataflow.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             self._recording_thread = threading.get_ident()
         return self
+
+    def _take_part_failed(self, error: Exception, outcome: ReloadOutcome | None = None) -> ReloadOutcome | None:
+        """A group reload leaving before its agreement still takes part in its round, as ``FAILED``; returns the
+        agreed outcome (``None`` without an agreement, or where taking part raised).
+
+        The peers reload and wait for this rank; rounds pair the n-th group reload of every rank, so a rank that
+        skipped one would pair its next reload with the peers' current one. The transaction is spent afterwards.
+        """
+        if self.agreement is None:
+            return None
+        self._finished = True
+        try:
+            return self.agreement(outcome or ReloadOutcome(Status.FAILED, self.contract.mode, error=error))
+        except Exception as exc:
+            error.add_note(
+                f"graphsafe: taking part in the rank agreement as FAILED raised {exc!r} too; treat this reload as "
+                "failed on every rank of the group"
+            )
+            return None
 
     def _stop_recording(self) -> Dataflow | None:
         dataflow, self._dataflow = self._dataflow, None
@@ -1216,7 +1234,7 @@ class ReloadTransaction:
         try:
             with collections_paused():  # the contract's own work; the agreement, listeners and callbacks are not
                 outcome = self._settle(error)
-        except BaseException as exc:
+        except BaseException as exc:  # the restore raised (the contract is marked unsafe): the peers still wait
             self._record_failure(exc, "graphsafe's restore raised", agree=True)
             raise
         contract = self.contract
@@ -1267,9 +1285,8 @@ class ReloadTransaction:
             layers=len(contract._layers),
             error=exc,
         )
-        if agree and self.agreement is not None and isinstance(exc, Exception):
-            with contextlib.suppress(Exception):  # the step's own error is the one raised
-                outcome = self.agreement(outcome)
+        if agree and isinstance(exc, Exception):  # an interrupt does not take part (docs/distributed.md)
+            outcome = self._take_part_failed(exc, outcome) or outcome
         self.outcome = contract.last_outcome = outcome
         contract._notify(outcome)  # a listener's own error gives way to the step's
 
