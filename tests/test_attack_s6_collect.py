@@ -10,9 +10,11 @@ README promises for undeclared tensors ("a collector safety net finds the device
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import enum
 import functools
+import itertools
 import threading
 import types
 from collections.abc import Callable
@@ -237,3 +239,39 @@ def test_known_gap_a_tensor_held_where_the_walker_still_does_not_look_commits(ho
     object reaches the engine), and functions in class dictionaries (class code). PWAL rebuilds the tensor they
     hold: the reload commits while the graph reads the old one."""
     _check_holder(holder, "attribute", "recapture", "every-reload")
+
+
+@pytest.mark.parametrize("detect", ["every-reload", "sealed-paths"])
+def test_an_abc_quant_method_checked_against_other_classes_is_no_budget_false_alarm(detect: str) -> None:
+    """False alarm on every reload of a real engine, made by this round's own fix (classes held as values are read):
+    an ABC's ``_abc_impl`` (C ``_abc_data``) holds weak references to every class an ``isinstance`` was asked about;
+    read through, each class leads to its own ``_abc_impl``, and vLLM's quant-method classes (checked against one
+    another all over the engine) cut every layer's walk at ``max_depth``: ``budget-exhausted`` on every reload. The
+    ABC caches hold classes only by weak reference and no state of an instance: they are the ABC machinery, a leaf."""
+
+    class Method(abc.ABC):  # noqa: B024 (vLLM's QuantizeMethodBase is an ABC)
+        pass
+
+    chain = [type(f"Method{i}", (Method,), {}) for i in range(10)]
+    for base, other in itertools.pairwise(chain):
+        assert not isinstance(other(), base)  # base's negative cache now holds a weak reference to other
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4), requires_grad=False)
+            self.quant_method = chain[0]()
+            self.rebuild()
+
+        def rebuild(self) -> None:
+            self.w_t = self.weight.t().contiguous()
+
+    model = nn.Sequential(Layer())
+    contract = GraphContract(model, "migrate", detect=detect).seal()  # type: ignore[arg-type]
+    captured = model[0].w_t
+    with contract.reload(), torch.no_grad():
+        model[0].weight.copy_(torch.randn(4, 4))
+        model[0].rebuild()
+    outcome = contract.last_outcome
+    assert outcome is not None and outcome.status is Status.COMMITTED, outcome.summary()
+    assert model[0].w_t is captured and torch.equal(captured, model[0].weight.t())

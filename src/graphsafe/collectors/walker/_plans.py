@@ -9,6 +9,7 @@ taken from a builtin type's dictionary, so none of them can dispatch to Python c
 from __future__ import annotations
 
 import _io
+import abc
 import collections
 import contextvars
 import ctypes
@@ -158,6 +159,9 @@ _LEAF_BASES: Final[tuple[type, ...]] = (
     threading.Thread,
     type(threading.Lock()),
     type(threading.RLock()),
+    # An ABC's caches and registry (``_abc_impl``): weak references to the classes isinstance() was asked about, no
+    # state of any instance; read through, every quant-method class leads to the next one's and the walk's depth.
+    *((type(abc.ABC.__dict__["_abc_impl"]),) if "_abc_impl" in abc.ABC.__dict__ else ()),  # C abc only
     torch.dtype,
     torch.device,
     torch.layout,
