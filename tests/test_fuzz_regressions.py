@@ -562,3 +562,63 @@ def test_an_alias_path_that_leaves_memory_its_slot_s_copy_rewrote_abandons_nothi
     assert outcome is not None and outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
     assert FindingKind.STALE not in {f.kind for f in outcome.problems}, outcome.summary()
     assert torch.equal(layer.follows, layer.weight.t())
+
+
+def test_a_layerwise_child_restore_does_not_overwrite_a_respecified_partner_still_pending() -> None:
+    """Found by the long fuzz (906b123, ``rotate`` + ``tie``), shrunk: layer 1's PWAL rotates the captured tensors of
+    d0 (a ``Marked`` subclass), d1 and d2 (d2 held on the child ``sub``, a seal entry of its own), each then written
+    in place; d3 ties layer 0's d0, so layers.1 is restored at ``finish()`` while ``layers.1.sub`` is restored at its
+    ``after_layer``. d0 now holds d2's plain captured tensor: another class, so no copy can restore it and it stays
+    at its path. The child's step copied d2's values into that memory: d0's values, which PWAL got right, were
+    overwritten and the reload asked for a recapture that reads them. A pending layer's tensor that stays at its
+    path is a reader of what the step writes, like the step's own kept tensors."""
+    scenario = Scenario(
+        layers=(
+            LayerSpec(rows=1, cols=1, slots=(SlotSpec("d0", source="sum"),)),
+            LayerSpec(
+                rows=1,
+                cols=1,
+                cycle=(0, 2, 1),
+                slots=(
+                    SlotSpec("d0", source="fp8", factor=3, subclass=True, declare="register_derived"),
+                    SlotSpec("d1", source="fp8"),
+                    SlotSpec("d2", source="fp8", holder="child"),
+                    SlotSpec("d3", kind="tie", of=0),
+                ),
+            ),
+        ),
+        mode="migrate",
+        layerwise="plain",
+    )
+    _assert_honest(scenario)
+
+
+@pytest.mark.parametrize("mode", ["recapture", "migrate"])
+def test_a_tie_left_on_memory_an_earlier_after_layer_abandoned_is_not_taken_for_recapture_fixable(mode: str) -> None:
+    """Found by the long fuzz (906b123, ``swap`` + ``tie:skip`` + ``layerwise``), shrunk: layer 0's weights stay
+    (``keep``); its PWAL swaps the captured tensors of the declared d0 and d2 and writes each one's values in place,
+    so d2's captured memory now holds d0's values. Layer 1's undeclared d3 (seen by the capture manifest) still ties
+    that memory. ``after_layer(0)`` cannot copy d2 back (d3 holds its memory) and leaves both slots on their new
+    tensors. Layer 1's snapshot, taken after that, sees d3 unchanged and its inputs unchanged: the reload asked for a
+    recapture, which reads d0's values through d3. A slot left on memory an earlier step abandoned fails closed."""
+    scenario = Scenario(
+        layers=(
+            LayerSpec(
+                rows=1,
+                cols=1,
+                loader="keep",
+                cycle=(0, 2),
+                slots=(
+                    SlotSpec("d0", source="int8", declare="graph_visible"),
+                    SlotSpec("d1", source="int8", mutation="skip"),
+                    SlotSpec("d2", source="int8", factor=3, declare="register_derived"),
+                ),
+            ),
+            LayerSpec(rows=1, cols=1, loader="keep", slots=(SlotSpec("d3", kind="tie", of=2, mutation="skip"),)),
+        ),
+        mode=mode,
+        detect="declared-only",
+        manifest=True,
+        layerwise="plain",
+    )
+    _assert_honest(scenario)

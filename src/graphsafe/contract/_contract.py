@@ -66,6 +66,7 @@ from graphsafe.outcome import (
     SlotRef,
     Status,
     fingerprint,
+    geometry_key,
     memory_tensors,
 )
 from graphsafe.paths import SlotPath
@@ -1603,7 +1604,7 @@ class ReloadTransaction:
         try:
             if plan.moves:
                 plan.protect()
-                self._protect_pending(plan, group)
+                kept.extend(self._protect_pending(plan, group))
                 plan.watch(self._captured_of, self._version_of, local, kept, self._changed_inputs)
                 with plan.writing():
                     plan.launch(batch)
@@ -1779,7 +1780,8 @@ class ReloadTransaction:
         * an alias path (a walker path, or an untracked manifest path, reading a tracked slot's memory) follows
           its slot, so it is stale whatever its values;
         * a watched slot (declared derived, or found by the walker) that nothing wrote is stale when its inputs,
-          or the abandoning slot's, changed (a tie to another layer's rebuilt tensor).
+          or the abandoning slot's, changed (a tie to another layer's rebuilt tensor), or when an earlier
+          ``after_layer()`` saw that memory abandoned (PWAL may have written it before this layer's snapshot).
         """
         abandoned = self._abandoned
         copied = sorted((str(m.memory[0]), m.memory[1], m.memory[2]) for m in plan.moves)
@@ -1834,9 +1836,14 @@ class ReloadTransaction:
                     changed = snapshot.changed_inputs(index)
                     for owner, at in partners:
                         changed = changed or owner.changed_inputs(at)
-                    if not changed:
+                    if changed:
+                        why = f"nothing wrote it although {', '.join(changed)} changed, and a recapture would read it"
+                    elif any(owner.done for owner, _ in partners):
+                        # Abandoned by an earlier after_layer(): PWAL may have written other values there (a swap)
+                        # before this layer's snapshot, which then cannot vouch for its bytes. Fail closed.
+                        why = "an earlier after_layer() saw it abandoned, so nothing here can vouch for its bytes"
+                    else:
                         continue
-                    why = f"nothing wrote it although {', '.join(changed)} changed, and a recapture would read it"
                 snapshot.findings.append(
                     snapshot.sealed.finding(
                         FindingKind.STALE,
@@ -1846,11 +1853,13 @@ class ReloadTransaction:
                     )
                 )
 
-    def _protect_pending(self, plan: RestorePlan, group: list[LayerSnapshot]) -> None:
+    def _protect_pending(self, plan: RestorePlan, group: list[LayerSnapshot]) -> list[torch.Tensor]:
         """Layers snapshotted but not restored yet (``before_layer`` ran, ``after_layer`` has not): a new tensor of
         theirs that reads memory this plan writes is cloned first, so their restore copies the values PWAL left.
-        Costs a path lookup per slot of such layers, which a plain ``before_layer``/``after_layer`` pairing has
-        none of."""
+        One no copy can restore (another geometry, class or offset: it stays at its path) is returned, to be kept
+        by the plan as a reader of that memory like this step's own kept tensors. Costs a path lookup per slot of
+        such layers, which a plain ``before_layer``/``after_layer`` pairing has none of."""
+        readers: list[torch.Tensor] = []
         in_group = {id(snapshot) for snapshot in group}
         tensor_type = torch.Tensor
         for snapshot in self._snapshots.values():
@@ -1873,6 +1882,17 @@ class ReloadTransaction:
                     continue  # no tensors to read: its restore says why
                 if any(plan.overlaps_destination(part) for part in parts):
                     snapshot.overrides[index] = (current, tuple(clone_laid_out(part) for part in parts))
+                    if (
+                        len(parts) == 1
+                        and parts[0] is current
+                        and (
+                            geometry_key(current) != geometry_key(captured)
+                            or current.storage_offset() != captured.storage_offset()
+                        )
+                    ):
+                        # Its restore will leave it at its path (respecified), reading what this plan writes there.
+                        readers.append(current)
+        return readers
 
     def _manifest_extras(self, sealed: SealedLayer) -> list[SealedSlot]:
         """Under ``detect="declared-only"`` or ``"sealed-paths"`` with a capture manifest: the layer's paths the
