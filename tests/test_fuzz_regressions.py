@@ -624,14 +624,6 @@ def test_a_tie_left_on_memory_an_earlier_after_layer_abandoned_is_not_taken_for_
     _assert_honest(scenario)
 
 
-_INFERENCE_TIE_GAP = (
-    "documented gap (long fuzz on 4cafe29, older than that session: red on 906b123 too): a skipped tie in a layer "
-    "whose weights did not change, to a slot PWAL rebuilt, where the first load's PWAL ran under inference_mode: "
-    "NEEDS_RECAPTURE although the tie still holds the old values"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_INFERENCE_TIE_GAP)
 def test_a_skipped_tie_to_an_inference_tensor_in_a_layer_whose_weights_did_not_change_is_stale() -> None:
     """Found by the long fuzz on ``4cafe29`` (two processes, 11 silent: ``layerwise:repwal`` + ``tie:skip`` +
     ``inference:both``), shrunk to this by dropping layers, slots and mutations: neither the layerwise reload nor the
