@@ -1829,7 +1829,9 @@ class ReloadTransaction:
                 if alias:
                     why = "it does not read that slot's new values, and neither would a recapture"
                 else:
-                    if index >= len(snapshot.written) or snapshot.versions[index] < 0 or snapshot.written[index]:
+                    # A captured tensor without a version counter (made under torch.inference_mode()) cannot show
+                    # that PWAL wrote it: it counts as unwritten, so changed inputs make it stale (fail closed).
+                    if index >= len(snapshot.written) or snapshot.written[index]:
                         continue  # written by PWAL: its own values
                     if not snapshot.left[index]:
                         continue  # PWAL gave it a new tensor, which the restore copied: its new values
