@@ -125,15 +125,24 @@ class Contract(Method):
     """The baseline reload inside a graphsafe transaction (whole model, or layer by layer)."""
 
     def __init__(
-        self, shape: Shape, device: torch.device, detect: str, layerwise: bool = False, label: str = ""
+        self,
+        shape: Shape,
+        device: torch.device,
+        detect: str,
+        layerwise: bool = False,
+        label: str = "",
+        fast_tier: bool = True,
     ) -> None:
+        label += "" if fast_tier else ", rule engine only"
         self.name = f"graphsafe {detect}" + (" layerwise" if layerwise else "") + label
         self.model = build(shape, device, declare=True)
         self.device = device
         self.layerwise = layerwise
         sync(device)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        self.contract = GraphContract(self.model, "strict", detect=detect).seal()  # type: ignore[arg-type]
+        self.contract = GraphContract(self.model, "strict", detect=detect)  # type: ignore[arg-type]
+        self.contract.fast_tier = fast_tier  # off: every restore step through the rule engine (the A/B)
+        self.contract.seal()
         self.seal_bytes = (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0) - before
         self.slots = sum(1 for _ in self.contract.slots())
         self.last_bytes = 0
@@ -217,6 +226,7 @@ def section_small(args: argparse.Namespace, device: torch.device) -> dict[str, A
     shape = Shape("small", args.small_layers, args.small_k, 32, 32)
     methods: list[Method] = [Baseline(shape, device), Loop(shape, device)]
     methods += [Contract(shape, device, detect) for detect in POLICIES]
+    methods.append(Contract(shape, device, "declared-only", fast_tier=False))
     inplace = Shape("small-inplace", shape.layers, shape.k, 32, 32, inplace=True)
     methods.append(Contract(inplace, device, "declared-only", label=", PWAL writes in place"))
     weights = [make_weights(methods[0].model, seed, device) for seed in (1, 2)]
@@ -283,7 +293,12 @@ def section_large(args: argparse.Namespace, device: torch.device) -> dict[str, A
     """A few large derived tensors: restore bandwidth against one flat copy_ of the same bytes."""
     side = 4096 if device.type == "cuda" else 1024
     shape = Shape("large", 8, 2, side, side, kinds=("transposed",))
-    methods: list[Method] = [Baseline(shape, device), Loop(shape, device), Contract(shape, device, "declared-only")]
+    methods: list[Method] = [
+        Baseline(shape, device),
+        Loop(shape, device),
+        Contract(shape, device, "declared-only"),
+        Contract(shape, device, "declared-only", fast_tier=False),
+    ]
     weights = [make_weights(methods[0].model, seed, device) for seed in (1, 2)]
     times = run_methods(methods, weights, args.repeats, device)
     nbytes = methods[1].bytes  # type: ignore[attr-defined]
@@ -597,12 +612,16 @@ class EngineContract(EngineMethod):
         detect: str,
         layerwise: bool,
         batches: tuple[int, ...],
+        fast_tier: bool = True,
     ) -> None:
         super().__init__(shape, device, initial, declare=True)
         self.name = f"graphsafe {detect}" + (" layerwise" if layerwise else " whole-model")
+        self.name += "" if fast_tier else ", rule engine only"
         self.layerwise = layerwise
         # Seal after the first load, before capture (as an engine does); then capture the graph set.
-        self.contract = GraphContract(self.model, "strict", detect=detect).seal()  # type: ignore[arg-type]
+        self.contract = GraphContract(self.model, "strict", detect=detect)  # type: ignore[arg-type]
+        self.contract.fast_tier = fast_tier  # off: every restore step through the rule engine (the A/B)
+        self.contract.seal()
         self.slots = sum(1 for _ in self.contract.slots())
         self.capture_graphs(batches)
         if self.graphs:
@@ -674,6 +693,7 @@ def section_engine(args: argparse.Namespace, device: torch.device) -> dict[str, 
     methods += [
         EngineBaseline(shape, device, initial, declare=True),  # what re-declaring in PWAL costs alone
         EngineContract(shape, device, initial, "declared-only", False, batches),
+        EngineContract(shape, device, initial, "declared-only", False, batches, fast_tier=False),
         EngineContract(shape, device, initial, "declared-only", True, batches),
         EngineContract(shape, device, initial, "every-reload", False, batches),
     ]

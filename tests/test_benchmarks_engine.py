@@ -104,8 +104,8 @@ def test_engine_section_runs_tiny(bench: tuple[Any, Any]) -> None:
     args = argparse.Namespace(repeats=1, engine_size="tiny", engine_layers=None)
     result = run.section_engine(args, CPU)
     assert result["all_committed"] and result["values_equal_cold_rebuild"]
-    assert result["reloads_checked"] == 3 * 4  # three contract methods, 2 * repeats + 2 rounds each
+    assert result["reloads_checked"] == 4 * 4  # four contract methods, 2 * repeats + 2 rounds each
     assert set(result["tracked"].values()) == {26 * 2}
     contract_rows = [r for r in result["rows"] if "tracked" in r]
-    assert len(contract_rows) == 3 and all(r["goal_overhead"] in ("met", "missed") for r in contract_rows)
+    assert len(contract_rows) == 4 and all(r["goal_overhead"] in ("met", "missed") for r in contract_rows)
     assert "Engine-shaped model (issue 18)" in "\n".join(run.render_engine(result))

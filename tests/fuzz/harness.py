@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -36,6 +37,9 @@ class Result:
     reason: str
     status: str = ""
     detail: str = ""  # the exception of a crash, with where it was raised
+    #: What the reload left, comparable between two runs of one scenario (see :func:`evidence`); empty for a
+    #: scenario the seal refused or that crashed.
+    evidence: tuple[object, ...] = ()
 
 
 def _seeds(scenario: Scenario) -> tuple[int, ...]:
@@ -110,6 +114,7 @@ def run(
     *,
     unread: str = "restore",
     capture: Callable[[GraphContract, models.FuzzModel, torch.Tensor], set[oracle.Key]] | None = None,
+    fast_tier: bool = True,
 ) -> Result:
     """Run ``scenario`` and return the oracle's verdict. Raises :class:`FuzzerBug` for the generator's own bugs.
 
@@ -125,6 +130,7 @@ def run(
     final = models.weights(scenario, _final_seeds(scenario))
     model = models.build(scenario, old)
     contract = GraphContract(model, scenario.mode, detect=scenario.detect, unread=unread)  # type: ignore[arg-type]
+    contract.fast_tier = fast_tier
     try:
         contract.seal()
         if capture is not None:
@@ -188,7 +194,43 @@ def run(
         pwal_keys=frozenset(after or ()),
     )
     verdict, reason = oracle.judge(facts)
-    return Result(scenario, verdict, reason, status)
+    return Result(scenario, verdict, reason, status, evidence=evidence(outcome, captured, post))
+
+
+_ADDRESS = re.compile(r"0x[0-9a-f]+|capture-\d+")  # what differs between two runs of one scenario
+
+
+def evidence(
+    outcome: object, captured: dict[oracle.Key, oracle.Read], post: dict[oracle.Key, oracle.Read]
+) -> tuple[object, ...]:
+    """What a reload left, in values only (no addresses, so two runs of one scenario compare): the outcome's status,
+    findings (kind and slot), counts; per captured read, the bytes a replay reads there (``None``: freed); per read
+    of the reloaded model's forward, its bytes and whether it reads its captured address."""
+    findings = sorted(
+        (f.kind.name, f.layer, f.path, _ADDRESS.sub("@", f.detail)) for f in getattr(outcome, "findings", ())
+    )
+    counts = (
+        getattr(outcome, "status", None),
+        getattr(outcome, "slots_restored", 0),
+        getattr(outcome, "bytes_copied", 0),
+    )
+
+    def raw(tensor: torch.Tensor | None) -> tuple[object, ...] | None:
+        if tensor is None:
+            return None
+        plain = tensor.resolve_conj().resolve_neg().contiguous()
+        return (
+            str(plain.dtype),
+            tuple(plain.shape),
+            plain.view(-1).view(torch.uint8).tolist() if plain.numel() else [],
+        )
+
+    replays = sorted((str(key), raw(read.replay())) for key, read in captured.items())
+    reads = sorted(
+        (str(key), raw(read.logical), key in captured and captured[key].data_ptr == read.data_ptr)
+        for key, read in post.items()
+    )
+    return (counts, findings, replays, reads)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from graphsafe.collectors import UNTRACKABLE_ADVICE, Classified, Dataflow, class
 from graphsafe.contract._access import submodule_is
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._copy import CopyBatch, clone_laid_out, overlapping_pairs
+from graphsafe.contract._fast import Rebinds, plan_common, step_conditions
 from graphsafe.contract._gcpause import collections_paused
 from graphsafe.contract._samples import SampleBatch, version_of
 from graphsafe.contract._slots import (
@@ -199,6 +200,10 @@ class GraphContract:
         #: (id(sealed layer), slot position) of slots whose captured memory also lies under another storage object.
         self._cross: set[tuple[int, int]] = set()
         self._slot_keys: set[tuple[str, str]] = set()  # (layer, path) of every sealed slot
+        #: Whether a whole-model restore step may go through the fast tier (``contract._fast``) where no rule of the
+        #: engine can act. Off, every step runs through the rule engine: the verdict and the bytes written are the
+        #: same either way (the differential test holds the two to that); only the cost differs.
+        self.fast_tier = True
         self._sealed = False
         self._unsafe_reason: str | None = "not sealed yet: call seal() after the first load, before capture"
         self._callbacks: list[Callable[[ReloadOutcome], Any]] = []
@@ -1554,8 +1559,88 @@ class ReloadTransaction:
         when it finishes (:class:`ClosedLayer`)."""
         if self.contract.unread == "skip":  # before planning: a skipped slot is in place from here on
             skip_unread(self.contract, [s for s in group if self._still_in_model(s.sealed, s.layer)], self._skip)
-        auto_restore = self.contract.mode == "migrate"
         plan = RestorePlan(self.contract._shared)
+        common = self._plan_common(group, plan) if not close else None
+        if common is not None:
+            work, untracked = common
+            self._launch_common(work, plan, untracked)
+        else:
+            work = self._plan_by_rules(group, plan)
+        if work:
+            # New tensors left at their paths read what they read now; a later after_layer must not write it.
+            self._kept.extend(t for s, _ in work for t in s.kept)
+        check_freshness([snapshot for snapshot, _ in work])
+        seen: dict[int, Any] = {}
+        for snapshot, rebinds in work:
+            snapshot.conflicting_attributes(rebinds, seen)
+        if any(snapshot.attributes for snapshot, _ in work):
+            kept_at_paths = {id(t) for snapshot, rebinds in work for t in snapshot.kept_tensors(rebinds)}
+            for snapshot, rebinds in work:
+                snapshot.carry_attributes(rebinds, kept_at_paths)
+        swapped = {id(new): held for snapshot, rebinds in work for new, held in snapshot.bound_instead(rebinds)}
+        for snapshot, rebinds in work:
+            snapshot.rebind(rebinds, swapped)
+        if plan.moves and any(f.kind is FindingKind.MOVED for snapshot, _ in work for f in snapshot.findings):
+            with plan.writing():
+                plan.unbound()  # a rebind that failed: its path must not read what a copy wrote there
+        if not any(f.kind.is_problem for snapshot, _ in work for f in snapshot.findings):
+            # (Only when every copy of the step landed: a failed step leaves what PWAL made where it was.)
+            for snapshot, _ in work:
+                if snapshot.attributed:
+                    snapshot.remap_attributes(swapped)
+        for snapshot, _ in work:  # after every rebind: two layers' paths can reach one place (nested layers)
+            snapshot.verify()
+        self._doubt_abandoned(work, plan)
+        for snapshot in group:
+            snapshot.done = True
+            self._restored += snapshot.restored
+            self._findings.extend(snapshot.findings)
+            if any(f.kind.is_problem for f in snapshot.findings):
+                self._quarantine(snapshot)
+            if close:  # (one with findings too: a weight written again after it would make a recapture stale)
+                self._closed[id(snapshot.sealed)] = ClosedLayer.of(snapshot, self._samples)
+            # Drop the strong references now: the new derived tensors of this layer can be freed before the next.
+            snapshot.captured = [None] * len(snapshot.captured)
+            snapshot.overrides, snapshot.kept, snapshot.keep, snapshot.attributes = {}, [], {}, {}
+            snapshot.swapped, snapshot.carried, snapshot.attributed = {}, {}, []
+        del work
+
+    def _plan_common(self, group: list[LayerSnapshot], plan: RestorePlan) -> tuple[Rebinds, list[torch.Tensor]] | None:
+        """The fast tier (``contract._fast``): the step planned in one lean pass where no rule of the engine can
+        act, with the untracked holders it looked at; ``None`` hands the step to the rule engine unchanged."""
+        if not step_conditions(self):
+            return None
+        in_group = {id(snapshot) for snapshot in group}
+        if any(not s.done and id(s) not in in_group for s in self._snapshots.values()):
+            return None  # layers still pending (the engine protects what their new tensors read)
+        untracked = self._untracked_holders([])
+        if untracked:
+            return None  # readers at paths the contract does not track: the engine watches them
+        work = plan_common(group, plan, shared=self.contract._shared, still_in_model=self._still_in_model)
+        return None if work is None else (work, untracked)
+
+    def _launch_common(self, work: Rebinds, plan: RestorePlan, kept: list[torch.Tensor]) -> None:
+        """Launch a step the fast tier planned: what the rule engine does for it, less the checks that cannot act
+        (no source reads a destination, no other slot or kept tensor reads one, every storage has one writer)."""
+        judge_noted([snapshot for snapshot, _ in work])  # before any copy lands: the values PWAL left
+        foreign = [*kept, *(move.new for move in plan.moves)]
+        for snapshot, _ in work:
+            snapshot.doubt_foreign_writes(foreign)
+            snapshot.written = [
+                captured is not None and 0 <= version != version_of(captured)
+                for captured, version in zip(snapshot.captured, snapshot.versions, strict=False)
+            ]
+        batch = CopyBatch()
+        try:
+            if plan.moves:
+                with plan.writing():
+                    plan.launch(batch)
+        finally:
+            self._bytes += batch.written
+
+    def _plan_by_rules(self, group: list[LayerSnapshot], plan: RestorePlan) -> Rebinds:
+        """The rule engine's planning and copies of a restore step (every rule of ``_slots``), for any step."""
+        auto_restore = self.contract.mode == "migrate"
         work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]] = []
         for snapshot in group:
             if not self._still_in_model(snapshot.sealed, snapshot.layer) and id(snapshot.sealed) not in self._moved:
@@ -1616,44 +1701,7 @@ class ReloadTransaction:
             # No flush here: launch() flushes its copies; after a failure the copies still pending are dropped, not
             # launched over what the failed step left (fail closed).
             self._bytes += batch.written
-        if work:
-            # New tensors left at their paths read what they read now; a later after_layer must not write it.
-            self._kept.extend(t for s, _ in work for t in s.kept)
-        check_freshness([snapshot for snapshot, _ in work])
-        seen: dict[int, Any] = {}
-        for snapshot, rebinds in work:
-            snapshot.conflicting_attributes(rebinds, seen)
-        if any(snapshot.attributes for snapshot, _ in work):
-            kept_at_paths = {id(t) for snapshot, rebinds in work for t in snapshot.kept_tensors(rebinds)}
-            for snapshot, rebinds in work:
-                snapshot.carry_attributes(rebinds, kept_at_paths)
-        swapped = {id(new): held for snapshot, rebinds in work for new, held in snapshot.bound_instead(rebinds)}
-        for snapshot, rebinds in work:
-            snapshot.rebind(rebinds, swapped)
-        if plan.moves and any(f.kind is FindingKind.MOVED for snapshot, _ in work for f in snapshot.findings):
-            with plan.writing():
-                plan.unbound()  # a rebind that failed: its path must not read what a copy wrote there
-        if not any(f.kind.is_problem for snapshot, _ in work for f in snapshot.findings):
-            # (Only when every copy of the step landed: a failed step leaves what PWAL made where it was.)
-            for snapshot, _ in work:
-                if snapshot.attributed:
-                    snapshot.remap_attributes(swapped)
-        for snapshot, _ in work:  # after every rebind: two layers' paths can reach one place (nested layers)
-            snapshot.verify()
-        self._doubt_abandoned(work, plan)
-        for snapshot in group:
-            snapshot.done = True
-            self._restored += snapshot.restored
-            self._findings.extend(snapshot.findings)
-            if any(f.kind.is_problem for f in snapshot.findings):
-                self._quarantine(snapshot)
-            if close:  # (one with findings too: a weight written again after it would make a recapture stale)
-                self._closed[id(snapshot.sealed)] = ClosedLayer.of(snapshot, self._samples)
-            # Drop the strong references now: the new derived tensors of this layer can be freed before the next.
-            snapshot.captured = [None] * len(snapshot.captured)
-            snapshot.overrides, snapshot.kept, snapshot.keep, snapshot.attributes = {}, [], {}, {}
-            snapshot.swapped, snapshot.carried, snapshot.attributed = {}, {}, []
-        del work
+        return work
 
     def _block_foreign_holders(
         self, work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]], plan: RestorePlan

@@ -21,7 +21,6 @@ weights) a :func:`digest` of every byte is kept too: where the sample says "the 
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,9 +33,11 @@ __all__ = [
     "DIGEST_ROW",
     "INPUT_ELEMENTS",
     "SLOT_ELEMENTS",
+    "Digest",
     "Sample",
     "SampleBatch",
     "digest",
+    "digests",
     "flat_copy",
     "same_digests",
     "signature",
@@ -130,20 +131,46 @@ class Sample:
         return self.joined[self.start : self.end]
 
 
+class Digest:
+    """One tensor's :func:`digest`, taken through a :class:`SampleBatch`: it holds nothing until the batch is
+    flushed, and reading it before is a bug of the caller (the bytes would be the ones after the load)."""
+
+    __slots__ = ("taken", "value")
+
+    def __init__(self) -> None:
+        self.taken = False
+        self.value: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor | None:
+        """The digest of the tensor as it was when the batch was flushed (``None``: a tensor without one)."""
+        if not self.taken:
+            raise RuntimeError("graphsafe contract: a digest was read before its batch was taken (a bug)")
+        return self.value
+
+
 class SampleBatch:
     """The samples of one snapshot step, taken together: :meth:`take` notes a tensor, :meth:`flush` copies the
-    samples of every dense tensor noted since the last flush in one ``torch.cat`` per dtype and device.
+    samples of every dense tensor noted since the last flush in one ``torch.cat`` per dtype and device, and
+    computes the digests noted by :meth:`digest` in a few reductions per device (see :func:`digests`).
 
     Call :meth:`flush` before anything can write the sampled tensors (before the load): until then a sample is
     only a promise.
     """
 
-    __slots__ = ("_pending",)
+    __slots__ = ("_digests", "_pending")
 
     def __init__(self) -> None:
         # (dtype, device, whole) -> the tensors and their samples; ``whole``: the sample is the whole tensor, which
         # is joined in C++ (flatten_dense_tensors) without a Python view per tensor.
         self._pending: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[Sample]]] = {}
+        self._digests: tuple[list[torch.Tensor], list[Digest]] = ([], [])
+
+    def digest(self, tensor: torch.Tensor) -> Digest:
+        """The :func:`digest` of ``tensor``, taken at the next :meth:`flush` with every other one noted."""
+        handle = Digest()
+        self._digests[0].append(tensor)
+        self._digests[1].append(handle)
+        return handle
 
     def take(self, tensor: torch.Tensor, elements: int) -> Sample:
         """The sample of ``tensor`` (``elements`` values), taken at the next :meth:`flush` where it can be joined,
@@ -171,8 +198,12 @@ class SampleBatch:
         return sample
 
     def flush(self) -> None:
-        """Take every pending sample: one copy per dtype, device and kind."""
+        """Take every pending sample (one copy per dtype, device and kind) and every pending digest."""
         pending, self._pending = self._pending, {}
+        (tensors, handles), self._digests = self._digests, ([], [])
+        if tensors:
+            for handle, value in zip(handles, digests(tensors), strict=True):
+                handle.value, handle.taken = value, True
         with torch.no_grad():
             for (dtype, _, whole), (parts, samples) in pending.items():
                 joined = (_flatten(parts) if whole else torch.cat(parts)).view(torch.uint8)
@@ -289,15 +320,9 @@ def version_of(tensor: torch.Tensor) -> int:
         return -1
 
 
-def digest(tensor: torch.Tensor) -> torch.Tensor | None:
-    """A digest of every byte of a dense tensor: wrapping integer sums of its raw words in rows of at most
-    :data:`DIGEST_ROW` (a new tensor about 1/1024 of its size, on its device), or ``None`` for any other tensor.
-
-    Any change to one word changes its row's sum; only changes that cancel within one row escape. Integer sums
-    wrap the same way in any order, so equal bytes always give equal digests (no floating-point reassociation).
-    Reads the whole tensor (one reduction, bandwidth-bound on a GPU), without a temporary copy where the byte
-    count allows 4-byte or 2-byte words and the tensor starts where such a word can.
-    """
+def _raw(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """A dense tensor's bytes as one flat uint8 view and the word width its digest sums (4 or 2 bytes where the
+    byte count allows, else 1), or ``None`` for any other tensor."""
     plain = _dense(tensor)
     if plain is None or plain.device.type == "meta":
         return None
@@ -306,33 +331,90 @@ def digest(tensor: torch.Tensor) -> torch.Tensor | None:
     raw = plain.detach().as_strided((plain.numel(),), (1,), plain.storage_offset()).view(torch.uint8)
     count = raw.numel()
     # The word size follows the byte count only, so the same bytes give the same digest wherever they lie.
-    width = 4 if count % 4 == 0 else 2 if count % 2 == 0 else 1
+    return raw, 4 if count % 4 == 0 else 2 if count % 2 == 0 else 1
+
+
+def _words(raw: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.dtype]:
+    """``raw`` (uint8, starting where a word can) as words of ``width`` bytes, and the dtype they are summed in."""
+    if width == 4:
+        return raw.view(torch.int32), torch.int32
+    if width == 2:
+        return raw.view(torch.int16), torch.int16
+    return raw, torch.int32  # an odd byte count: bytes summed as int32 (odd sizes are small)
+
+
+def _digest_raw(raw: torch.Tensor, width: int) -> torch.Tensor:
+    if raw.storage_offset() % width:
+        raw = raw.clone()  # a view at an offset the words cannot start at (a slice of a packed tensor): copied
+    words, total = _words(raw, width)
+    count = words.numel()
+    full = count // DIGEST_ROW * DIGEST_ROW
+    if full == count:  # whole rows: one reduction
+        return words.view(-1, DIGEST_ROW).sum(1, dtype=total)
+    # the last row is short: its sum is what the zero-padded row of :func:`digests` sums to
+    rows = words[:full].view(-1, DIGEST_ROW).sum(1, dtype=total)
+    return torch.cat([rows, words[full:].sum(dtype=total).reshape(1)])
+
+
+def digest(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A digest of every byte of a dense tensor: wrapping integer sums of its raw words in rows of
+    :data:`DIGEST_ROW` words, the last row as long as what is left (a new tensor about 1/1024 of its size, on its
+    device), or ``None`` for any other tensor.
+
+    Any change to one word changes its row's sum; only changes that cancel within one row escape. Integer sums
+    wrap the same way in any order, so equal bytes always give equal digests (no floating-point reassociation).
+    Reads the whole tensor (one reduction, bandwidth-bound on a GPU). :func:`digests` gives the same values for
+    many tensors at once.
+    """
+    raw = _raw(tensor)
+    if raw is None:
+        return None
     with torch.no_grad():
-        if raw.storage_offset() % width:
-            raw = raw.clone()  # a view at an offset the words cannot start at (a slice of a packed tensor): copied
-        if width == 4:
-            words, total = raw.view(torch.int32), torch.int32
-        elif width == 2:
-            words, total = raw.view(torch.int16), torch.int16
-        else:  # an odd byte count: bytes summed as int32 (a temporary of 4x the tensor: odd sizes are small)
-            words, total = raw, torch.int32
-        count = words.numel()
-        row = _row_length(count)
-        if row:  # whole rows: one reduction
-            return words.view(-1, row).sum(1, dtype=total)
-        full = count // DIGEST_ROW * DIGEST_ROW
-        rows = words[:full].view(-1, DIGEST_ROW).sum(1, dtype=total)
-        return torch.cat([rows, words[full:].sum(dtype=total).reshape(1)])
+        return _digest_raw(*raw)
 
 
-@functools.lru_cache(maxsize=4096)
-def _row_length(count: int) -> int:
-    """The longest row of at most :data:`DIGEST_ROW` words, at least a quarter of that, that divides ``count`` (one
-    reduction over whole rows), or 0 where none does (rows and a tail: three launches)."""
-    for row in range(min(DIGEST_ROW, count), DIGEST_ROW // 4 - 1, -1):
-        if count % row == 0:
-            return row
-    return 0
+#: Tensors of at most this many bytes are digested together (one copy of their bytes, one reduction per device and
+#: word width): each is launch-bound alone. Larger ones are read in place, one reduction each (bandwidth-bound).
+DIGEST_JOIN_BYTES = 1 << 20
+
+
+def digests(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """:func:`digest` of each tensor, equal value for value, in a few launches: small tensors of one device and word
+    width are joined, each zero-padded to whole rows (zeros add nothing to a row's sum), and summed in one
+    reduction."""
+    result: list[torch.Tensor | None] = [None] * len(tensors)
+    joined: dict[tuple[Any, int], list[tuple[int, torch.Tensor]]] = {}
+    with torch.no_grad():
+        for position, tensor in enumerate(tensors):
+            raw = _raw(tensor)
+            if raw is None:
+                continue
+            data, width = raw
+            if data.numel() > DIGEST_JOIN_BYTES:
+                result[position] = _digest_raw(data, width)
+            else:
+                joined.setdefault((data.device, width), []).append((position, data))
+        for (device, width), members in joined.items():
+            row_bytes = DIGEST_ROW * width
+            pieces: list[torch.Tensor] = []
+            rows: list[int] = []
+            pads: list[int] = []
+            for _, data in members:
+                count = data.numel()
+                row_count = -(-count // row_bytes)
+                pieces.append(data)
+                pads.append(row_count * row_bytes - count)
+                pieces.append(data[:0])  # the padding's place, filled below
+                rows.append(row_count)
+            zeros = torch.zeros(max(pads), dtype=torch.uint8, device=device) if max(pads) else None
+            for slot, pad in enumerate(pads):
+                if pad and zeros is not None:
+                    pieces[2 * slot + 1] = zeros[:pad]
+            words, total = _words(torch.cat(pieces), width)
+            sums = words.view(-1, DIGEST_ROW).sum(1, dtype=total)
+            for (position, _), part in zip(members, torch.split(sums, rows), strict=True):
+                result[position] = part
+    return result
 
 
 def same_digests(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:

@@ -35,9 +35,10 @@ from graphsafe.contract._copy import (
 from graphsafe.contract._samples import (
     INPUT_ELEMENTS,
     SLOT_ELEMENTS,
+    Digest,
     Sample,
     SampleBatch,
-    digest,
+    digests,
     flat_copy,
     same_digests,
     unchanged,
@@ -410,7 +411,7 @@ class ValuesBefore:
 
 # An input before PWAL: (storage, version, value sample, digest of every byte or None), or None where the path held
 # no tensor.
-_InputBefore = tuple["weakref.ReferenceType[Any]", int, Sample, "torch.Tensor | None"] | None
+_InputBefore = tuple["weakref.ReferenceType[Any]", int, Sample, Digest] | None
 # How an input changed: not at all; written with maybe the same values (its version counter moved, or another
 # storage now holds the same values); or for sure (other values, gone).
 _UNCHANGED, _MAYBE, _CHANGED = 0, 1, 2
@@ -421,7 +422,8 @@ def _input_before(value: Any, samples: SampleBatch) -> _InputBefore:
     # it is one now, it counts as changed (fail closed: a slot left in place beside it is judged stale).
     if not _strided(value):
         return None
-    return weakref.ref(value.untyped_storage()), version_of(value), samples.take(value, INPUT_ELEMENTS), digest(value)
+    sample, whole = samples.take(value, INPUT_ELEMENTS), samples.digest(value)
+    return weakref.ref(value.untyped_storage()), version_of(value), sample, whole
 
 
 def _reads_storage(before: _InputBefore, storage: Any) -> bool:
@@ -435,7 +437,7 @@ def _input_change(before: _InputBefore, value: Any) -> int:
 def _input_changes(asked: Sequence[tuple[_InputBefore, Any]]) -> list[int]:
     """How each input ``(before, now)`` changed; the value samples, then the digests, of all compared in a batch."""
     changes: list[int] = []
-    sampled: list[tuple[int, tuple[Any, int, Sample, torch.Tensor | None], torch.Tensor]] = []
+    sampled: list[tuple[int, tuple[Any, int, Sample, Digest], torch.Tensor]] = []
     for position, (before, value) in enumerate(asked):
         change = _input_change_unsampled(before, value)
         changes.append(_CHANGED if change is None else change)
@@ -462,15 +464,17 @@ def _changes_of_same_samples(asked: Sequence[tuple[Any, torch.Tensor]]) -> list[
     """How inputs whose value sample is as it was changed: for sure where the digest of every byte differs (a change
     the sample skipped), else not at all or maybe (written again: the version counter or the storage)."""
     changes: list[int] = []
-    digests: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]] = []
+    compared: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (position, digest before, tensor now)
     for position, (before, value) in enumerate(asked):
         storage, version, _, old = before
         changes.append(_UNCHANGED if storage() is value.untyped_storage() and version_of(value) == version else _MAYBE)
-        now = digest(value) if old is not None else None
-        if old is None or now is None:
-            continue  # no digest (a layout without one): the sample alone decides
-        digests.append((position, (old, now)))
-    for (position, _), same in zip(digests, same_digests([pair for _, pair in digests]), strict=True):
+        old_digest = old.get()
+        if old_digest is not None:
+            compared.append((position, old_digest, value))
+    now = digests([value for _, _, value in compared])
+    # no digest now (a layout without one): the sample alone decides
+    pairs = [(position, (old, new)) for (position, old, _), new in zip(compared, now, strict=True) if new is not None]
+    for (position, _), same in zip(pairs, same_digests([pair for _, pair in pairs]), strict=True):
         if not same:
             changes[position] = _CHANGED
     return changes
@@ -1807,7 +1811,7 @@ class RestorePlan:
       recapture would read values nobody produced for it.
     """
 
-    __slots__ = ("_dst_memory", "_dst_spans", "_readers", "_shared", "findings", "moves")
+    __slots__ = ("_dst_memory", "_dst_spans", "_held", "_readers", "_shared", "findings", "moves")
 
     def __init__(self, shared: SharedIndex) -> None:
         self.moves: list[_Move] = []
@@ -1816,6 +1820,8 @@ class RestorePlan:
         self._dst_memory: dict[Any, tuple[list[int], list[int]]] | None = None
         self._readers: list[_Reader] = []
         self._shared = shared
+        #: id -> references the moves hold to it, with the list and length it counts (see :meth:`holds`)
+        self._held: tuple[list[_Move], int, dict[int, int]] | None = None
         #: Findings on slots outside any move (a slot left in place that cannot vouch for its bytes).
         self.findings: list[Finding] = []
 
@@ -1846,7 +1852,13 @@ class RestorePlan:
             span = byte_span(dst)
         base = storage.data_ptr()
         memory = (dst.device, base + span[0], base + span[1])
+        held = self._held
         self.moves.append(_Move(snapshot, index, dst, new, src, group, nbytes, copy, key, plain, source_key, memory))
+        if held is not None and held[0] is self.moves and held[1] == len(self.moves) - 1:
+            counts = held[2]
+            for tensor in (dst, new, src):
+                counts[id(tensor)] = counts.get(id(tensor), 0) + 1
+            self._held = (self.moves, len(self.moves), counts)
         spans = self._dst_spans.get(key)
         if spans is None:
             spans = self._dst_spans[key] = []
@@ -1864,8 +1876,18 @@ class RestorePlan:
         return list(found.values())
 
     def holds(self, tensor: torch.Tensor) -> int:
-        """How many references to ``tensor`` the planned copies hold (as destination, new tensor or source)."""
-        return sum((move.dst is tensor) + (move.new is tensor) + (move.src is tensor) for move in self.moves)
+        """How many references to ``tensor`` the planned copies hold (as destination, new tensor or source).
+
+        Counted once per plan and kept up to date by :meth:`add` (a scan per call made planning quadratic); counted
+        again where the moves changed otherwise (taken back, a source cloned)."""
+        held = self._held
+        if held is None or held[0] is not self.moves or held[1] != len(self.moves):
+            counts: dict[int, int] = {}
+            for move in self.moves:
+                for part in (move.dst, move.new, move.src):
+                    counts[id(part)] = counts.get(id(part), 0) + 1
+            held = self._held = (self.moves, len(self.moves), counts)
+        return held[2].get(id(tensor), 0)
 
     def overlaps_destination(self, tensor: torch.Tensor, storage: int | None = None) -> bool:
         """Whether ``tensor`` (on the storage whose id() is ``storage``, where known) reads bytes a copy of this
@@ -1890,6 +1912,7 @@ class RestorePlan:
                 if clone is None:
                     clone = clones[id(src)] = clone_laid_out(src)
                 move.src = clone
+                self._held = None
 
     def watch(
         self,

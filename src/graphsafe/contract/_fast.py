@@ -1,0 +1,301 @@
+"""The fast tier of a restore step: the common reload planned in one lean pass, or "cannot decide".
+
+A whole-model restore usually finds every slot either in place (the captured object at its path: parameters a
+loader copied into, scratch PWAL reused) or rebuilt by PWAL as a new plain tensor laid out exactly as sealed, on
+memory no other slot reads. For such a step the rule engine (:meth:`LayerSnapshot.restore` and the checks of
+:class:`RestorePlan`: order, aliasing, foreign holders, crossing storages) has nothing to find, yet pays its
+per-slot generality on every reload. :func:`plan_common` recognises that step and plans it as the rule engine
+would, with the same side effects on the snapshots (what is noted for freshness, which slots were left in place,
+what is rebound, what is swapped) and the same moves; the copies then go through the same batch.
+
+It decides nothing itself and never guesses: every condition under which a rule of the engine could act is a
+reason to answer ``None`` ("cannot decide"), before anything was written or noted, and the caller runs the rule
+engine on the whole step. The differential test (``tests/fuzz``: every generated reload through both tiers) holds
+the two to one verdict and the same bytes.
+
+What it reads per reload: one path lookup, one identity check and, for a rebuilt slot, the new tensor's layout
+tuple, storage, offset and reference counts; the sealed layout, span and copy group come from the seal.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphsafe.contract._copy import byte_span
+from graphsafe.contract._samples import version_of
+from graphsafe.contract._slots import (
+    _STORAGE_USE_COUNT,
+    LayerSnapshot,
+    RestorePlan,
+    SealedLayer,
+    SharedIndex,
+    _hits,
+    _memory,
+    _Move,
+    _sorted_ranges,
+    _view,
+    storage_covers,
+)
+from graphsafe.outcome import Origin, geometry_key
+
+__all__ = ["Rebinds", "plan_common", "step_conditions"]
+
+#: Per snapshot of the step: the snapshot and its rebinds ``(slot index, captured tensor)``.
+Rebinds = list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]]
+
+_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+_RULED_ORIGINS = (Origin.WALKER, Origin.ALIAS)  # migrate's auto-restore, alias paths: the rule engine's
+
+
+def plan_common(
+    group: Sequence[LayerSnapshot],
+    plan: RestorePlan,
+    *,
+    shared: SharedIndex,
+    still_in_model: Callable[[SealedLayer, nn.Module], bool],
+) -> Rebinds | None:
+    """Plan ``group``'s restore into the empty ``plan`` as :meth:`LayerSnapshot.restore` would, or return ``None``
+    (nothing noted, planned or written) where a rule of the engine could act. The caller has checked the step-wide
+    conditions (whole model, no skip, no crossing storages, no byte ranges, nothing kept or abandoned before)."""
+    # Pass 1, read-only: classify every slot; any doubt hands the whole step over.
+    work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor, bool]]]] = []
+    in_place_layers: list[LayerSnapshot] = []
+    moves: list[_Move] = []
+    for snapshot in group:
+        sealed = snapshot.sealed
+        if snapshot.findings or snapshot.overrides or len(snapshot.slots) != len(sealed.slots):
+            return None  # (walker extras make a snapshot longer than its seal: the engine's)
+        if not still_in_model(sealed, snapshot.layer):
+            return None
+        if snapshot.in_place():
+            in_place_layers.append(snapshot)
+            continue
+        classified = _classify(snapshot, shared, moves)
+        if classified is None:
+            return None
+        work.append((snapshot, *classified))
+    # Order: no source may read bytes a copy writes (a swap, a rotation, a view into another slot's memory, by
+    # storage object or by address). The engine would clone such sources first; here it is a reason to hand over.
+    if moves:
+        written = {move.storage for move in moves}
+        if any(move.src_storage in written for move in moves):
+            return None
+        if not _only_writers(moves, shared) or not _held_only_by_step(moves, group, work):
+            return None
+        ranges = _sorted_ranges(move.memory for move in moves)
+        for move in moves:
+            if _hits(ranges, _memory(move.src, byte_span(move.src))):
+                return None
+        plan.moves = moves
+        if plan.crossing():
+            plan.moves = []
+            return None
+    # Pass 2: what the engine's restore leaves on each snapshot.
+    for snapshot in in_place_layers:
+        snapshot.confirmed = [True] * len(snapshot.slots)
+    for move in moves:
+        spans = plan._dst_spans.get(move.storage)
+        if spans is None:
+            spans = plan._dst_spans[move.storage] = []
+        spans.append(move.snapshot.slots[move.index].span)
+        move.snapshot.swapped[move.index] = move.new
+    result: Rebinds = []
+    for snapshot, rebinds, stayed in work:
+        for index, current, fresh in stayed:
+            if fresh:
+                snapshot._note_fresh(index, snapshot.slots[index], current)
+            if current.__dict__:
+                snapshot.attributed.append(current)
+        left = [False] * len(snapshot.slots)
+        for index, _, _ in stayed:
+            left[index] = True
+        snapshot.left = left
+        result.append((snapshot, rebinds))
+    return result
+
+
+def _classify(
+    snapshot: LayerSnapshot, shared: SharedIndex, moves: list[_Move]
+) -> tuple[list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor, bool]]] | None:
+    """One layer's slots: the rebinds and the slots left in place, with its copies appended to ``moves``; ``None``
+    where a rule of the engine could act. A (captured, new) pair repeated within the layer is copied once, as the
+    engine does. (A function of its own so that none of its locals outlives it: the
+    holder look counts references.)"""
+    layer = snapshot.layer
+    freshness = snapshot.freshness
+    captured_list = snapshot.captured
+    rebinds: list[tuple[int, torch.Tensor]] = []
+    seen_pairs: set[tuple[int, int]] = set()
+    stayed: list[tuple[int, torch.Tensor, bool]] = []  # (index, tensor at the path, noted for freshness)
+    for index, slot in enumerate(snapshot.slots):
+        captured = captured_list[index]
+        if captured is None or slot.watch_only or slot.wrapped or slot.origin in _RULED_ORIGINS:
+            return None
+        current = slot.get(layer)
+        if current is captured:
+            fresh = index in freshness
+            if fresh and not current.is_inference() and version_of(current) < 0:
+                return None  # an inference tensor repointed outside inference mode: the engine's finding
+            stayed.append((index, current, fresh))
+            continue
+        if type(current) not in _PLAIN_TYPES or current.layout is not torch.strided or current.is_nested:
+            return None
+        new_storage = current.untyped_storage()
+        captured_storage = captured.untyped_storage()
+        fp = slot.fp
+        if new_storage is captured_storage:
+            # Another Python object on the captured bytes, read exactly as captured (PWAL re-made the view): in
+            # place, as the engine judges it. Read any other way, it is the engine's (respecified).
+            if (
+                current.data_ptr() != fp.data_ptr
+                or _view(current) != _view(captured)
+                or geometry_key(current) != geometry_key(captured)
+            ):
+                return None
+            fresh = index in freshness
+            if fresh and not current.is_inference() and version_of(current) < 0:
+                return None
+            stayed.append((index, current, fresh))
+            continue
+        layout = slot.layout
+        if (
+            captured_storage is not fp.storage_ref()
+            or _view(current) != layout
+            or current.storage_offset() != fp.storage_offset
+            or _view(captured) != layout
+            or captured.storage_offset() != fp.storage_offset
+            or captured.data_ptr() != fp.data_ptr
+            or (index in freshness and current.data_ptr() == captured.data_ptr())
+            or not storage_covers(captured, captured_storage)
+            or current.__dict__
+            or captured.__dict__
+        ):
+            return None
+        rebinds.append((index, captured))
+        key = id(captured_storage)
+        copy = True
+        if key in shared:  # several slots read this storage: the engine copies a repeated pair once
+            pair = (id(captured), id(current))
+            copy = pair not in seen_pairs
+            seen_pairs.add(pair)
+        base = captured_storage.data_ptr()
+        span = slot.span
+        moves.append(
+            _Move(
+                snapshot,
+                index,
+                captured,
+                current,
+                current,
+                slot.group,
+                slot.nbytes,
+                copy,
+                key,
+                slot.plain,
+                id(new_storage),
+                (captured.device, base + span[0], base + span[1]),
+            )
+        )
+    return rebinds, stayed
+
+
+def _only_writers(moves: Sequence[_Move], shared: SharedIndex) -> bool:
+    """Whether every storage several slots read is written by moves of this step alone, at disjoint bytes (or one
+    pair repeated): then no slot is left reading it and every copy lands whole, so the engine's watch and check
+    have nothing to find. Anything else (a slot left in place on it, two copies into the same bytes) is theirs."""
+    by_storage: dict[int, list[_Move]] = {}
+    for move in moves:
+        if move.storage in shared:
+            by_storage.setdefault(move.storage, []).append(move)
+    for key, writers in by_storage.items():
+        moving = {(id(move.snapshot.sealed), move.index) for move in writers}
+        if any((id(sealed), position) not in moving for sealed, position in shared[key]):
+            return False
+        ends: list[tuple[int, int, int, int]] = sorted(
+            (move.memory[1], move.memory[2], id(move.dst), id(move.new)) for move in writers
+        )
+        for (start, end, dst, new), (next_start, next_end, next_dst, next_new) in itertools.pairwise(ends):
+            if next_start < end and not (
+                dst == next_dst and new == next_new and (start, end) == (next_start, next_end)
+            ):
+                return False
+    return True
+
+
+def _held_only_by_step(moves: Sequence[_Move], group: Sequence[LayerSnapshot], work: Sequence[Any]) -> bool:
+    """Whether nothing besides this step holds a captured tensor planned for a copy, its base or its storage: the
+    engine's holder look (:func:`held_outside`), with the references of the whole step counted exactly (several
+    slots can read one tensor or one storage). Where anything else holds one, the engine searches who."""
+    own = _own_references(moves, group, work)
+    users: dict[int, set[int]] = {}  # storage id -> the distinct tensors (captured, and their bases) on it
+    storages: dict[int, Any] = {}
+    checked: set[int] = set()
+    for move in moves:
+        dst = move.dst
+        if id(dst) in checked:
+            continue
+        checked.add(id(dst))
+        # getrefcount's argument and this frame's local name ``dst`` are the two references beyond the step's.
+        if sys.getrefcount(dst) - 2 > own[id(dst)]:
+            return False
+        tensors = users.setdefault(move.storage, set())
+        tensors.add(id(dst))
+        if dst._base is not None:  # (no local name for it: the engine's exact look, see held_outside)
+            if id(dst._base) in own or sys.getrefcount(dst._base) > 2:
+                return False
+            tensors.add(id(dst._base))
+        if move.storage not in storages:
+            storages[move.storage] = dst.untyped_storage()
+    del dst
+    for key in storages:  # (not items(): its iterator's pair would be one more reference)
+        storage = storages[key]
+        # The storage's one Python object: this dict's entry, the local, the argument and torch's own.
+        if sys.getrefcount(storage) > 4:
+            return False
+        # One use per tensor on it and one for its Python object.
+        if _STORAGE_USE_COUNT is not None and int(_STORAGE_USE_COUNT(storage._cdata)) > len(users[key]) + 1:
+            return False
+    return True
+
+
+def _own_references(moves: Sequence[_Move], group: Sequence[LayerSnapshot], work: Sequence[Any]) -> dict[int, int]:
+    """id -> how many references the step itself holds to each captured tensor: the snapshots' lists, freshness
+    entries, the planned rebinds (a tuple each) and the moves. (Its own function: no loop name outlives it.)"""
+    own: dict[int, int] = {}
+    for snapshot in group:
+        for tensor in snapshot.captured:
+            if tensor is not None:
+                own[id(tensor)] = own.get(id(tensor), 0) + 1
+        for before in snapshot.freshness.values():
+            own[id(before[0])] = own.get(id(before[0]), 0) + 1
+    for _, rebinds, _ in work:
+        for _, tensor in rebinds:
+            own[id(tensor)] += 1
+    for move in moves:
+        own[id(move.dst)] += 1
+    return own
+
+
+def step_conditions(txn: Any) -> bool:
+    """Whether a whole-model restore step of ``txn`` (a :class:`ReloadTransaction`) is one the fast tier may plan:
+    the rule engine's step-wide rules (skipping unread slots, crossing storages, byte ranges a manifest recorded,
+    tensors kept or memory abandoned by earlier steps, layers still pending) have nothing to act on."""
+    contract = txn.contract
+    if not contract.fast_tier or txn.layerwise or contract.unread == "skip" or contract._cross:
+        return False
+    if txn._kept or txn._abandoned or txn._moved or txn._closed:
+        return False
+    manifest = contract.manifest
+    if manifest is not None:
+        ranges = getattr(manifest, "byte_ranges", None)
+        # (Not kept for the engine: it reads them after its copies, when fewer recorded storages are alive. Empty
+        # now, they are empty then: no storage comes back.)
+        if ranges is not None and ranges():
+            return False
+    return True

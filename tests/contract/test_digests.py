@@ -1,0 +1,55 @@
+"""Value digests (``contract._samples``): the batched form gives each tensor exactly its single-tensor digest.
+
+A freshness check compares a digest taken before the load with one taken after it; the "before" side is taken in
+one batch at ``begin()`` (small tensors of one device and word width joined into one reduction), the "after" side
+may be taken alone. Equal bytes must give equal digests either way, and a change of one word must show in both.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphsafe.contract._samples import DIGEST_ROW, digest, digests
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int64, torch.float64, torch.bool)
+
+
+@st.composite
+def tensors(draw: st.DrawFn) -> torch.Tensor:
+    dtype = draw(st.sampled_from(DTYPES))
+    numel = draw(st.sampled_from((0, 1, 3, DIGEST_ROW - 1, DIGEST_ROW, DIGEST_ROW + 1, 3 * DIGEST_ROW + 5, 70_000)))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(-100, 100, (numel,), generator=g)
+    tensor = values.to(dtype) if dtype is not torch.bool else values > 0
+    if draw(st.booleans()) and numel > 4:  # a strided view: its own elements, not its storage's
+        tensor = tensor[::2]
+    return tensor
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(tensors(), min_size=1, max_size=12))
+def test_batched_digests_equal_single_digests(batch: list[torch.Tensor]) -> None:
+    for single, joined in zip(map(digest, batch), digests(batch), strict=True):
+        assert (single is None) == (joined is None)
+        if single is not None and joined is not None:
+            assert torch.equal(single, joined)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(tensors(), min_size=2, max_size=8), st.data())
+def test_one_changed_word_changes_its_batched_digest(batch: list[torch.Tensor], data: st.DataObject) -> None:
+    batch = [t.contiguous() for t in batch]
+    candidates = [i for i, t in enumerate(batch) if t.numel() and t.dtype is not torch.bool]
+    if not candidates:
+        return
+    index = data.draw(st.sampled_from(candidates))
+    before = digests(batch)[index]
+    changed = batch[index].clone()
+    position = data.draw(st.integers(0, changed.numel() - 1))
+    changed.view(-1)[position] += 1
+    after = digests([*batch[:index], changed, *batch[index + 1 :]])[index]
+    assert before is not None and after is not None
+    assert not torch.equal(before, after)
