@@ -176,6 +176,9 @@ class _Assignments(cst.CSTVisitor):
     def _assigns(self, statements: Sequence[cst.BaseSmallStatement]) -> bool:
         for small in statements:
             targets: list[cst.BaseExpression] = []
+            value = getattr(small, "value", None)
+            if isinstance(value, cst.Name) and value.value == "None":
+                continue  # clears the path (``self.x = None``): nothing to declare there
             if isinstance(small, cst.Assign):
                 for target in small.targets:
                     node = target.target
