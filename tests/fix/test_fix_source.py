@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from fix.workdir import Workdir, only_meant_lines
 from graphsafe import GraphContract, Status, capture, run_reload
-from tests.fix.conftest import Workdir, only_meant_lines
 
 KERNELS = '''"""Kernels of a serving stack, one of them half migrated."""
 
@@ -90,7 +90,7 @@ class ScaledLinear(nn.Module):
         return self.scratch @ self.w_t
 '''
 
-TARGET = '''
+TARGET = """
 import torch
 from torch import nn
 
@@ -127,7 +127,7 @@ def target():
             model(x())
 
     return build(0), load, warmup
-'''
+"""
 
 
 def strict_three_reloads(target: object) -> None:
@@ -155,19 +155,24 @@ def test_kernels_written_outside_the_zoo_are_migrated(workdir: Workdir) -> None:
     added = only_meant_lines(
         KERNELS,
         after,
-        lambda line: line
-        in (
-            '@graph_visible("w_folded")',
-            'layer.workspace = stable_empty(layer, "workspace", (4, 8), torch.float32, "cpu")',
-            '@graph_visible("w_t", "inv_scale")',
-            'register_derived(self, "scratch", static=True)',
-            "from graphsafe import graph_visible, register_derived, stable_empty",
+        lambda line: (
+            line
+            in (
+                '@graph_visible("w_folded")',
+                'layer.workspace = stable_empty(layer, "workspace", (4, 8), torch.float32, "cpu")',
+                '@graph_visible("w_t", "inv_scale")',
+                'register_derived(self, "scratch", static=True)',
+                "from graphsafe import graph_visible, register_derived, stable_empty",
+            )
         ),
     )
     assert len(added) == 5, added
     # The decorator goes innermost (it sees PWAL's own signature); the workspace PWAL drops is kept at its end;
     # the scratch forward() makes is declared right after it is made, inside the if; one import, merged.
-    assert '    @torch.no_grad()\n    @graph_visible("w_folded")\n    def process_weights_after_loading(self, layer):' in after
+    assert (
+        '    @torch.no_grad()\n    @graph_visible("w_folded")\n    def process_weights_after_loading(self, layer):'
+        in after
+    )
     assert (
         "        layer.workspace = None  # the next apply() makes it again\n"
         '        layer.workspace = stable_empty(layer, "workspace", (4, 8), torch.float32, "cpu")\n\n'

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fix.workdir import Workdir, only_meant_lines
 from graphsafe import GraphContract, Status, capture, run_reload
 from graphsafe.testing.zoo import EXAMPLES, Example
-from tests.fix.conftest import Workdir, only_meant_lines
 
 #: Zoo examples with a path the report can name; module_cache keeps its tensor where no path reaches.
 NAMED = [name for name, example in EXAMPLES.items() if example.slot_paths]
