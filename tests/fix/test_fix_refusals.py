@@ -140,3 +140,13 @@ def test_code_it_does_not_understand_is_listed_not_guessed(workdir: Workdir) -> 
     assert 'register_derived(self, "scratch", static=True)' in run.err  # the report's own line
     again = workdir.graphsafe("fix", "target:target")
     assert again.status == 1 and again.out == "" and "left to place by hand" in again.err
+
+
+def test_usage_errors_exit_2_and_write_nothing(workdir: Workdir) -> None:
+    kernel = workdir.write("kernel_a", LEGACY.format(name="A"))
+    bad = workdir.graphsafe("fix", "--write", "no_such_module:target")
+    assert (bad.status, bad.out) == (2, "") and len(bad.err.strip().splitlines()) == 1, bad.err
+    assert "cannot import module 'no_such_module'" in bad.err
+    missing = workdir.graphsafe("fix", "--write")  # TARGET is required: fix edits your code, not the zoo's
+    assert missing.status == 2 and "TARGET" in missing.err and missing.out == ""
+    assert kernel.read_text(encoding="utf-8") == LEGACY.format(name="A")

@@ -22,14 +22,7 @@ __all__ = ["left_by_hand", "run_fix"]
 def left_by_hand(report: MigrationReport, patch: Patch) -> list[str]:
     """What the author still has to do, one item per line group: fixes not placed (the report's target, lines and
     note, and why), unowned storage and untrackable places."""
-    items: list[str] = []
-    for unplaced in patch.unplaced:
-        fix = unplaced.fix
-        lines = [f"  {fix.kind.value} in {fix.target}: {unplaced.reason}"]
-        lines += [f"      {line}" for line in fix.lines]
-        if fix.note:
-            lines.append(f"      note: {fix.note}")
-        items.append("\n".join(lines))
+    items = [unplaced.describe() for unplaced in patch.unplaced]
     items += [f"  unowned captured storage: {u.description}" for u in report.unowned]
     items += [f"  untrackable at {u.where}: {u.detail}; fix: {u.fix}" for u in report.untrackable]
     return items

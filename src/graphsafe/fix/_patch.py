@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from graphsafe.fix._locate import ClassSite, FixError, Unplaceable, locate_class, writable
 from graphsafe.report import Fix, Placement
@@ -47,6 +47,14 @@ class Unplaced:
     fix: Fix
     paths: tuple[str, ...]
     reason: str
+
+    def describe(self) -> str:
+        """Where the report puts the fix and why it was not placed, then the report's lines and note (indented)."""
+        lines = [f"  {self.fix.kind.value} in {self.fix.target}: {self.reason}"]
+        lines += [f"      {line}" for line in self.fix.lines]
+        if self.fix.note:
+            lines.append(f"      note: {self.fix.note}")
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -135,10 +143,12 @@ def _apply(source_class: type[Source], cache: dict[Path, Source], fix: Fix) -> l
     return [Unplaced(fix, (path,), why) for path, why in left]
 
 
-def propose(fixes: Iterable[Fix]) -> Patch:
+def propose(fixes: Iterable[Fix], *, installed: Literal["refuse", "list"] = "refuse") -> Patch:
     """The patch that places ``fixes`` (the report's, in order; a fix repeated, or already in the source, adds
-    nothing). Raises :class:`FixError` for installed code or a missing LibCST; a fix it cannot place is in
-    :attr:`Patch.unplaced` and changes no file."""
+    nothing). Raises :class:`FixError` for a missing LibCST, and for installed code or a source file it cannot
+    read unless ``installed="list"``, which lists such a fix in :attr:`Patch.unplaced` instead (a test suite's
+    layers may come from installed packages); a fix it cannot place is in :attr:`Patch.unplaced` and changes no
+    file."""
     try:
         from graphsafe.fix._edit import Source
     except ImportError as exc:
@@ -149,7 +159,9 @@ def propose(fixes: Iterable[Fix]) -> Patch:
         snapshot = {path: source.module for path, source in cache.items()}
         try:
             unplaced += _apply(Source, cache, fix)
-        except Unplaceable as why:
+        except (Unplaceable, FixError) as why:
+            if isinstance(why, FixError) and installed == "refuse":
+                raise
             for path, source in cache.items():  # a fix that raises is placed not at all
                 source.module = snapshot[path] if path in snapshot else Source.parse(source.original).module
             unplaced.append(Unplaced(fix, fix.paths, str(why)))
