@@ -30,7 +30,7 @@ def left_by_hand(report: MigrationReport, patch: Patch) -> list[str]:
 
 def run_fix(args: argparse.Namespace) -> int:
     """Run ``graphsafe fix`` with parsed ``args``; the exit status."""
-    with contextlib.redirect_stdout(sys.stderr):  # stdout is the diff (``graphsafe fix T | git apply``)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout is the diff (``graphsafe fix T | patch -p1``)
         prepared = prepare_and_reload(args)
     if isinstance(prepared, int):
         return prepared

@@ -28,10 +28,11 @@ test that uses neither.
 ``--graphsafe-fix-diff=FILE``
     Writes, at the end of the run, the unified diff ``graphsafe fix`` would propose for the layers that
     fixture-made contracts tracked: the migration report's fixes of every such contract (each fix once, however
-    many tests touched its class) placed in the classes' source files, which are not changed (``git apply FILE``
-    applies it). An empty file means nothing to fix. Fixes it cannot place, and fixes on installed code, are
-    listed in the terminal summary with the report's text. Needs LibCST (``graphsafe[fix]``); ``FILE`` is taken
-    and suffixed under pytest-xdist as ``--graphsafe-report``'s ``PATH`` is.
+    many tests touched its class) placed in the classes' source files, which are not changed (paths relative to
+    the directory pytest was invoked in: ``patch -p1 -i FILE`` there applies it). An empty file means nothing to
+    fix. Fixes it cannot place, and fixes on installed code, are listed in the terminal summary with the report's
+    text. Needs LibCST (``graphsafe[fix]``); ``FILE`` is taken and suffixed under pytest-xdist as
+    ``--graphsafe-report``'s ``PATH`` is.
 """
 
 from __future__ import annotations
