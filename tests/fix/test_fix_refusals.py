@@ -150,3 +150,25 @@ def test_usage_errors_exit_2_and_write_nothing(workdir: Workdir) -> None:
     missing = workdir.graphsafe("fix", "--write")  # TARGET is required: fix edits your code, not the zoo's
     assert missing.status == 2 and "TARGET" in missing.err and missing.out == ""
     assert kernel.read_text(encoding="utf-8") == LEGACY.format(name="A")
+
+
+def test_a_write_that_fails_midway_puts_back_the_files_written_before(
+    workdir: Workdir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = workdir.write("kernel_a", LEGACY.format(name="A"))
+    second = workdir.write("kernel_b", LEGACY.format(name="B"))
+    workdir.write(
+        "target", TARGET.format(imports="import kernel_a\nimport kernel_b", layers="kernel_a.A(), kernel_b.B()")
+    )
+    synced: list[int] = []
+
+    def fsync(fd: int) -> None:  # the disk fails on the second file, after the first was written
+        synced.append(fd)
+        if len(synced) == 2:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    line = one_line_error(workdir.graphsafe("fix", "--write", "target:target"))
+    assert f"writing {second} failed (No space left on device)" in line and "nothing written" in line
+    assert first.read_text(encoding="utf-8") == LEGACY.format(name="A")
+    assert second.read_text(encoding="utf-8") == LEGACY.format(name="B")

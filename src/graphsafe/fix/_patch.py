@@ -3,6 +3,7 @@ left to do by hand, a unified diff, and a write of every file or none."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 from collections.abc import Iterable
@@ -92,12 +93,27 @@ class Patch:
                 raise FixError(f"cannot read {edit.path} again ({exc.strerror}); nothing written") from exc
             if current != edit.before:
                 raise FixError(f"{edit.path} changed since it was read: run graphsafe fix again; nothing written")
-        for edit in self.files:
-            with open(edit.path, "r+b") as handle:  # in place: the file keeps its inode, owner and mode
-                handle.write(edit.after)
-                handle.truncate()
-                handle.flush()
-                os.fsync(handle.fileno())
+        written: list[FileEdit] = []
+        try:
+            for edit in self.files:
+                written.append(edit)
+                _overwrite(edit.path, edit.after)
+        except OSError as exc:  # a disk error past the checks: put back what was written, then say so
+            for edit in written:
+                with contextlib.suppress(OSError):
+                    _overwrite(edit.path, edit.before)
+            raise FixError(
+                f"writing {written[-1].path} failed ({exc.strerror or type(exc).__name__}); the files written before "
+                "it were put back: nothing written"
+            ) from exc
+
+
+def _overwrite(path: Path, data: bytes) -> None:
+    with open(path, "r+b") as handle:  # in place: the file keeps its inode, owner and mode
+        handle.write(data)
+        handle.truncate()
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def _split(function: str) -> tuple[str, str]:
