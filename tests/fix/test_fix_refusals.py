@@ -1,5 +1,6 @@
-"""What ``graphsafe fix`` refuses, in one line and with no file written: installed code, a file it cannot write
-(the other files are not written either), no LibCST; and code it does not understand, which it leaves alone and
+"""What ``graphsafe fix`` refuses, in one line, exit status 2 and no file written: installed code, a file it
+cannot write (the other files are not written either), no LibCST, a TARGET it cannot use, a disk error while
+writing (the files written before it are put back); and code it does not understand, which it leaves alone and
 lists with the report's text."""
 
 from __future__ import annotations
