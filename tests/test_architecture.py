@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("graphsafe.collectors",),
     ("graphsafe.contract",),
     ("graphsafe.report",),
+    ("graphsafe.fix",),
     ("graphsafe.adapters",),
     ("graphsafe.testing",),
     ("graphsafe.cli", "graphsafe.__main__"),

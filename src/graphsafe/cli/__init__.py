@@ -1,7 +1,9 @@
-"""The ``graphsafe`` command: ``graphsafe demo`` and ``graphsafe report [TARGET]`` (also ``python -m graphsafe``).
+"""The ``graphsafe`` command: ``graphsafe demo``, ``graphsafe report [TARGET]`` and ``graphsafe fix TARGET`` (also
+``python -m graphsafe``).
 
-Exit status: 0 clean (or every demo result as expected), 1 findings (or an unexpected demo result), 2 usage
-errors (bad arguments, a TARGET that cannot be loaded or reloaded, an output file that cannot be written), 3 a bug.
+Exit status: 0 clean (or every demo result as expected, or nothing to fix), 1 findings (or an unexpected demo
+result, or changes proposed or made), 2 usage errors (bad arguments, a TARGET that cannot be loaded or reloaded, an
+output file that cannot be written, a source file graphsafe fix must not edit), 3 a bug.
 
 Besides :func:`main`, the names a TARGET or a script may want: :class:`ReloadTarget` (what a TARGET may return),
 :func:`load_target`, the zoo targets :func:`legacy_zoo` and :func:`migrated_zoo`, :func:`run_demo`, and
@@ -21,6 +23,7 @@ from typing import NoReturn
 from graphsafe._version import __version__
 from graphsafe.cli._demo import Harm, run_demo, upstream_harm
 from graphsafe.cli._exit import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, first_line, usage
+from graphsafe.cli._fix_command import run_fix
 from graphsafe.cli._report_command import run_report
 from graphsafe.cli._target import (
     TARGET_HELP,
@@ -136,6 +139,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     report.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
     report.set_defaults(run=run_report)
+
+    fix = commands.add_parser(
+        "fix",
+        help="apply the migration report to the source of the classes it names (a diff; --write applies it)",
+        description="Make the migration report of TARGET (as graphsafe report does, recording TARGET's warmup as "
+        "a capture when it has one) and write its fixes into the source of the classes it names, keeping "
+        "formatting and comments (needs LibCST: pip install 'graphsafe[fix]'). Prints a unified diff and writes "
+        "nothing unless --write; a fix it cannot place is listed on stderr with the report's text. Exit 0 nothing "
+        "to do, 1 changes proposed or made (or left to place by hand), 2 usage errors.",
+    )
+    fix.add_argument("target", metavar="TARGET", help=TARGET_HELP.split(" Default:")[0])
+    fix.add_argument("--write", action="store_true", help="write the changes (every file or none)")
+    fix.add_argument(
+        "--mode",
+        "-m",
+        type=_choice(MODES, "mode"),
+        default="migrate",
+        metavar="{" + ",".join(MODES) + "}",
+        help="contract mode of the report's reload, any case (default: migrate)",
+    )
+    fix.add_argument("--seed", type=int, default=1, help="seed passed to reload(model, seed) (default: 1)")
+    fix.set_defaults(run=run_fix, capture=None)
     return parser
 
 
@@ -148,7 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     run: Callable[[argparse.Namespace], int] | None = getattr(args, "run", None)
     if run is None:
-        return usage("no command given: run 'graphsafe demo' or 'graphsafe report TARGET' (see 'graphsafe --help')")
+        return usage(
+            "no command given: run 'graphsafe demo', 'graphsafe report TARGET' or 'graphsafe fix TARGET' "
+            "(see 'graphsafe --help')"
+        )
     try:
         return run(args)
     except KeyboardInterrupt:

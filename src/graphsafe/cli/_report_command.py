@@ -16,7 +16,7 @@ from graphsafe.contract import GraphContract, version_of
 from graphsafe.errors import ContractViolation, NotServingSafeError
 from graphsafe.report import MigrationReport, migration_report
 
-__all__ = ["run_report"]
+__all__ = ["prepare_and_reload", "run_report"]
 
 
 #: Elements of each parameter and buffer compared before and after the reload (enough to see new weights).
@@ -50,7 +50,7 @@ def run_report(args: argparse.Namespace) -> int:
     """Run ``graphsafe report`` with parsed ``args``; the exit status."""
     # Only the report goes to stdout (``-f json | jq``): what TARGET prints (progress, logs) goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
-        prepared = _prepare_and_reload(args)
+        prepared = prepare_and_reload(args)
     if isinstance(prepared, int):
         return prepared
     contract, model = prepared  # the contract holds its model weakly: keep it alive until the report is made
@@ -59,7 +59,7 @@ def run_report(args: argparse.Namespace) -> int:
     return status
 
 
-def _prepare_and_reload(args: argparse.Namespace) -> tuple[GraphContract, nn.Module] | int:
+def prepare_and_reload(args: argparse.Namespace) -> tuple[GraphContract, nn.Module] | int:
     """Load TARGET, seal, warm up, reload once: the contract and its model, or the exit status of a usage error."""
     spec = args.target or DEFAULT_TARGET
     try:
@@ -68,7 +68,10 @@ def _prepare_and_reload(args: argparse.Namespace) -> tuple[GraphContract, nn.Mod
         return usage(str(exc))
     model = target.model
     contract = GraphContract(model, args.mode)
-    if args.capture and target.warmup is None:
+    # ``None`` (graphsafe fix): record the warmup as a capture whenever TARGET has one (the fixes are then the
+    # ones made for what the graph really reads and writes).
+    capture = target.warmup is not None if args.capture is None else args.capture
+    if capture and target.warmup is None:
         return usage(f"--capture needs a warmup(model) from TARGET {spec!r} to record")
     # Seal right after the load (the contract's documented point), then warm up: tensors the first forward
     # allocates are then known not to come from PWAL, and the report suggests register_derived for them.
@@ -76,7 +79,7 @@ def _prepare_and_reload(args: argparse.Namespace) -> tuple[GraphContract, nn.Mod
         contract.seal()
         if target.warmup is not None:
             target.warmup(model)
-            if args.capture:
+            if capture:
                 with record_capture(contract):
                     target.warmup(model)
     except Exception as exc:

@@ -5,7 +5,8 @@ a versioned schema), a tree or a Graphviz graph.
 
 * :func:`migration_report` builds a :class:`MigrationReport` from any of the three sources.
 * :class:`ReportEntry` (an undeclared tensor), :class:`AliasEntry` (a path restored with the slot it aliases),
-  :class:`UnownedEntry` (captured storage no layer holds) and :class:`Fix` (the code to add) are what it holds.
+  :class:`UnownedEntry` (captured storage no layer holds) and :class:`Fix` (the code to add; its
+  :class:`Placement` says where the lines go) are what it holds.
 * :data:`FORMATS` names the renderings; :func:`report_schema` is the JSON document's schema (:data:`SCHEMA_ID`).
 """
 
@@ -19,7 +20,7 @@ from graphsafe.report._entries import (
     UnownedEntry,
     UntrackableEntry,
 )
-from graphsafe.report._fix_kind import FixKind
+from graphsafe.report._fix_kind import FixKind, Placement
 from graphsafe.report._render import FORMATS
 from graphsafe.report._schema import SCHEMA_ID, report_schema
 
@@ -30,6 +31,7 @@ __all__ = [
     "AliasEntry",
     "Fix",
     "FixKind",
+    "Placement",
     "MigrationReport",
     "ReportEntry",
     "UnownedEntry",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from graphsafe.outcome import FindingKind, SlotNamed, SlotRef, Status
-from graphsafe.report._fix_kind import FixKind
+from graphsafe.report._fix_kind import FixKind, Placement
 from graphsafe.report._render import render
 from graphsafe.report._schema import SCHEMA_ID
 
@@ -158,6 +158,10 @@ class Fix:
     #: The exact lines to add.
     lines: tuple[str, ...]
     note: str = ""
+    #: Where the lines go (what ``graphsafe fix`` reads; the JSON document leaves it out).
+    placement: Placement = Placement.AFTER_ASSIGNMENT
+    #: Qualified name of the function the lines go on or in (the PWAL), ``None`` when the owner class is the place.
+    function: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly rendering (see ``schema.json``)."""

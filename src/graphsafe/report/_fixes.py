@@ -18,7 +18,7 @@ from graphsafe.collectors import UNTRACKABLE_ADVICE
 from graphsafe.outcome import FindingKind
 from graphsafe.report._drafts import Drafted
 from graphsafe.report._entries import Fix, ReportEntry, UntrackableEntry
-from graphsafe.report._fix_kind import FixKind
+from graphsafe.report._fix_kind import FixKind, Placement
 from graphsafe.report._owners import PWAL
 
 __all__ = ["fixes", "split_untrackable"]
@@ -98,6 +98,8 @@ def _keep_vanished(members: Sequence[ReportEntry]) -> tuple[list[Fix], list[Repo
                 "the same storage, declared static, is at the path again when PWAL returns; the code that allocates "
                 "it lazily then finds it there (or, simpler, stop resetting it in PWAL and declare it where it is "
                 "allocated)",
+                Placement.FUNCTION_END,
+                pwal,
             )
         )
     return kept, rest
@@ -208,7 +210,7 @@ def _pwal_fixes(
         lines = tuple(_decorator(group, group is frozen) for group in (derived, frozen) if group)
         stale = [p for p in _stale_paths(members) if p in common]
         note = "; ".join(n for n in (_static_note(frozen) if frozen else "", _stale_note(stale) if stale else "") if n)
-        fixes.append(Fix(FixKind.GRAPH_VISIBLE, owner, where, common, layers, lines, note))
+        fixes.append(Fix(FixKind.GRAPH_VISIBLE, owner, where, common, layers, lines, note, Placement.DECORATOR, pwal))
     if partial:
         having = set().union(*(layers_with[p] for p in partial))
         fixes.append(
@@ -221,6 +223,8 @@ def _pwal_fixes(
                 _register_lines(partial, static, members[0].receiver),
                 "only some of its layers have these paths, so a decorator "
                 "(which requires every path on every layer) cannot declare them",
+                Placement.AFTER_ASSIGNMENT,
+                pwal,
             )
         )
     return fixes

@@ -24,6 +24,15 @@ test that uses neither.
     :class:`~graphsafe.collectors.MigrationReport` of the contract restricted to that layer). A relative
     ``PATH`` is taken from the directory pytest was invoked in; under pytest-xdist each worker writes
     ``PATH`` with its worker id before the suffix.
+
+``--graphsafe-fix-diff=FILE``
+    Writes, at the end of the run, the unified diff ``graphsafe fix`` would propose for the layers that
+    fixture-made contracts tracked: the migration report's fixes of every such contract (each fix once, however
+    many tests touched its class) placed in the classes' source files, which are not changed (paths relative to
+    the directory pytest was invoked in: ``patch -p1 -i FILE`` there applies it). An empty file means nothing to
+    fix. Fixes it cannot place, and fixes on installed code, are listed in the terminal summary with the report's
+    text. Needs LibCST (``graphsafe[fix]``); ``FILE`` is taken and suffixed under pytest-xdist as
+    ``--graphsafe-report``'s ``PATH`` is.
 """
 
 from __future__ import annotations
@@ -40,7 +49,9 @@ if TYPE_CHECKING:
     from torch import nn
 
     from graphsafe.contract import GraphContract
+    from graphsafe.fix import Patch
     from graphsafe.outcome import ReloadOutcome
+    from graphsafe.report import Fix
 
 __all__ = ["REPORT_SCHEMA", "ContractFactory"]
 
@@ -66,6 +77,7 @@ class _Tracked:
 
 _TRACKED = pytest.StashKey[list[_Tracked]]()
 _REPORT = pytest.StashKey["_ReportSink"]()
+_FIX_DIFF = pytest.StashKey["_FixDiffSink"]()
 
 
 def _marker_mode(item: pytest.Item) -> str | None:
@@ -142,19 +154,60 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="write a JSON migration report for every layer that graphsafe_contract contracts exercised",
     )
+    group.addoption(
+        "--graphsafe-fix-diff",
+        metavar="FILE",
+        default=None,
+        help="write the diff `graphsafe fix` would make for the layers graphsafe_contract contracts exercised "
+        "(needs graphsafe[fix]; no source file is changed)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER_HELP)
     option = config.getoption("graphsafe_report", None)
     if option:
-        path = config.invocation_params.dir / Path(option)
-        worker = getattr(config, "workerinput", {}).get("workerid")
-        if worker:  # pytest-xdist: one document per worker, instead of workers overwriting each other's
-            path = path.with_name(f"{path.stem}.{worker}{path.suffix}")
-        sink = _ReportSink(path)
-        sink.check_writable()
+        sink = _ReportSink(_output_path(config, option))
+        _check_writable(sink.path, "--graphsafe-report")
         config.stash[_REPORT] = sink
+    option = config.getoption("graphsafe_fix_diff", None)
+    if option:
+        try:
+            import libcst  # noqa: F401  (checked now: the diff is made at the end of the session)
+        except ImportError:
+            raise pytest.UsageError(
+                "graphsafe pytest plugin: --graphsafe-fix-diff needs LibCST to place fixes in source: "
+                "pip install 'graphsafe[fix]'"
+            ) from None
+        diff_sink = _FixDiffSink(_output_path(config, option), config.invocation_params.dir)
+        _check_writable(diff_sink.path, "--graphsafe-fix-diff")
+        config.stash[_FIX_DIFF] = diff_sink
+
+
+def _output_path(config: pytest.Config, option: str) -> Path:
+    """An output option's path: relative to the invocation directory, with the xdist worker id before the suffix
+    (one file per worker, instead of workers overwriting each other's)."""
+    path = config.invocation_params.dir / Path(option)
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    return path.with_name(f"{path.stem}.{worker}{path.suffix}") if worker else path
+
+
+def _check_writable(path: Path, option: str) -> None:
+    """Refuse the session at configure time when ``path`` could not be written at its end."""
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        raise pytest.UsageError(_unwritable(path, option, exc)) from None
+    if not existed:
+        path.unlink()
+
+
+def _unwritable(path: Path, option: str, exc: OSError) -> str:
+    reason = exc.strerror or type(exc).__name__
+    return f"graphsafe pytest plugin: {option} {path}: cannot write there ({reason}); pass a writable file path"
 
 
 @pytest.fixture
@@ -164,6 +217,7 @@ def graphsafe_contract(request: pytest.FixtureRequest) -> Iterator[ContractFacto
     yield factory
     tracked = request.node.stash.get(_TRACKED, [])
     sink = request.config.stash.get(_REPORT, None)
+    diff_sink = request.config.stash.get(_FIX_DIFF, None)
     try:
         if sink is not None:
             for entry in tracked:
@@ -171,6 +225,12 @@ def graphsafe_contract(request: pytest.FixtureRequest) -> Iterator[ContractFacto
                     sink.add(request.node.nodeid, entry)
                 except Exception as exc:  # the report must not turn a passing test into an error
                     sink.errors.append({"test": request.node.nodeid, "error": repr(exc)})
+        if diff_sink is not None:
+            for entry in tracked:
+                try:
+                    diff_sink.add(entry)
+                except Exception as exc:  # as for the report: said at the end, the test stands
+                    diff_sink.errors.append(f"{request.node.nodeid}: {exc!r}")
     finally:
         # Drop the strong references (models, transactions) so nothing outlives the test.
         tracked.clear()
@@ -188,16 +248,27 @@ def pytest_runtest_call(item: pytest.Item) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    sink = session.config.stash.get(_REPORT, None)
-    if sink is None:
-        return
-    try:
-        sink.write()
-    except OSError as exc:  # the path went away during the session: say so in one line, fail the run
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line(sink.unwritable(exc), red=True)
-        session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
+    sinks: list[tuple[_ReportSink | _FixDiffSink | None, str]] = [
+        (session.config.stash.get(_REPORT, None), "--graphsafe-report"),
+        (session.config.stash.get(_FIX_DIFF, None), "--graphsafe-fix-diff"),
+    ]
+    for sink, option in sinks:
+        if sink is None:
+            continue
+        try:
+            sink.write()
+        except OSError as exc:  # the path went away during the session: say so in one line, fail the run
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(_unwritable(sink.path, option, exc), red=True)
+            session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    sink = config.stash.get(_FIX_DIFF, None)
+    if sink is not None:
+        for line in sink.summary():
+            terminalreporter.write_line(line)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -341,26 +412,53 @@ class _ReportSink:
                 }
             )
 
-    def check_writable(self) -> None:
-        """Refuse the session at configure time when the report could not be written at its end."""
-        existed = self.path.exists()
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a"):
-                pass
-        except OSError as exc:
-            raise pytest.UsageError(self.unwritable(exc)) from None
-        if not existed:
-            self.path.unlink()
-
-    def unwritable(self, exc: OSError) -> str:
-        reason = exc.strerror or type(exc).__name__
-        return (
-            f"graphsafe pytest plugin: --graphsafe-report {self.path}: cannot write there ({reason}); "
-            "pass a writable file path"
-        )
-
     def write(self) -> None:
         document = {"schema": REPORT_SCHEMA, "tests": sorted(self.tests), "layers": self.layers, "errors": self.errors}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --graphsafe-fix-diff.
+
+
+class _FixDiffSink:
+    """The report's fixes of every fixture-made contract (each once), placed at the end of the session."""
+
+    def __init__(self, path: Path, base: Path) -> None:
+        self.path = path
+        self.base = base
+        self.fixes: dict[tuple[object, ...], Fix] = {}
+        self.errors: list[str] = []
+        self.patch: Patch | None = None
+
+    def add(self, tracked: _Tracked) -> None:
+        from graphsafe.report import migration_report
+
+        for fix in migration_report(tracked.contract).fixes:
+            # The same class in many tests (or layers) is one fix: the layer names are not part of what is written.
+            key = (fix.kind, fix.owner, fix.target, fix.paths, fix.lines, fix.placement, fix.function)
+            self.fixes.setdefault(key, fix)
+
+    def write(self) -> None:
+        from graphsafe.fix import FixError, propose
+
+        try:
+            self.patch = propose(self.fixes.values(), installed="list")
+            text = self.patch.diff(relative_to=self.base)
+        except FixError as exc:  # LibCST went missing since configure: the one line says what to install
+            self.errors.append(str(exc))
+            text = ""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(text, encoding="utf-8")
+
+    def summary(self) -> list[str]:
+        """The terminal summary's lines: the file written, and what is left to place by hand."""
+        patch = self.patch
+        files = len(patch.files) if patch is not None else 0
+        lines = [f"graphsafe fix diff: {len(self.fixes)} fix(es), {files} file(s) to change, written to {self.path}"]
+        if patch is not None and patch.unplaced:
+            lines.append(f"graphsafe fix diff: {len(patch.unplaced)} item(s) left to place by hand:")
+            lines += [unplaced.describe() for unplaced in patch.unplaced]
+        lines += [f"graphsafe fix diff: error: {error}" for error in self.errors]
+        return lines
