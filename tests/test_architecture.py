@@ -35,6 +35,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 #: Test modules that reach into a private module, and why (fault injection or white-box checks of internals).
 PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
+    # the fast tier's planner, spied on to count the restore steps it planned (the differential needs them taken)
+    "tests/contract/test_fast_tier.py": {"graphsafe.contract._contract"},
+    "tests/fuzz/test_fuzz_fast_tier.py": {"graphsafe.contract._contract"},
+    # the batched digest against the single-tensor one it must equal value for value
+    "tests/contract/test_digests.py": {"graphsafe.contract._samples"},
     # the walker's internal table of torch's own Module attributes, checked against a fresh nn.Module; and its
     # fingerprint calls, counted to show that skipped (declared) paths are never fingerprinted by the walk
     "tests/test_walker.py": {"graphsafe.collectors.walker._readers", "graphsafe.collectors.walker._enumerate"},
