@@ -1,4 +1,4 @@
-"""Every Python code block of README.md and docs/*.md runs as written (issue 17).
+"""Every Python code block of README.md and docs/*.md runs as written.
 
 A file's blocks run in order in one namespace, as a reader pastes them. Fence info says otherwise:
 

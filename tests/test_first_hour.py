@@ -1,4 +1,4 @@
-"""A new user's first hour (issue 17 item 8): bad input gets a clear one-line error that says what to do."""
+"""A new user's first hour: bad input gets a clear one-line error that says what to do."""
 
 from __future__ import annotations
 
