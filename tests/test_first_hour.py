@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -76,3 +80,25 @@ def test_the_readme_says_how_to_install_and_how_to_get_the_cpu_build() -> None:
         "make test",
     ):
         assert line in install, line
+
+
+def test_numpy_is_a_dependency_because_torch_warns_on_import_without_it() -> None:
+    """torch's CPU wheels do not require numpy but print a two-line "Failed to initialize NumPy" warning on import
+    without it; graphsafe depends on numpy so that a clean install imports quietly."""
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"numpy\b", dependency) for dependency in dependencies), dependencies
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-c", "import graphsafe; graphsafe.GraphContract; graphsafe.migration_report; graphsafe.capture"],
+        ["-m", "graphsafe", "--help"],
+    ],
+    ids=["import", "cli-help"],
+)
+def test_importing_graphsafe_and_running_the_cli_print_nothing_on_stderr(argv: list[str]) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    result = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "", result.stderr
