@@ -69,17 +69,27 @@ def test_docs_reference_only_files_in_the_repo_and_no_private_module() -> None:
     assert not re.findall(r"graphsafe(?:\.\w+)*\._\w+", cli), "docs/cli.md names a private module"
 
 
-def test_the_readme_says_how_to_install_and_how_to_get_the_cpu_build() -> None:
+def test_the_readme_installs_from_a_checkout_with_the_cpu_torch_line_first() -> None:
     readme = (ROOT / "README.md").read_text()
-    install = readme[readme.index("## Install") :]
-    for line in (
-        "pip install graphsafe",
-        "pip install 'graphsafe[vllm]'",
+    install = readme[readme.index("## Install") : readme.index("## Quick start")]
+    commands = [line.split("#")[0].strip() for line in install.splitlines() if line.startswith("pip install")]
+    assert commands[:3] == [
         "pip install torch --index-url https://download.pytorch.org/whl/cpu",
-        "make demo",
-        "make test",
-    ):
+        "pip install .",
+        "pip install '.[vllm]'",
+    ], commands
+    released = install.index("Once released")
+    assert "pip install graphsafe" not in install[:released], "the published name only once released"
+    for line in ("make demo", "make test"):
         assert line in install, line
+
+
+def test_make_demo_installs_torch_from_an_index_it_names() -> None:
+    """An unnamed index gives Linux the CUDA build of torch (several GB) where the README promises the CPU one."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^TORCH_INDEX \?= https://download\.pytorch\.org/whl/cpu$", makefile, flags=re.M)
+    torch_install = [line for line in makefile.splitlines() if "pip install" in line and "$(TORCH_SPEC)" in line]
+    assert torch_install and all("--index-url '$(TORCH_INDEX)'" in line for line in torch_install), torch_install
 
 
 def test_numpy_is_a_dependency_because_torch_warns_on_import_without_it() -> None:
