@@ -186,6 +186,22 @@ def test_a_declared_slot_that_pwal_skips_is_stale() -> None:
     assert "stale: declared slot 'g_idx_sort_indices' of layers.0" in message
 
 
+def test_the_headline_names_stale_values_when_every_address_was_kept() -> None:
+    headline = failure(*skipping_rebuilds(EXAMPLES["act_order"], "migrated")).splitlines()[0]
+    assert "stale values" in headline and "captured address" in headline, headline
+    assert "did not keep" not in headline, headline
+
+
+def test_the_failure_is_a_public_assertion_error_of_graphsafe_testing() -> None:
+    import graphsafe.testing
+
+    with pytest.raises(graphsafe.testing.ReloadUnstable) as info:
+        assert_reload_stable(*skipping_rebuilds(EXAMPLES["act_order"], "migrated"))
+    assert isinstance(info.value, AssertionError)
+    assert type(info.value).__module__ == "graphsafe.testing", "tracebacks name the public module"
+    assert info.value.outcome.problems and info.value.report is not None
+
+
 def test_an_undeclared_slot_that_pwal_skips_fails_the_value_oracle() -> None:
     # An undeclared tensor that stayed put while the weights changed: before any recording of PWAL nothing says it
     # does not depend on them, so the contract itself fails closed (stale), and the report says what to declare.
