@@ -45,6 +45,16 @@ def test_stable_empty_names_a_string_dtype() -> None:
     assert "'float32'" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_reload_before_seal_says_to_seal_and_nothing_about_recapture() -> None:
+    model = nn.Linear(2, 2)
+    contract = GraphContract(model, "strict")
+    with pytest.raises(graphsafe.NotServingSafeError) as raised, contract.reload():
+        pass
+    message = str(raised.value)
+    assert "call seal() after the first load" in message and "\n" not in message
+    assert "recapture" not in message and "reseal" not in message, message
+
+
 def test_the_mode_error_says_what_to_use_instead() -> None:
     with pytest.raises(ValueError, match="unknown mode 'warn'") as raised:
         GraphContract(nn.Linear(2, 2), "warn")  # type: ignore[arg-type]

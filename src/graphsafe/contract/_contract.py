@@ -1017,7 +1017,8 @@ class ReloadTransaction:
         try:
             if not contract.serving_safe:
                 raise NotServingSafeError(
-                    f"refusing to reload: {contract.unsafe_reason}{_next_step(contract.unsafe_reason)}",
+                    f"refusing to reload: {contract.unsafe_reason}"
+                    + (_next_step(contract.unsafe_reason) if contract.sealed else ""),  # unsealed: the reason says
                     contract.last_outcome,
                 )
             contract._active = self
