@@ -209,7 +209,7 @@ def test_marker_without_a_contract_fails_instead_of_checking_nothing(pytester: p
     result.stdout.fnmatch_lines(["*created no contract through the graphsafe_contract fixture*"])
 
 
-def test_marker_mode_conflicts_and_bad_modes_are_errors(pytester: pytest.Pytester) -> None:
+def test_marker_mode_conflicts_and_bad_modes_are_one_line_errors(pytester: pytest.Pytester) -> None:
     write(
         pytester,
         """
@@ -228,6 +228,9 @@ def test_marker_mode_conflicts_and_bad_modes_are_errors(pytester: pytest.Pyteste
         ["*graphsafe_contract(mode='migrate') conflicts with @pytest.mark.graphsafe(mode='strict')*"]
     )
     result.stdout.fnmatch_lines(["*@pytest.mark.graphsafe(mode='lenient'): choose one of strict, recapture, migrate*"])
+    # one line each, no traceback through the plugin's code
+    output = result.stdout.str()
+    assert "plugin.py" not in output and "ValueError" not in output, output
 
 
 def test_fixture_gives_sealed_recorded_contracts_and_releases_them(pytester: pytest.Pytester) -> None:

@@ -75,15 +75,18 @@ def _marker_mode(item: pytest.Item) -> str | None:
         return None
     unknown = set(marker.kwargs) - {"mode"}
     if unknown or len(marker.args) > 1 or (marker.args and "mode" in marker.kwargs):
-        raise ValueError(
+        pytest.fail(
             f"{item.nodeid}: @pytest.mark.graphsafe takes one argument, mode (got args={marker.args!r}, "
-            f"kwargs={sorted(marker.kwargs)!r})"
+            f'kwargs={sorted(marker.kwargs)!r}); write @pytest.mark.graphsafe(mode="strict")',
+            pytrace=False,
         )
     mode = marker.args[0] if marker.args else marker.kwargs.get("mode", "strict")
     from graphsafe.contract import MODES
 
     if mode not in MODES:
-        raise ValueError(f"{item.nodeid}: @pytest.mark.graphsafe(mode={mode!r}): choose one of {', '.join(MODES)}")
+        pytest.fail(
+            f"{item.nodeid}: @pytest.mark.graphsafe(mode={mode!r}): choose one of {', '.join(MODES)}", pytrace=False
+        )
     return str(mode)
 
 
@@ -106,9 +109,10 @@ class ContractFactory:
         """Create and seal a contract on ``model`` (loaded, PWAL run); ``options`` go to ``GraphContract``."""
         wanted = self._marker_mode
         if mode is not None and wanted is not None and mode != wanted:
-            raise ValueError(
+            pytest.fail(
                 f"graphsafe_contract(mode={mode!r}) conflicts with @pytest.mark.graphsafe(mode={wanted!r}) on "
-                f"{self._item.nodeid}: drop one of them"
+                f"{self._item.nodeid}: drop one of them",
+                pytrace=False,
             )
         from graphsafe.contract import GraphContract
 
