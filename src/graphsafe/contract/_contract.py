@@ -498,6 +498,7 @@ class GraphContract:
             for module in self.model.modules()
             for ref in walk(module, budget=self.budget, devices=self.devices, units=units).refs
         )
+        Dataflow.prepare()  # torch's one-time dispatch set-up, before the caller's load starts
         dataflow = Dataflow()
         with dataflow:
             yield
@@ -961,6 +962,7 @@ class ReloadTransaction:
         self._restored = 0
         self._bytes = 0
         self._seconds = 0.0
+        self._setup_seconds = 0.0
         self._begun = False
         self._finished = False
         # Active on a contract's first reload: what PWAL reads, learned once (see GraphContract.recorded_inputs).
@@ -1050,6 +1052,7 @@ class ReloadTransaction:
         ):
             # The first reload, or one watching a graph-read path no recording saw (it appeared after the one
             # recording): record what PWAL computes, so a table it never touches stops being watched.
+            self._setup_seconds = Dataflow.prepare()  # once per process, reported apart from the reload's time
             self._dataflow = Dataflow()
             self._dataflow.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             self._recording_thread = threading.get_ident()
@@ -1389,6 +1392,7 @@ class ReloadTransaction:
             seconds=self._seconds,
             layers=len(contract._layers),
             error=error,
+            setup_seconds=self._setup_seconds,
             slots_unread=None if unread_slots is None else len(unread_slots),
             slots_skipped=self._skip.skipped,
             skip_refused=self._skip.refused if contract.unread == "skip" and error is None else None,
