@@ -330,7 +330,16 @@ class _ReportSink:
             # Unowned storage belongs to no layer: it goes with the model's root.
             unowned = report.unowned if layer == "" else ()
             aliases = tuple(a for a in report.aliases if a.layer == layer)
-            own = dataclasses.replace(report, entries=entries, fixes=fixes, unowned=unowned, aliases=aliases)
+            own = dataclasses.replace(
+                report,
+                entries=entries,
+                fixes=fixes,
+                unowned=unowned,
+                aliases=aliases,
+                undecided=tuple(u for u in report.undecided if layer in u.layers),
+                declared=tuple(d for d in report.declared if d.layer == layer),
+                declared_problems=sum(d.layer == layer for d in report.declared),
+            )
             self.layers.append(
                 {
                     "test": nodeid,
