@@ -122,3 +122,33 @@ def test_importing_graphsafe_and_running_the_cli_print_nothing_on_stderr(argv: l
     result = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stderr == "", result.stderr
+
+
+def test_a_failed_reload_with_undeclared_moves_still_says_to_declare_them() -> None:
+    """A stale declared slot fails the reload; the undeclared tensor that moved beside it still needs declaring, and
+    the error says so (the stale slot must not hide that hint)."""
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(4, 4), requires_grad=False)
+
+        def process_weights_after_loading(self) -> None:
+            self.w_t = self.weight.t().contiguous()  # undeclared, new at every load
+            if not hasattr(self, "g"):
+                self.g = self.weight * 2  # declared, built at the first load only: stale at the next
+                register_derived(self, "g")
+
+    def load(model: Mixed, seed: int) -> None:
+        with torch.no_grad():
+            model.weight.copy_(torch.randn(4, 4, generator=torch.Generator().manual_seed(seed)))
+            model.process_weights_after_loading()
+
+    model = Mixed()
+    load(model, 0)
+    contract = GraphContract(model, "strict").seal()
+    with pytest.raises(graphsafe.ReloadFailedError) as raised, contract.reload():
+        load(model, 1)
+    message = str(raised.value)
+    assert "stale: declared slot 'g'" in message and "moved: undeclared slot 'w_t'" in message
+    assert "Declare them with @graph_visible(...) or register_derived(...)" in message, message

@@ -887,6 +887,12 @@ def _next_step(reason: str | None) -> str:
     return "; next step: recapture the graphs, then reseal() (graphsafe.capture graphs: graph.recapture_and_reseal())"
 
 
+_DECLARE_HINT = (
+    "\nDeclare them with @graph_visible(...) or register_derived(...); "
+    "graphsafe.migration_report(contract) or `graphsafe report` shows how."
+)
+
+
 def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViolation:
     problems = outcome.problems
     remote = [f for f in problems if f.rank is not None]
@@ -905,7 +911,8 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
             outcome,
         )
     if any(not f.kind.recapture_fixes for f in problems):
-        return ReloadFailedError(f"{header}\n{body}", outcome)
+        moved = any(f.path and f.kind.recapture_fixes and f.kind is not FindingKind.UNTRACKABLE for f in undeclared)
+        return ReloadFailedError(f"{header}\n{body}{_DECLARE_HINT if moved else ''}", outcome)
     if undeclared and not remote:
         advice = ""
         if any(f.kind is FindingKind.UNTRACKABLE for f in undeclared):
@@ -916,10 +923,7 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
             )
         undeclared = [f for f in undeclared if f.kind is not FindingKind.UNTRACKABLE]
         if any(f.path for f in undeclared):
-            advice += (
-                "\nDeclare them with @graph_visible(...) or register_derived(...); "
-                "graphsafe.migration_report(contract) or `graphsafe report` shows how."
-            )
+            advice += _DECLARE_HINT
         if any(not f.path for f in undeclared):
             advice += (
                 "\nCaptured storage no layer holds (a module-level cache or a library's internal buffer) cannot be "
