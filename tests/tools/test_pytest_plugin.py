@@ -317,6 +317,49 @@ def test_report_option_writes_one_entry_per_layer(pytester: pytest.Pytester) -> 
     assert clean["report"]["entries"] == []
 
 
+def test_report_json_gives_each_layer_its_own_problems_on_declared_slots(pytester: pytest.Pytester) -> None:
+    write(
+        pytester,
+        """
+        import torch
+        from torch import nn
+        from graphsafe import register_derived
+
+        class Once(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = nn.Parameter(torch.empty(2, 2), requires_grad=False)
+
+            def process_weights_after_loading(self):
+                if not hasattr(self, "g"):  # built at the first load only: stale at the next
+                    self.g = self.weight * 2
+                    register_derived(self, "g")
+
+        def load(model, seed):
+            with torch.no_grad():
+                for layer in model:
+                    layer.weight.copy_(torch.randn(2, 2, generator=torch.Generator().manual_seed(seed)))
+                    layer.process_weights_after_loading()
+
+        def test_stale(graphsafe_contract):
+            model = nn.Sequential(Once(), Once())
+            load(model, 0)
+            contract = graphsafe_contract(model, mode="recapture")
+            with pytest.raises(ContractViolation), contract.reload():
+                load(model, 1)
+        """,
+    )
+    result = run(pytester, "--graphsafe-report=report.json")
+    result.assert_outcomes(passed=1)
+    document = json.loads((pytester.path / "report.json").read_text())
+    reports = {entry["layer"]: entry["report"] for entry in document["layers"]}
+    for layer in ("0", "1"):
+        assert [(p["layer"], p["path"], p["drift"]) for p in reports[layer]["declared_problems"]] == [
+            (layer, "g", "stale")
+        ], reports[layer]
+        assert reports[layer]["summary"]["declared_problems"] == 1
+
+
 def test_without_the_option_no_report_is_written(pytester: pytest.Pytester) -> None:
     write(pytester, "def test_one(graphsafe_contract):\n    graphsafe_contract(EX.build('migrated'))\n")
     run(pytester).assert_outcomes(passed=1)
