@@ -352,7 +352,7 @@ def test_missing_cuda_bindings_is_unavailable(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
     monkeypatch.setitem(sys.modules, "cuda", None)
     monkeypatch.setattr(kscan, "_DRIVER", None)
-    with pytest.raises(ScanUnavailable, match=r"pip install 'graphsafe\[cuda\]'"):
+    with pytest.raises(ScanUnavailable, match=r"pip install 'cuda-bindings>=12.4'"):
         kscan.driver()
 
 

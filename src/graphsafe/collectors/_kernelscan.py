@@ -341,7 +341,7 @@ class CudaDriver:
             from cuda.bindings import driver as cu  # type: ignore[import-not-found,unused-ignore]
         except ImportError as exc:
             raise ScanUnavailable(
-                "kernel scan unavailable: cuda-bindings is not installed (pip install cuda-bindings)"
+                "kernel scan unavailable: cuda-bindings is not installed (pip install 'cuda-bindings>=12.4')"
             ) from exc
         self._cu: Any = cu
         self._success = cu.CUresult.CUDA_SUCCESS
