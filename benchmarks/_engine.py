@@ -1,4 +1,4 @@
-"""An engine-shaped model for the reload benchmark (issue 18): decoder layers with several kinds of quant method.
+"""An engine-shaped model for the reload benchmark: decoder layers with several kinds of quant method.
 
 Each decoder layer (``EngineLayer``) holds what a served MoE model with MLA attention holds:
 

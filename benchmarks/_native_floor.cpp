@@ -1,7 +1,7 @@
 // The core restore of benchmarks/python_floor.py, per slot in C++: what a native executor would pay.
 //
 // Built by benchmarks/native_floor.py (setuptools, no ninja). Not part of the package: a measurement of the
-// route issue 18 leaves open, with the same checks as the pure-Python floor: per slot a lookup in the owner's
+// native route, with the same checks as the pure-Python floor: per slot a lookup in the owner's
 // attribute dict, an identity check, a storage comparison, the layout of the new and of the captured tensor
 // against the sealed one, a reference-count look; one grouped _foreach_copy_; the rebind; a verification.
 #include <torch/extension.h>

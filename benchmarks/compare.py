@@ -3,7 +3,7 @@
     python3 benchmarks/compare.py OLD_TREE NEW_TREE [--rounds 3] [-- run.py arguments]
 
 Each tree is a checkout (its ``src/`` and ``benchmarks/run.py`` are used), so a refactor can be checked against the
-commit before it on the same machine in the same session. Rounds alternate which tree goes first, so drift in the
+commit before it on the same machine in the same run. Rounds alternate which tree goes first, so drift in the
 machine's load hits both alike. Every timing row ``run.py`` reports is matched by section and method (or model)
 and the median over rounds is compared; the table's last column is new over old for times (below 1: new is
 faster) and for rates (objects/s: above 1: new is faster), as labelled.

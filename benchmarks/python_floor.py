@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/python_floor.py [--device cpu|cuda] [--slots 4200] [--repeats 9] [--native]
 
-Issue 18 asks for a restore at most 3 us per declared slot on a CPU and 10x faster than a per-slot ``copy_`` loop
+The target is a restore of at most 3 us per declared slot on a CPU and 10x faster than a per-slot ``copy_`` loop
 on an H200. This measures what any pure-Python design would pay, with none of the contract's fail-closed checks
 (value samples, inputs, foreign holders, shared memory, abandoned memory, findings) and only the core ones kept:
 per slot a compiled path lookup, an identity check, a storage comparison, the layout tuple of the new and of the

@@ -488,7 +488,7 @@ def section_walker(args: argparse.Namespace, device: torch.device) -> dict[str, 
     return {"rows": rows}
 
 
-# -- the engine-shaped model (issue 18) ----------------------------------------------------------------------------
+# -- the engine-shaped model ----------------------------------------------------------------------------------------
 
 ENGINE_BATCHES = (1, 2, 4, 8, 16, 32)
 
@@ -852,7 +852,7 @@ def render_engine(s: dict[str, Any]) -> list[str]:
     rows = [dict(r, peak=mib(r.get("peak_extra_bytes")), kept=mib(r.get("kept_bytes"))) for r in s["rows"]]
     contract_rows = [r for r in rows if "tracked" in r]
     lines = [
-        f"### Engine-shaped model (issue 18): {shape['layers']} layers, {s['weights_MiB']:,.1f} MiB of weights, "
+        f"### Engine-shaped model: {shape['layers']} layers, {s['weights_MiB']:,.1f} MiB of weights, "
         f"{s['derived_MiB']:,.1f} MiB derived",
         "",
         f"Per layer: MLA attention (`w_kc`/`w_vc` transposed copies), an fp8 `o_proj` (float8_e4m3fn `qweight` + "

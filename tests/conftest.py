@@ -142,7 +142,8 @@ def tiny() -> Tiny:
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """The kernel scan with ``state["table"]`` (a recorded node table) for a driver and each of ``state["tensors"]`` in
-    its own allocator block: the scan runs on CPU (tests/test_kernelscan.py, tests/test_unread_skip.py)."""
+    its own allocator block: the scan runs on CPU (tests/collectors/test_kernelscan.py,
+    tests/contract/test_unread_skip.py)."""
     state: dict[str, Any] = {"table": None, "tensors": []}
 
     def segments() -> list[dict[str, Any]]:

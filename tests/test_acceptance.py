@@ -1,9 +1,9 @@
-"""Acceptance gaps closed after an audit of the issues against the code.
+"""Acceptance: the promises the README and the design make, checked end to end.
 
-* the public surface promised by the collectors and manifest issues (``import graphsafe`` is enough);
+* the public surface of the collectors and the manifest (``import graphsafe`` is enough);
 * the README's quick start runs as written and keeps its promise (addresses kept, new values delivered);
-* ``examples/rl_loop.py`` (the plain-PyTorch RL loop the manifest issue asks for) runs and checks its replays;
-* the layerwise reload under rank agreement (issue 6 names "the layerwise form" next to ``reload(agreement=...)``).
+* ``examples/rl_loop.py`` (a plain-PyTorch RL loop) runs and checks its replays;
+* the layerwise reload under rank agreement (``reload(layerwise=True, agreement=...)``).
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def test_layerwise_error_on_one_rank_fails_every_rank_naming_it() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Walker: streams, events and graphs are leaves (the collectors issue names them; test_walker covers the rest)
+# Walker: streams, events and graphs are leaves (tests/collectors/test_walker.py covers the rest)
 
 
 def test_the_walker_never_enters_streams_events_or_graphs() -> None:

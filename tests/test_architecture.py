@@ -42,14 +42,17 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     "tests/contract/test_digests.py": {"graphsafe.contract._samples"},
     # the walker's internal table of torch's own Module attributes, checked against a fresh nn.Module; and its
     # fingerprint calls, counted to show that skipped (declared) paths are never fingerprinted by the walk
-    "tests/test_walker.py": {"graphsafe.collectors.walker._readers", "graphsafe.collectors.walker._enumerate"},
+    "tests/collectors/test_walker.py": {
+        "graphsafe.collectors.walker._readers",
+        "graphsafe.collectors.walker._enumerate",
+    },
     # the soak test watches internal caches and stores for unbounded growth
     "tests/test_soak.py": {"graphsafe.collectors.walker._plans", "graphsafe.registry._store"},
     # the manifest's per-reload check must not walk: the walk is replaced by a tripwire
-    "tests/test_manifest.py": {"graphsafe.collectors._classify"},
+    "tests/collectors/test_manifest.py": {"graphsafe.collectors._classify"},
     # white-box tests of the restore plan: the "layer still in the model" fast path against get_submodule, the
     # copy batch's grouping, and the span sealed for each slot against the span of the tensor
-    "tests/test_restore_plan.py": {
+    "tests/contract/test_restore_plan.py": {
         "graphsafe.contract._access",
         "graphsafe.contract._copy",
         "graphsafe.contract._slots",
@@ -58,18 +61,18 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     "tests/conftest.py": {"graphsafe.collectors._kernelscan"},
     # the kernel scan's driver, allocator view and live-tensor source are replaced by recorded tables (no GPU)
     # (and the vLLM hook's recording step runs on a fake runner, without vLLM)
-    "tests/test_kernelscan.py": {"graphsafe.collectors._kernelscan", "graphsafe.adapters.vllm._hooks"},
+    "tests/collectors/test_kernelscan.py": {"graphsafe.collectors._kernelscan", "graphsafe.adapters.vllm._hooks"},
     # the GPU tests read captured graphs through the same driver the scan uses, and the scan's per-capture facts
     "tests/gpu/test_kernel_scan.py": {"graphsafe.collectors._kernelscan"},
     # the skip of unread slots runs on recorded node tables: the scan's driver and allocator view are replaced
-    "tests/test_unread_skip.py": {"graphsafe.collectors._kernelscan"},
+    "tests/contract/test_unread_skip.py": {"graphsafe.collectors._kernelscan"},
     "tests/fuzz/test_fuzz_skip.py": {"graphsafe.collectors._kernelscan"},
     # a copy that raises halfway is injected into the copy batch
-    "tests/test_adversarial.py": {"graphsafe.contract._copy"},
+    "tests/contract/test_adversarial.py": {"graphsafe.contract._copy"},
     # the snapshot's per-layer steps are wrapped to see that no collection runs inside them
-    "tests/test_contract.py": {"graphsafe.contract._slots"},
+    "tests/contract/test_contract.py": {"graphsafe.contract._slots"},
     # the value sample, taken alone or in a batch, against its definition (a reference implementation in the test)
-    "tests/test_freshness.py": {"graphsafe.contract._samples"},
+    "tests/contract/test_freshness.py": {"graphsafe.contract._samples"},
     # the hook installer's wrappers and markers, and the pack's attribute, are checked on the real vLLM; the
     # plugin's once-per-process "off" line is reset between tests
     "tests/vllm/test_vllm_adapter.py": {

@@ -1,4 +1,4 @@
-"""The engine-shaped benchmark model (``benchmarks/_engine.py``, issue 18), tiny, on the CPU.
+"""The engine-shaped benchmark model (``benchmarks/_engine.py``), tiny, on the CPU.
 
 A benchmark that measures a broken reload is worthless, so the model the ``engine`` section times is checked here:
 its forward reads every derived tensor (corrupting one changes the output), every reload under a contract commits,
@@ -108,4 +108,4 @@ def test_engine_section_runs_tiny(bench: tuple[Any, Any]) -> None:
     assert set(result["tracked"].values()) == {26 * 2}
     contract_rows = [r for r in result["rows"] if "tracked" in r]
     assert len(contract_rows) == 4 and all(r["goal_overhead"] in ("met", "missed") for r in contract_rows)
-    assert "Engine-shaped model (issue 18)" in "\n".join(run.render_engine(result))
+    assert "Engine-shaped model" in "\n".join(run.render_engine(result))

@@ -1,9 +1,13 @@
-"""Every Python code block of README.md and docs/*.md runs as written (issue 17).
+"""Every Python code block of README.md and docs/*.md runs as written.
 
 A file's blocks run in order in one namespace, as a reader pastes them. Fence info says otherwise:
 
-* ```` ```python no-run ````: not run (it needs CUDA, vLLM, a process group, or code of your own package); the
-  prose around it says so. Used sparingly: :data:`NO_RUN_AT_MOST` caps them.
+* ```` ```python ranks=2 ````: needs a process group; it runs on two spawned ranks joined in a gloo group (as
+  ``torchrun`` sets one up before the reader's code runs), each in its own namespace.
+* ```` ```python check ````: needs a GPU or vLLM, or is code of the reader's own package; it is compiled, its
+  imports run, and every call of what they bring in is bound against the real signature (``tests/_doc_calls.py``),
+  so a renamed keyword or a removed method fails here. Strings that name graphsafe objects (a dotted path, a worker
+  extension method passed to ``collective_rpc``) must resolve.
 * ```` ```python file=NAME.py ````: the contents of a file of that name; it is executed as module ``NAME`` (a later
   block with the same name edits the same module, as a reader edits the file) and written as ``NAME.py`` to the
   document's working directory (a fresh temporary one, on ``sys.path``). A ``test_*.py`` file's test functions
@@ -26,6 +30,8 @@ from typing import Any
 
 import pytest
 
+from _doc_calls import check_calls
+from _ranks import run_on_ranks
 from graphsafe.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,8 +39,7 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"^```python([^\n]*)\n(.*?)^```", flags=re.M | re.S)
 #: Every block a document's run steps through, in order: Python blocks and the terminal sessions it runs.
 _STEP = re.compile(r"^```(python|console run)([^\n]*)\n(.*?)^```", flags=re.M | re.S)
-#: How many blocks may be left unrun, in all documents.
-NO_RUN_AT_MOST = 5
+INFOS = re.compile(r"|check|ranks=2|file=\w+\.py")
 
 
 def _blocks(document: Path) -> list[tuple[str, str, int]]:
@@ -53,7 +58,7 @@ def _steps(document: Path) -> list[tuple[str, str, int]]:
 
 
 def _runnable() -> list[Path]:
-    return [d for d in DOCUMENTS if any(info != "no-run" for info, _, _ in _blocks(d))]
+    return [d for d in DOCUMENTS if any(info not in ("check", "ranks=2") for info, _, _ in _blocks(d))]
 
 
 def _session(code: str, where: str, forget: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -87,13 +92,17 @@ def _session(code: str, where: str, forget: list[str], capsys: pytest.CaptureFix
         sys.modules.pop(name, None)
 
 
-def test_the_documents_have_python_blocks_and_few_are_left_unrun() -> None:
+def _of_kind(kind: str) -> list[tuple[Path, str, int]]:
+    return [(d, code, line) for d in DOCUMENTS for info, code, line in _blocks(d) if info == kind]
+
+
+def test_the_documents_have_python_blocks_and_every_one_runs_or_is_checked() -> None:
     blocks = [block for document in DOCUMENTS for block in _blocks(document)]
     assert len(blocks) >= 10
-    infos = {info for info, _, _ in blocks}
-    assert infos <= {"", "no-run"} | {i for i in infos if re.fullmatch(r"file=\w+\.py", i)}, infos
-    assert sum(info == "no-run" for info, _, _ in blocks) <= NO_RUN_AT_MOST
+    unknown = {f"{info!r}" for info, _, _ in blocks if not INFOS.fullmatch(info)}
+    assert not unknown, f"fence infos this test does not know (so would not run or check): {unknown}"
     assert ROOT / "README.md" in _runnable()
+    assert _of_kind("ranks=2"), "docs/distributed.md's example runs on two ranks"
 
 
 @pytest.mark.parametrize("document", _runnable(), ids=lambda path: path.name)
@@ -121,7 +130,7 @@ def _run_document(
     files: dict[str, str] = {}
     test_files: dict[str, list[tuple[str, str]]] = {}
     for info, code, line in _steps(document):
-        if info == "no-run":
+        if info in ("check", "ranks=2"):
             continue
         where = f"{document.name}:{line}"
         if info == "console":
@@ -153,3 +162,56 @@ def _run_document(
         assert tests, f"{document.name}: {name}.py defines no test"
         for test in tests:
             test()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "document, code, line", _of_kind("ranks=2"), ids=lambda v: f"{v.name}" if isinstance(v, Path) else ""
+)
+def test_every_process_group_block_runs_on_two_gloo_ranks(document: Path, code: str, line: int, tmp_path: Path) -> None:
+    run_on_ranks(code, f"{document.name}:{line}", str(tmp_path))
+
+
+_GRAPHSAFE_PATH = re.compile(r"graphsafe(\.\w+)+")
+
+
+def _strings_resolve(code: str) -> list[str]:
+    """Dotted graphsafe paths in string constants import; ``collective_rpc("graphsafe_x")`` names a method of the
+    worker extension."""
+    import ast
+    import importlib
+
+    from graphsafe.adapters.vllm import GraphsafeWorkerExtension
+
+    problems: list[str] = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _GRAPHSAFE_PATH.fullmatch(node.value):
+            module, _, name = node.value.rpartition(".")
+            try:
+                getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError) as exc:
+                problems.append(f"line {node.lineno}: {node.value!r} does not resolve ({exc})")
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "collective_rpc"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).startswith("graphsafe_")
+            and not callable(getattr(GraphsafeWorkerExtension, str(node.args[0].value), None))
+        ):
+            problems.append(f"line {node.lineno}: GraphsafeWorkerExtension has no method {node.args[0].value!r}")
+    return problems
+
+
+@pytest.mark.parametrize(
+    "document, code, line", _of_kind("check"), ids=lambda v: f"{v.name}" if isinstance(v, Path) else ""
+)
+def test_every_block_that_cannot_run_here_binds_against_the_real_signatures(
+    document: Path, code: str, line: int
+) -> None:
+    where = f"{document.name}:{line}"
+    report = check_calls(code, where)
+    problems = report.failures + _strings_resolve(code)
+    assert not problems, f"{where}:\n" + "\n".join(problems)
+    assert report.bound or report.unavailable, f"{where}: binds no call of graphsafe's"

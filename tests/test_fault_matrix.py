@@ -723,7 +723,7 @@ def _tuple_keyed(layer: Site) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_tuple_keyed_cache(mode: str) -> None:
-    # Issue 17 item 5: the walker names `cache[(8, torch.float32)]`, so the reload never commits quietly.
+    # The walker names `cache[(8, torch.float32)]`, so the reload never commits quietly.
     model = build(0)
     _tuple_keyed(model.layers[1])
     contract = GraphContract(model, mode).seal()  # type: ignore[arg-type]

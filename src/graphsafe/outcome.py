@@ -530,6 +530,9 @@ class ReloadOutcome:
     seconds: float = 0.0
     layers: int = 0
     error: BaseException | None = field(default=None, repr=False, compare=False)
+    #: One-time set-up this reload paid on top of ``seconds``, once per process: torch's Python dispatch machinery,
+    #: loaded on its first use (the recording of what PWAL computes). Not a per-reload cost.
+    setup_seconds: float = 0.0
     rank_statuses: tuple[tuple[int, Status], ...] = ()
     #: Slots whose storage no captured graph reads, by the kernel scan (``None``: not every capture was
     #: kernel-scanned, so what is unread is not known).
@@ -569,6 +572,11 @@ class ReloadOutcome:
         lines = [
             f"reload {self.status.value} (mode={self.mode}): {self.slots_restored} slot(s) restored, "
             f"{self.bytes_copied} bytes copied, {len(self.problems)} problem(s) in {self.seconds * 1e3:.2f} ms"
+            + (
+                f" (+ {self.setup_seconds:.2f} s one-time set-up: torch's dispatch machinery, loaded once per process)"
+                if self.setup_seconds >= 0.001
+                else ""
+            )
             + (
                 f"; {self.slots_skipped} unread slot(s) not copied (no captured graph reads them)"
                 if self.slots_skipped

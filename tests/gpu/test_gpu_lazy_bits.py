@@ -2,9 +2,9 @@
 other's captured tensors, or new ones, keeps a captured CUDA graph equal to the eager forward.
 
 The restore used to clone its sources without the bit, and torch's grouped copy refuses a destination with the bit
-and a source without it: the reload raised from inside the restore, with no outcome (tests/test_attack_s6_write.py
-is the CPU twin). Oracle: the eager forward of the model after the same reload; the graph's output is poisoned
-with NaN before each replay.
+and a source without it: the reload raised from inside the restore, with no outcome (the CPU twin is
+tests/contract/test_unusual_tensors.py). Oracle: the eager forward of the model after the same reload; the
+graph's output is poisoned with NaN before each replay.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Attacks on the vLLM adapter (helper session a10): each test is a place where the plugin lies or breaks vLLM.
+"""Attacks on the vLLM adapter : each test is a place where the plugin lies or breaks vLLM.
 
 Every test here FAILS on the code it was written against; each docstring names the attack and the promise it
 breaks. vLLM's own classes and functions are used wherever they run on CPU: the layerwise reload, the real quant

@@ -918,7 +918,7 @@ def test_another_vllm_version_is_refused_when_the_operator_asked_for_graphsafe(
 def test_an_unsupported_vllm_runs_without_graphsafe_when_no_mode_is_set(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Installing graphsafe must not stop a vLLM upgrade from serving: no GRAPHSAFE_MODE, no refusal (issue 15, 5)."""
+    """Installing graphsafe must not stop a vLLM upgrade from serving: no GRAPHSAFE_MODE, no refusal."""
     from graphsafe.adapters.vllm import _plugin
 
     gs_vllm.unregister()
@@ -987,7 +987,7 @@ def test_import_graphsafe_does_not_import_vllm() -> None:
     assert out.stdout.strip() == "False"
 
 
-# -- issue 15: vLLM's real lifecycle ---------------------------------------------------------------------------------
+# -- vLLM's real lifecycle ------------------------------------------------------------------------------------------
 MODES = ("strict", "recapture", "migrate")
 
 

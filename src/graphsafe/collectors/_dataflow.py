@@ -16,9 +16,10 @@ custom ops), and only on the thread that entered it.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -78,6 +79,23 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         super().__init__()  # type: ignore[no-untyped-call]
         self.paused = False
         self._nodes: dict[int, _Node] = {}  # id(storage) -> node; the weak reference confirms the id
+
+    _prepared: ClassVar[bool] = False
+
+    @classmethod
+    def prepare(cls) -> float:
+        """Pay torch's one-time cost of a Python dispatch mode now, outside any recording: the first op a process
+        dispatches to such a mode imports torch's compiler stack (``torch._dynamo``, seconds on a CPU). Returns the
+        seconds it took, 0.0 once paid; callers report it as one-time set-up, apart from a reload's own time."""
+        if cls._prepared:
+            return 0.0
+        start = time.perf_counter()
+        mode = cls()
+        mode.paused = True
+        with mode:
+            torch.zeros(1).add_(1)
+        cls._prepared = True
+        return time.perf_counter() - start
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

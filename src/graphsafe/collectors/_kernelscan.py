@@ -334,14 +334,14 @@ _NODE_TYPES = {
 
 
 class CudaDriver:
-    """:class:`Driver` through ``cuda.bindings.driver`` (``pip install graphsafe[cuda]``)."""
+    """:class:`Driver` through ``cuda.bindings.driver`` (``cuda-bindings``, the ``cuda`` extra)."""
 
     def __init__(self) -> None:
         try:
             from cuda.bindings import driver as cu  # type: ignore[import-not-found,unused-ignore]
         except ImportError as exc:
             raise ScanUnavailable(
-                "kernel scan unavailable: cuda-bindings is not installed (pip install 'graphsafe[cuda]')"
+                "kernel scan unavailable: cuda-bindings is not installed (pip install 'cuda-bindings>=12.4')"
             ) from exc
         self._cu: Any = cu
         self._success = cu.CUresult.CUDA_SUCCESS

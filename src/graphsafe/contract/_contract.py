@@ -503,6 +503,7 @@ class GraphContract:
             for module in self.model.modules()
             for ref in walk(module, budget=self.budget, devices=self.devices, units=units).refs
         )
+        Dataflow.prepare()  # torch's one-time dispatch set-up, before the caller's load starts
         dataflow = Dataflow()
         with dataflow:
             yield
@@ -891,6 +892,12 @@ def _next_step(reason: str | None) -> str:
     return "; next step: recapture the graphs, then reseal() (graphsafe.capture graphs: graph.recapture_and_reseal())"
 
 
+_DECLARE_HINT = (
+    "\nDeclare them with @graph_visible(...) or register_derived(...); "
+    "graphsafe.migration_report(contract) or `graphsafe report` shows how."
+)
+
+
 def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViolation:
     problems = outcome.problems
     remote = [f for f in problems if f.rank is not None]
@@ -909,7 +916,8 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
             outcome,
         )
     if any(not f.kind.recapture_fixes for f in problems):
-        return ReloadFailedError(f"{header}\n{body}", outcome)
+        moved = any(f.path and f.kind.recapture_fixes and f.kind is not FindingKind.UNTRACKABLE for f in undeclared)
+        return ReloadFailedError(f"{header}\n{body}{_DECLARE_HINT if moved else ''}", outcome)
     if undeclared and not remote:
         advice = ""
         if any(f.kind is FindingKind.UNTRACKABLE for f in undeclared):
@@ -920,10 +928,7 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
             )
         undeclared = [f for f in undeclared if f.kind is not FindingKind.UNTRACKABLE]
         if any(f.path for f in undeclared):
-            advice += (
-                "\nDeclare them with @graph_visible(...) or register_derived(...); "
-                "graphsafe.migration_report(contract) or `graphsafe report` shows how."
-            )
+            advice += _DECLARE_HINT
         if any(not f.path for f in undeclared):
             advice += (
                 "\nCaptured storage no layer holds (a module-level cache or a library's internal buffer) cannot be "
@@ -966,6 +971,7 @@ class ReloadTransaction:
         self._restored = 0
         self._bytes = 0
         self._seconds = 0.0
+        self._setup_seconds = 0.0
         self._begun = False
         self._finished = False
         # Active on a contract's first reload: what PWAL reads, learned once (see GraphContract.recorded_inputs).
@@ -1022,7 +1028,8 @@ class ReloadTransaction:
         try:
             if not contract.serving_safe:
                 raise NotServingSafeError(
-                    f"refusing to reload: {contract.unsafe_reason}{_next_step(contract.unsafe_reason)}",
+                    f"refusing to reload: {contract.unsafe_reason}"
+                    + (_next_step(contract.unsafe_reason) if contract.sealed else ""),  # unsealed: the reason says
                     contract.last_outcome,
                 )
             contract._active = self
@@ -1054,6 +1061,7 @@ class ReloadTransaction:
         ):
             # The first reload, or one watching a graph-read path no recording saw (it appeared after the one
             # recording): record what PWAL computes, so a table it never touches stops being watched.
+            self._setup_seconds = Dataflow.prepare()  # once per process, reported apart from the reload's time
             self._dataflow = Dataflow()
             self._dataflow.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             self._recording_thread = threading.get_ident()
@@ -1393,6 +1401,7 @@ class ReloadTransaction:
             seconds=self._seconds,
             layers=len(contract._layers),
             error=error,
+            setup_seconds=self._setup_seconds,
             slots_unread=None if unread_slots is None else len(unread_slots),
             slots_skipped=self._skip.skipped,
             skip_refused=self._skip.refused if contract.unread == "skip" and error is None else None,

@@ -5,8 +5,9 @@ a versioned schema), a tree or a Graphviz graph.
 
 * :func:`migration_report` builds a :class:`MigrationReport` from any of the three sources.
 * :class:`ReportEntry` (an undeclared tensor), :class:`AliasEntry` (a path restored with the slot it aliases),
-  :class:`UnownedEntry` (captured storage no layer holds) and :class:`Fix` (the code to add; its
-  :class:`Placement` says where the lines go) are what it holds.
+  :class:`UnownedEntry` (captured storage no layer holds), :class:`Fix` (the code to add; its :class:`Placement`
+  says where the lines go), :class:`Undecided` (the choices where what it saw does not decide the code) and
+  :class:`DeclaredProblem` (what failed on a declared slot) are what it holds.
 * :data:`FORMATS` names the renderings; :func:`report_schema` is the JSON document's schema (:data:`SCHEMA_ID`).
 """
 
@@ -14,9 +15,12 @@ from graphsafe.report._build import migration_report
 from graphsafe.report._entries import (
     STABLE,
     AliasEntry,
+    Choice,
+    DeclaredProblem,
     Fix,
     MigrationReport,
     ReportEntry,
+    Undecided,
     UnownedEntry,
     UntrackableEntry,
 )
@@ -29,11 +33,14 @@ __all__ = [
     "SCHEMA_ID",
     "STABLE",
     "AliasEntry",
+    "Choice",
+    "DeclaredProblem",
     "Fix",
     "FixKind",
     "Placement",
     "MigrationReport",
     "ReportEntry",
+    "Undecided",
     "UnownedEntry",
     "UntrackableEntry",
     "migration_report",

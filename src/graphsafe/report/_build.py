@@ -65,9 +65,10 @@ def migration_report(
         )
     drafted = to_entries(collected.drafts, collected.layers)
     untrackable, notes = split_untrackable(dict.fromkeys(collected.notes))
+    written, undecided = fixes(drafted, reloaded=outcome is not None)
     return MigrationReport(
         entries=drafted.entries,
-        fixes=fixes(drafted, reloaded=outcome is not None),
+        fixes=written,
         unowned=tuple(unowned),
         notes=tuple(notes),
         source=kind,
@@ -77,4 +78,6 @@ def migration_report(
         declared_problems=collected.declared_problems,
         aliases=tuple(collected.aliases),
         untrackable=tuple(untrackable),
+        undecided=undecided,
+        declared=tuple(collected.declared),
     )

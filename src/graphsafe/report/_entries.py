@@ -16,7 +16,19 @@ from graphsafe.report._fix_kind import FixKind, Placement
 from graphsafe.report._render import render
 from graphsafe.report._schema import SCHEMA_ID
 
-__all__ = ["STABLE", "AliasEntry", "Evidence", "Fix", "MigrationReport", "ReportEntry", "SourceKind", "UnownedEntry"]
+__all__ = [
+    "STABLE",
+    "AliasEntry",
+    "Choice",
+    "DeclaredProblem",
+    "Evidence",
+    "Fix",
+    "MigrationReport",
+    "ReportEntry",
+    "SourceKind",
+    "Undecided",
+    "UnownedEntry",
+]
 
 #: Drift of an entry no reload was seen to move.
 STABLE: Final = "stable so far"
@@ -207,6 +219,59 @@ class UntrackableEntry:
         return _json_fields(self, ("where", "detail", "fix"))
 
 
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One of the ways to declare an :class:`Undecided` group: when it applies, where, and the exact lines."""
+
+    #: When this choice is the right one (what the author knows about the tensor and the report does not).
+    when: str
+    #: Where the lines go.
+    target: str
+    lines: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly rendering (see ``schema.json``)."""
+        return _json_fields(self, ("when", "target", "lines"))
+
+
+@dataclass(frozen=True, slots=True)
+class Undecided:
+    """Undeclared tensors whose declaration depends on what the report cannot know from what it saw (whether a
+    lazily created tensor's contents derive from the weights, without a capture to tell): not a fix, but the
+    choices, each with its lines. Declaring one the wrong way fails strict mode, so the report does not guess."""
+
+    owner: str
+    paths: tuple[str, ...]
+    layers: tuple[str, ...]
+    #: What the report saw and why that does not decide it; how to let graphsafe decide.
+    reason: str
+    choices: tuple[Choice, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly rendering (see ``schema.json``)."""
+        document = _json_fields(self, ("owner", "paths", "layers", "reason"))
+        document["choices"] = [choice.to_dict() for choice in self.choices]
+        return document
+
+
+@dataclass(frozen=True, slots=True)
+class DeclaredProblem:
+    """A problem the last reload had on a declared slot (the author declared it; the declaration or the code around
+    it is wrong): listed so a report that has nothing left to migrate still says what failed and what to do."""
+
+    layer: str
+    layer_class: str
+    path: str
+    #: The finding kind's value (``stale``, ``moved``, ...).
+    drift: str
+    #: The finding, as the contract wrote it, with what to do (device addresses removed).
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly rendering (see ``schema.json``)."""
+        return _json_fields(self, ("layer", "layer_class", "path", "drift", "detail"))
+
+
 @dataclass(frozen=True)
 class MigrationReport:
     """What is undeclared, how it drifted, and the grouped fixes; ``render(fmt)`` for people and tools."""
@@ -222,13 +287,17 @@ class MigrationReport:
     status: Status | None = None
     #: Whether the report saw a reload (otherwise every drift is "stable so far" by construction).
     reloaded: bool = False
-    #: Entries of problem findings on declared slots are not listed; their count is kept for the summary.
+    #: Problem findings on declared slots are no entries (nothing to declare): listed in :attr:`declared`, counted here.
     declared_problems: int = 0
     #: Undeclared paths restored with the tracked slot they alias: nothing to declare, listed so an author sees
     #: why a path the walker reaches is not an entry.
     aliases: tuple[AliasEntry, ...] = ()
     #: Places with device tensors no slot path can name: each one keeps every reload of its layer from committing.
     untrackable: tuple[UntrackableEntry, ...] = ()
+    #: Undeclared tensors the report cannot write one fix for without more evidence: the choices, each with its lines.
+    undecided: tuple[Undecided, ...] = ()
+    #: The last reload's problems on declared slots (counted in :attr:`declared_problems`).
+    declared: tuple[DeclaredProblem, ...] = ()
 
     @property
     def clean(self) -> bool:
@@ -280,6 +349,8 @@ class MigrationReport:
             "unowned": [u.to_dict() for u in self.unowned],
             "aliases": [a.to_dict() for a in self.aliases],
             "untrackable": [u.to_dict() for u in self.untrackable],
+            "undecided": [u.to_dict() for u in self.undecided],
+            "declared_problems": [d.to_dict() for d in self.declared],
             "notes": list(self.notes),
         }
 

@@ -4,7 +4,9 @@
   ``static=True`` for tensors a reload left alone), and ``register_derived`` calls for the paths only some have;
 * ``register_derived`` right after the assignment for lazy tensors (not there when PWAL returns), with a
   ``stable_empty`` call when the tensor vanished;
-* ``register_derived`` where the owner assigns the tensor when nobody defines a PWAL.
+* ``register_derived`` where the owner assigns the tensor when nobody defines a PWAL;
+* no fix but the choices (:class:`~graphsafe.report.Undecided`) for a lazy tensor a reload left as it was, which no
+  capture was seen writing: whether it derives from the weights decides the code, and nothing seen tells.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Final, Literal
 from graphsafe.collectors import UNTRACKABLE_ADVICE
 from graphsafe.outcome import FindingKind
 from graphsafe.report._drafts import Drafted
-from graphsafe.report._entries import Fix, ReportEntry, UntrackableEntry
+from graphsafe.report._entries import Choice, Fix, ReportEntry, Undecided, UntrackableEntry
 from graphsafe.report._fix_kind import FixKind, Placement
 from graphsafe.report._owners import PWAL
 
@@ -230,8 +232,46 @@ def _pwal_fixes(
     return fixes
 
 
-def fixes(drafted: Drafted, reloaded: bool) -> tuple[Fix, ...]:
-    """Group the entries by the code to edit, in order of first appearance, and write each group's fix."""
+def _undecided(members: Sequence[ReportEntry], paths: Sequence[str]) -> Undecided:
+    """Lazy tensors a reload with new weights left as they were, which no capture was seen writing: scratch (or a
+    fixed table) wants ``static=True``, a tensor computed from the weights wants computing in PWAL at every load;
+    what the report saw tells the two apart only with a capture (the graph writes scratch)."""
+    owner, receiver = members[0].owner, members[0].receiver
+    layers = tuple(dict.fromkeys(e.layer for e in members if e.path in paths))
+    names = ", ".join(paths)
+    one = len(paths) == 1
+    pwal = members[0].pwal or f"the {PWAL} that runs for {owner} (its quant_method's, if it has one)"
+    reason = (
+        f"{names} {'is' if one else 'are'} created lazily (not there when PWAL returns) and a reload with new "
+        f"weights left {'it' if one else 'them'} as {'it was' if one else 'they were'}; without a capture graphsafe "
+        f"cannot tell whether {'its' if one else 'their'} contents derive from the weights (declared the wrong way, "
+        "strict mode fails the reload). Run `graphsafe report --capture` (or assert_reload_stable with an "
+        "example_input) to let graphsafe tell, or choose"
+    )
+    return Undecided(
+        owner,
+        tuple(paths),
+        layers,
+        reason,
+        (
+            Choice(
+                "its contents do not derive from the weights (scratch, a fixed table)",
+                f"{owner}: right after the code that creates each path",
+                _register_lines(paths, paths, receiver),
+            ),
+            Choice(
+                "its contents derive from the weights",
+                f"{pwal}: compute each path there at every load, instead of lazily on a forward, then declare it",
+                _register_lines(paths, (), receiver),
+            ),
+        ),
+    )
+
+
+def fixes(drafted: Drafted, reloaded: bool) -> tuple[tuple[Fix, ...], tuple[Undecided, ...]]:
+    """Group the entries by the code to edit, in order of first appearance, and write each group's fix; where what
+    the report saw does not decide the code, the choices instead (:class:`Undecided`)."""
+    undecided: list[Undecided] = []
     groups: dict[tuple[_Group, str], list[ReportEntry]] = {}
     for entry, owner_known in zip(drafted.entries, drafted.owner_known, strict=True):
         if entry.lazy:
@@ -250,6 +290,10 @@ def fixes(drafted: Drafted, reloaded: bool) -> tuple[Fix, ...]:
         if group == "lazy":
             kept, members = _keep_vanished(members)
             result += kept
+            unknown = _stale_paths(members)  # left as it was, and no capture wrote it: scratch or weight-derived?
+            if unknown:
+                undecided.append(_undecided(members, unknown))
+                members = [e for e in members if e.path not in unknown]
             if not members:
                 continue
             layers = tuple(dict.fromkeys(e.layer for e in members))
@@ -266,7 +310,7 @@ def fixes(drafted: Drafted, reloaded: bool) -> tuple[Fix, ...]:
             result.append(Fix(FixKind.REGISTER_DERIVED, owner, target, paths, layers, lines))
         else:
             result += _pwal_fixes(members, static, drafted.not_on_every_layer)
-    return tuple(result)
+    return tuple(result), tuple(undecided)
 
 
 #: How the walker and the reload's finding spell an untrackable place: ``untrackable at LAYER (Class): DETAIL``.

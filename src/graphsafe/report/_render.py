@@ -78,6 +78,7 @@ def _headline(report: MigrationReport) -> str:
         parts.append(
             f"{len(report.entries)} undeclared graph-visible tensor(s) in {len(report.layers)} layer(s), "
             f"{human_bytes(report.nbytes)}; {len(report.fixes)} fix(es)"
+            + (f", {len(report.undecided)} choice(s) to make" if report.undecided else "")
         )
     if report.unowned:
         parts.append(f"{len(report.unowned)} unowned captured storage(s)")
@@ -91,7 +92,7 @@ def _source_line(report: MigrationReport) -> str:
     if report.status is not None:
         text += f", last reload: {report.status.value}"
     if report.declared_problems:
-        text += f"; {report.declared_problems} problem(s) on declared slots (not listed: see the outcome)"
+        text += f"; {report.declared_problems} problem(s) on declared slots (listed below)"
     return text
 
 
@@ -127,7 +128,7 @@ def text(report: MigrationReport) -> str:
                 ]
             )
         lines += ["", *_table(rows)]
-    if report.fixes:
+    if report.fixes or report.undecided:
         lines += ["", "Fixes, grouped by owner (each covers every layer listed):"]
         for number, fix in enumerate(report.fixes, 1):
             lines.append(f"  [{number}] {_fix_heading(fix)}")
@@ -135,6 +136,18 @@ def text(report: MigrationReport) -> str:
             lines += [f"        {line}" for line in fix.lines]
             if fix.note:
                 lines.append(f"      note: {fix.note}")
+    for number, undecided in enumerate(report.undecided, len(report.fixes) + 1):
+        lines.append(f"  [{number}] choose, for {', '.join(undecided.paths)} of {undecided.owner}")
+        lines.append(f"      layers: {', '.join(_layer_name(n) for n in undecided.layers)}")
+        lines.append(f"      {undecided.reason}:")
+        for letter, choice in zip("ab", undecided.choices, strict=False):
+            lines.append(f"      ({letter}) if {choice.when}: in {choice.target}")
+            lines += [f"        {line}" for line in choice.lines]
+    if report.declared:
+        lines += ["", "Problems on declared slots (the declaration or the code around it needs a change):"]
+        for problem in report.declared:
+            where = f"{_layer_name(problem.layer)} ({problem.layer_class})"
+            lines.append(f"  - {problem.drift}: {problem.path!r} of {where}: {problem.detail}")
     if report.unowned:
         lines += ["", "Unowned captured storage (a captured graph reads it; no layer path reaches it):"]
         rows = [_unowned_cells(u, human_bytes) for u in report.unowned]
@@ -212,6 +225,19 @@ def markdown(report: MigrationReport) -> str:
             lines += [f"Layers: {layers}.", "", "```python", *fix.lines, "```"]
             if fix.note:
                 lines += ["", f"Note: {fix.note}."]
+    for undecided in report.undecided:
+        lines += ["", f"## Choose: `{'`, `'.join(undecided.paths)}` of `{undecided.owner}`", ""]
+        layers = ", ".join(f"`{_layer_name(name)}`" for name in undecided.layers)
+        lines += [f"Layers: {layers}.", "", f"{undecided.reason}:"]
+        for choice in undecided.choices:
+            lines += ["", f"- If {choice.when}: in {choice.target}.", "", "  ```python"]
+            lines += [f"  {line}" for line in choice.lines] + ["  ```"]
+    if report.declared:
+        lines += ["", "## Problems on declared slots", ""]
+        lines += [
+            f"- {p.drift}: `{p.path}` of `{_layer_name(p.layer)}` ({p.layer_class}): {_md(p.detail)}"
+            for p in report.declared
+        ]
     if report.unowned:
         lines += [
             "",

@@ -19,7 +19,7 @@ from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.errors import GraphSafeError
 from graphsafe.outcome import Finding, FindingKind, Origin, ReloadOutcome, SlotRef
 from graphsafe.report._drafts import Draft, dtype_name, in_model_order, strip_addresses
-from graphsafe.report._entries import AliasEntry, Evidence, UnownedEntry
+from graphsafe.report._entries import AliasEntry, DeclaredProblem, Evidence, UnownedEntry
 
 __all__ = ["Collected", "from_contract", "from_model", "from_outcome", "unowned_storage"]
 
@@ -34,6 +34,7 @@ class Collected:
     aliases: list[AliasEntry] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     declared_problems: int = 0
+    declared: list[DeclaredProblem] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -43,11 +44,12 @@ class Collected:
 @dataclass(slots=True)
 class _Findings:
     """An outcome's findings on undeclared slots (the most telling one per slot), notes for the findings that
-    name no slot, and the count of problems on declared slots (not listed)."""
+    name no slot, and the problems on declared slots (listed apart, with their count)."""
 
     by_slot: dict[tuple[str, str], Finding] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     declared_problems: int = 0
+    declared: list[DeclaredProblem] = field(default_factory=list)
 
 
 def _finding_note(finding: Finding) -> str:
@@ -56,12 +58,19 @@ def _finding_note(finding: Finding) -> str:
     return strip_addresses(f"{finding.kind.value} at {where}: {finding.detail}".splitlines()[0])
 
 
+def _declared_problem(finding: Finding) -> DeclaredProblem:
+    """A problem on a declared slot, its detail (which says what to do) without device addresses."""
+    detail = strip_addresses(" ".join(line.strip() for line in finding.detail.splitlines() if line.strip()))
+    return DeclaredProblem(finding.layer, finding.layer_class, finding.path, finding.kind.value, detail)
+
+
 def _index_findings(outcome: ReloadOutcome | None) -> _Findings:
     index = _Findings()
     for finding in outcome.findings if outcome is not None else ():
         if finding.declared:
             if finding.kind.is_problem and finding.path:
                 index.declared_problems += 1
+                index.declared.append(_declared_problem(finding))
             elif finding.kind.is_problem:
                 index.notes.append(_finding_note(finding))
         elif not finding.path:
@@ -159,6 +168,7 @@ def from_contract(contract: GraphContract) -> Collected:
     findings = _index_findings(contract.last_outcome)
     collected = Collected([], dict(contract.sealed_layers()), notes=findings.notes)
     collected.declared_problems = findings.declared_problems
+    collected.declared = findings.declared
     known: set[tuple[str, str]] = set()
     # What PWAL made or wrote while the contract recorded it (the input tracing of the freshness check).
     recorded = {(ref.layer, ref.path) for ref in contract.recorded_inputs()} if contract.inputs_recorded else None
@@ -229,6 +239,7 @@ def from_outcome(outcome: ReloadOutcome, model: nn.Module | None) -> Collected:
     drafts = [_draft_from_finding(f, lazy=False, evidence="finding") for f in findings.by_slot.values()]
     collected = Collected([d for d in drafts if d is not None], {}, notes=findings.notes)
     collected.declared_problems = findings.declared_problems
+    collected.declared = findings.declared
     if model is not None:
         wanted = {d.layer for d in collected.drafts}
         collected.layers = {name: module for name, module in model.named_modules() if name in wanted}

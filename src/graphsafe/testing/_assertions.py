@@ -30,7 +30,7 @@ from torch import nn
 from graphsafe.collectors import Manifest, record_capture
 from graphsafe.contract import MODES, GraphContract, Mode, version_of
 from graphsafe.errors import ContractViolation
-from graphsafe.outcome import Fingerprint, Origin, ReloadOutcome, SlotInfo, SlotRef, Status, fingerprint
+from graphsafe.outcome import FindingKind, Fingerprint, Origin, ReloadOutcome, SlotInfo, SlotRef, Status, fingerprint
 from graphsafe.paths import SlotPath
 from graphsafe.registry import declarations_of
 from graphsafe.report import AliasEntry, MigrationReport, migration_report
@@ -78,6 +78,9 @@ class ReloadUnstable(AssertionError):
         super().__init__(message)
         self.report = report
         self.outcome = outcome
+
+
+ReloadUnstable.__module__ = "graphsafe.testing"  # its public home: tracebacks and reprs name that one
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,10 +313,7 @@ class _Check:
     def _message(
         self, report: MigrationReport, step: str, outcome: ReloadOutcome, moved: list[_Moved], mismatches: list[str]
     ) -> str:
-        if mismatches:
-            what = "kept the addresses, but the values differ from a layer built cold on the same weights"
-        else:
-            what = "did not keep every graph-visible tensor at its captured address"
+        what = _headline(outcome, moved, mismatches)
         lines = [f"assert_reload_stable({self.name}, mode={self.mode!r}): {step} {what}.", ""]
         lines.append(report.render("text").rstrip("\n"))
         lines += ["", "Outcome of the reload:", outcome.summary()]
@@ -343,6 +343,38 @@ class _Check:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers.
+
+#: Findings that say a graph-visible tensor is no longer at (or no longer fits) its captured storage.
+_ADDRESS_KINDS = frozenset(
+    {
+        FindingKind.MOVED,
+        FindingKind.VANISHED,
+        FindingKind.RESPECIFIED,
+        FindingKind.DEAD,
+        FindingKind.ALIAS_BROKEN,
+        FindingKind.ORPHANED,
+    }
+)
+
+
+def _headline(outcome: ReloadOutcome, moved: list[_Moved], mismatches: list[str]) -> str:
+    """What went wrong, in the failure's first line: the problems this reload really had, worst first."""
+    if mismatches:
+        return "kept the addresses, but the values differ from a layer built cold on the same weights"
+    kinds = [f.kind for f in outcome.problems]
+    parts: list[str] = []
+    if FindingKind.RELOAD_ERROR in kinds:
+        parts.append("raised while loading the weights")
+    if moved or _ADDRESS_KINDS.intersection(kinds):
+        parts.append("did not keep every graph-visible tensor at its captured address")
+    if stale := kinds.count(FindingKind.STALE):
+        parts.append(
+            f"left {stale} graph-visible tensor(s) at the captured address with stale values (not rebuilt from "
+            "the new weights)"
+        )
+    if FindingKind.UNTRACKABLE in kinds or FindingKind.BUDGET_EXHAUSTED in kinds:
+        parts.append("reached graph-visible tensors it cannot track")
+    return "; ".join(parts) or f"ended {outcome.status.value}"
 
 
 def _late_declared(model: nn.Module, tracked: list[_Tracked]) -> list[SlotInfo]:

@@ -87,15 +87,18 @@ def _marker_mode(item: pytest.Item) -> str | None:
         return None
     unknown = set(marker.kwargs) - {"mode"}
     if unknown or len(marker.args) > 1 or (marker.args and "mode" in marker.kwargs):
-        raise ValueError(
+        pytest.fail(
             f"{item.nodeid}: @pytest.mark.graphsafe takes one argument, mode (got args={marker.args!r}, "
-            f"kwargs={sorted(marker.kwargs)!r})"
+            f'kwargs={sorted(marker.kwargs)!r}); write @pytest.mark.graphsafe(mode="strict")',
+            pytrace=False,
         )
     mode = marker.args[0] if marker.args else marker.kwargs.get("mode", "strict")
     from graphsafe.contract import MODES
 
     if mode not in MODES:
-        raise ValueError(f"{item.nodeid}: @pytest.mark.graphsafe(mode={mode!r}): choose one of {', '.join(MODES)}")
+        pytest.fail(
+            f"{item.nodeid}: @pytest.mark.graphsafe(mode={mode!r}): choose one of {', '.join(MODES)}", pytrace=False
+        )
     return str(mode)
 
 
@@ -118,9 +121,10 @@ class ContractFactory:
         """Create and seal a contract on ``model`` (loaded, PWAL run); ``options`` go to ``GraphContract``."""
         wanted = self._marker_mode
         if mode is not None and wanted is not None and mode != wanted:
-            raise ValueError(
+            pytest.fail(
                 f"graphsafe_contract(mode={mode!r}) conflicts with @pytest.mark.graphsafe(mode={wanted!r}) on "
-                f"{self._item.nodeid}: drop one of them"
+                f"{self._item.nodeid}: drop one of them",
+                pytrace=False,
             )
         from graphsafe.contract import GraphContract
 
@@ -397,7 +401,16 @@ class _ReportSink:
             # Unowned storage belongs to no layer: it goes with the model's root.
             unowned = report.unowned if layer == "" else ()
             aliases = tuple(a for a in report.aliases if a.layer == layer)
-            own = dataclasses.replace(report, entries=entries, fixes=fixes, unowned=unowned, aliases=aliases)
+            own = dataclasses.replace(
+                report,
+                entries=entries,
+                fixes=fixes,
+                unowned=unowned,
+                aliases=aliases,
+                undecided=tuple(u for u in report.undecided if layer in u.layers),
+                declared=tuple(d for d in report.declared if d.layer == layer),
+                declared_problems=sum(d.layer == layer for d in report.declared),
+            )
             self.layers.append(
                 {
                     "test": nodeid,

@@ -2,7 +2,7 @@
 
 Each scenario runs ``torchrun --nproc-per-node 2 tp_proof.py SCENARIO`` under a hard timeout and checks that both
 ranks report success. Needs two CUDA devices; NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``). The same worker
-runs on CPU with gloo in ``tests/test_multi_rank_proof_cpu.py``.
+runs on CPU with gloo in ``tests/contract/test_agreement_torchrun_cpu.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Run by ``torchrun --nproc-per-node 2 tests/gpu/multi/tp_proof.py SCENARIO`` (NCC
 ``--device cpu`` (gloo, eager fallback) to exercise the control flow without GPUs. Each rank prints one line
 ``RESULT rank=<r> scenario=<s> ok=<bool> detail=<...>`` and exits 0 only when its checks passed.
 
-Scenarios (issue: multi-GPU proof):
+Scenarios:
 * ``clean``: declared derived tensors on every rank; a reload with new weights is COMMITTED on both ranks and the
   replayed graph equals an eager forward of a freshly built model.
 * ``drift``: rank 1's layer declares nothing and its PWAL re-creates a derived tensor; mode ``recapture``: both

@@ -1,6 +1,7 @@
 """vLLM adapter: a ``vllm.general_plugins`` plugin that runs graphsafe's contract inside vLLM 0.33's reload.
 
-``pip install graphsafe[vllm]`` registers the entry point; vLLM then calls :func:`register` in every process.
+Installing graphsafe (its ``vllm`` extra pulls the vLLM it supports) registers the entry point; vLLM then calls
+:func:`register` in every process.
 Configuration is by environment (see ``docs/vllm.md``): ``GRAPHSAFE_MODE`` (``strict``, ``recapture``,
 ``migrate`` (default) or ``off``), ``GRAPHSAFE_REPORT``, ``GRAPHSAFE_DETECT``, ``GRAPHSAFE_MANIFEST``.
 Importing this package does not import vLLM.

@@ -44,8 +44,19 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
 
-class ConfigError(ValueError):
-    """An environment variable of the adapter holds a value it does not understand."""
+class ConfigError(SystemExit):
+    """An environment variable of the adapter holds a value it does not understand.
+
+    A :class:`SystemExit`: vLLM calls the plugin in every process it starts, and a setting it cannot use stops that
+    process with one line on stderr that names the variable and what to set, not a traceback through vLLM's start-up.
+    Code that reads the configuration itself (:meth:`AdapterConfig.from_env`) catches it by this class.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"graphsafe: {message}")
+
+    def __str__(self) -> str:
+        return str(self.code)
 
 
 def _flag(environ: Mapping[str, str], name: str) -> bool:
