@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe.contract._copy import byte_span
 from graphsafe.contract._samples import version_of
 from graphsafe.contract._slots import (
     _STORAGE_USE_COUNT,
@@ -36,7 +35,6 @@ from graphsafe.contract._slots import (
     SealedLayer,
     SharedIndex,
     _hits,
-    _memory,
     _Move,
     _sorted_ranges,
     _view,
@@ -89,8 +87,14 @@ def plan_common(
         if not _only_writers(moves, shared) or not _held_only_by_step(moves, group, work):
             return None
         ranges = _sorted_ranges(move.memory for move in moves)
-        for move in moves:
-            if _hits(ranges, _memory(move.src, byte_span(move.src))):
+        sources: set[int | None] = set()
+        for move in moves:  # by each source's whole storage: a superset of what it reads, one look per storage
+            if move.src_storage in sources:
+                continue
+            sources.add(move.src_storage)
+            storage = move.src.untyped_storage()
+            start = storage.data_ptr()
+            if start and _hits(ranges, (move.src.device, start, start + storage.nbytes())):
                 return None
         plan.moves = moves
         if plan.crossing():
