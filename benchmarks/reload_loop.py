@@ -4,6 +4,7 @@ time from outside (``/usr/bin/time -v``, or any A/B timer), one configuration pe
     PYTHONPATH=src python benchmarks/reload_loop.py --reloads 30                      # the default contract
     PYTHONPATH=src python benchmarks/reload_loop.py --reloads 30 --rule-engine-only   # fast tier off
     PYTHONPATH=src python benchmarks/reload_loop.py --reloads 30 --no-contract        # load + PWAL alone
+    PYTHONPATH=src python benchmarks/reload_loop.py --reloads 30 --manifest           # with a capture manifest
 
 Every reload loads different weights and must commit. It prints the median milliseconds per reload, and with the
 contract, the median of the transaction's own time (``outcome.seconds``).
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _engine
 
-from graphsafe import GraphContract, Status
+from graphsafe import GraphContract, Status, record_capture
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=["cpu", "tiny", "full"], default="cpu")
     parser.add_argument("--detect", default="declared-only")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--manifest", action="store_true", help="record a capture manifest around one forward")
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--rule-engine-only", action="store_true", help="GraphContract.fast_tier = False")
     what.add_argument("--no-contract", action="store_true", help="load + PWAL without a contract")
@@ -47,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         contract = GraphContract(model, "strict", detect=args.detect)  # type: ignore[arg-type]
         contract.fast_tier = not args.rule_engine_only
         contract.seal()
+        if args.manifest:  # what a graph capture records (the dispatch recorder on CPU)
+            x = torch.randn(4, shape.hidden, device=device, dtype=_engine.DTYPE)
+            with record_capture(contract, ignore=[x]), torch.no_grad():
+                model(x)
     cycles: list[float] = []
     inside: list[float] = []
     for index in range(args.reloads):

@@ -38,6 +38,8 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     # the fast tier's planner, spied on to count the restore steps it planned (the differential needs them taken)
     "tests/contract/test_fast_tier.py": {"graphsafe.contract._contract"},
     "tests/fuzz/test_fuzz_fast_tier.py": {"graphsafe.contract._contract"},
+    # the copies of a step found by address against a pass over all of them
+    "tests/contract/test_copies_by_address.py": {"graphsafe.contract._contract"},
     # the batched digest against the single-tensor one it must equal value for value
     "tests/contract/test_digests.py": {"graphsafe.contract._samples"},
     # the walker's internal table of torch's own Module attributes, checked against a fresh nn.Module; and its

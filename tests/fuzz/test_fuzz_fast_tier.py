@@ -38,8 +38,8 @@ TAME_DEPENDENT = st.sampled_from(("rebind",) * 5 + ("skip",))
 @st.composite
 def whole_model_scenarios(draw: Any) -> Scenario:
     """Whole-model reloads (the only steps the fast tier plans). A third are the fuzzer's scenarios as drawn; the
-    rest are tamed toward the common reload (declared slots, PWAL rebuilding or rewriting them, no manifest byte
-    ranges, no cycles or attributes) with a few of the drawn faults left in, so that both tiers see many steps the
+    rest are tamed toward the common reload (declared slots, PWAL rebuilding or rewriting them, no cycles or
+    attributes) with a few of the drawn faults left in, so that both tiers see many steps the
     fast tier plans and many near misses it must hand over."""
     scenario = replace(draw(scenarios()), layerwise="none", touch=0)
     if draw(st.integers(0, 2)) == 0:
@@ -61,7 +61,8 @@ def whole_model_scenarios(draw: Any) -> Scenario:
                 slot = replace(slot, attr="none")  # an attribute's tensor is undeclared
             slots.append(slot)
         layers.append(replace(layer, slots=tuple(slots), cycle=(), meta="none"))
-    return replace(scenario, layers=tuple(layers), manifest=False, inference="none")
+    # Half with a capture manifest (its recorded byte ranges are checked after the copies, in both tiers).
+    return replace(scenario, layers=tuple(layers), manifest=draw(st.booleans()), inference="none")
 
 
 @pytest.fixture

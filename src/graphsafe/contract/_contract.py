@@ -6,13 +6,14 @@ The contract is the only place that decides an outcome. Adapters translate a fra
 
 from __future__ import annotations
 
+import bisect
 import functools
 import reprlib
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, Literal, Protocol
@@ -833,6 +834,41 @@ def _overlapping(spans: list[tuple[str, int, int, int]], tensor: torch.Tensor) -
     return [key for where, first, last, key in spans if where == device and first < end and start < last]
 
 
+class _Landing:
+    """The copies of a step by address, to ask which landed on a range: per device, sorted by first address with the
+    running maximum of their ends, so a question costs a search and the copies it finds (not a pass over all)."""
+
+    def __init__(self, written: Sequence[tuple[str, int, int, Any]]) -> None:
+        by_device: dict[str, list[tuple[int, int, int, Any]]] = {}
+        for position, (device, start, end, move) in enumerate(written):
+            by_device.setdefault(device, []).append((start, end, position, move))
+        self._on: dict[str, tuple[list[int], list[int], list[tuple[int, int, int, Any]]]] = {}
+        for device, items in by_device.items():
+            items.sort(key=lambda item: (item[0], item[2]))
+            furthest: list[int] = []
+            reach = -1
+            for _, end, _, _ in items:
+                reach = max(reach, end)
+                furthest.append(reach)
+            self._on[device] = ([item[0] for item in items], furthest, items)
+
+    def on(self, device: str, first: int, end: int) -> list[Any]:
+        """The copies on ``device`` whose ``[start, end)`` overlaps ``[first, end)``, in the order written."""
+        found = self._on.get(device)
+        if found is None:
+            return []
+        starts, furthest, items = found
+        hits: list[tuple[int, Any]] = []
+        index = bisect.bisect_left(starts, end) - 1  # every copy from here back starts before ``end``
+        while index >= 0 and furthest[index] > first:
+            _, stop, position, move = items[index]
+            if stop > first:
+                hits.append((position, move))
+            index -= 1
+        hits.sort(key=lambda hit: hit[0])
+        return [move for _, move in hits]
+
+
 def _gaps(first: int, end: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The parts of ``[first, end)`` that no span of ``spans`` (sorted by start) covers."""
     gaps: list[tuple[int, int]] = []
@@ -1422,19 +1458,12 @@ class ReloadTransaction:
         if not self._byte_ranges:
             return []
         written = [(str(m.memory[0]), m.memory[1], m.memory[2], m) for m in plan.moves]
+        landed = _Landing(written)
         # Each recorded storage this step copied into, with the copies that landed on its recorded bytes.
         entries = [
             (entry, sources)
             for entry in self._byte_ranges
-            if (
-                sources := [
-                    move
-                    for device, start, end, move in written
-                    if device == str(entry.device)
-                    and start < entry.data_ptr + entry.hi
-                    and entry.data_ptr + entry.lo < end
-                ]
-            )
+            if (sources := landed.on(str(entry.device), entry.data_ptr + entry.lo, entry.data_ptr + entry.hi))
         ]
         if not entries:
             return []
@@ -1448,9 +1477,15 @@ class ReloadTransaction:
             except (TypeError, RuntimeError):
                 continue  # no memory of its own to cover anything
         findings: list[Finding] = []
+        spans_on: dict[str, list[tuple[int, int]]] = {}  # per device, the covered spans sorted by start (once)
+        for where, start, stop in covered:
+            if stop > start:
+                spans_on.setdefault(where, []).append((start, stop))
+        for spans in spans_on.values():
+            spans.sort()
         for entry, sources in entries:
             device, base = str(entry.device), entry.data_ptr
-            spans = sorted((start, stop) for where, start, stop in covered if where == device and stop > start)
+            spans = spans_on.get(device, [])
             gaps = [
                 gap
                 for gap in _gaps(base + entry.lo, base + entry.hi, spans)
@@ -1644,6 +1679,8 @@ class ReloadTransaction:
             if plan.moves:
                 with plan.writing():
                     plan.launch(batch)
+                if self.contract.manifest is not None:  # the recorded bytes no copy reached: the engine's rule
+                    self._findings.extend(self._reads_no_copy_reached(plan))
         finally:
             self._bytes += batch.written
 

@@ -288,18 +288,12 @@ def _own_references(moves: Sequence[_Move], group: Sequence[LayerSnapshot], work
 
 def step_conditions(txn: Any) -> bool:
     """Whether a whole-model restore step of ``txn`` (a :class:`ReloadTransaction`) is one the fast tier may plan:
-    the rule engine's step-wide rules (skipping unread slots, crossing storages, byte ranges a manifest recorded,
-    tensors kept or memory abandoned by earlier steps, layers still pending) have nothing to act on."""
+    the rule engine's step-wide rules (skipping unread slots, crossing storages, tensors kept or memory abandoned by
+    earlier steps, layers still pending) have nothing to act on. (Byte ranges a manifest recorded are checked after
+    the copies, by the same rule, either way.)"""
     contract = txn.contract
     if not contract.fast_tier or txn.layerwise or contract.unread == "skip" or contract._cross:
         return False
     if txn._kept or txn._abandoned or txn._moved or txn._closed:
         return False
-    manifest = contract.manifest
-    if manifest is not None:
-        ranges = getattr(manifest, "byte_ranges", None)
-        # (Not kept for the engine: it reads them after its copies, when fewer recorded storages are alive. Empty
-        # now, they are empty then: no storage comes back.)
-        if ranges is not None and ranges():
-            return False
     return True

@@ -1,0 +1,27 @@
+"""Which copies of a restore step landed on a recorded byte range (``contract._contract._Landing``): the same
+copies, in the same order, as a pass over every copy, for any ranges (nested, overlapping, empty, touching, on
+several devices). The manifest's per-reload check asks this once per recorded storage."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphsafe.contract._contract import _Landing
+
+DEVICES = ("cpu", "cuda:0")
+ranges = st.tuples(st.sampled_from(DEVICES), st.integers(0, 200), st.integers(0, 60)).map(
+    lambda r: (r[0], r[1], r[1] + r[2])
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(ranges, max_size=40), st.lists(ranges, min_size=1, max_size=20))
+def test_the_copies_found_by_address_are_those_a_full_pass_finds(
+    copies: list[tuple[str, int, int]], asked: list[tuple[str, int, int]]
+) -> None:
+    written = [(device, start, end, f"move{index}") for index, (device, start, end) in enumerate(copies)]
+    landing = _Landing(written)
+    for device, first, end in asked:
+        expected = [move for where, start, stop, move in written if where == device and start < end and first < stop]
+        assert landing.on(device, first, end) == expected
