@@ -294,6 +294,4 @@ def step_conditions(txn: Any) -> bool:
     contract = txn.contract
     if not contract.fast_tier or txn.layerwise or contract.unread == "skip" or contract._cross:
         return False
-    if txn._kept or txn._abandoned or txn._moved or txn._closed:
-        return False
-    return True
+    return not (txn._kept or txn._abandoned or txn._moved or txn._closed)
