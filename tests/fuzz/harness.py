@@ -115,6 +115,7 @@ def run(
     unread: str = "restore",
     capture: Callable[[GraphContract, models.FuzzModel, torch.Tensor], set[oracle.Key]] | None = None,
     fast_tier: bool = True,
+    keep_evidence: bool = False,
 ) -> Result:
     """Run ``scenario`` and return the oracle's verdict. Raises :class:`FuzzerBug` for the generator's own bugs.
 
@@ -122,6 +123,7 @@ def run(
     lie there). ``unread`` is the contract's policy; ``capture(contract, model, x)``, when given, records the
     capture in place of ``record_capture`` around a forward, for every scenario, and returns the reads (keys) the
     captured graph makes: the oracle then judges a replay by those alone (the kernel scan's skip test).
+    ``fast_tier`` is the contract's (``GraphContract.fast_tier``); ``keep_evidence`` fills :attr:`Result.evidence`.
     """
     graph_reads: set[oracle.Key] | None = None
     x = torch.ones(1)
@@ -194,7 +196,8 @@ def run(
         pwal_keys=frozenset(after or ()),
     )
     verdict, reason = oracle.judge(facts)
-    return Result(scenario, verdict, reason, status, evidence=evidence(outcome, captured, post))
+    kept = evidence(outcome, captured, post) if keep_evidence else ()
+    return Result(scenario, verdict, reason, status, evidence=kept)
 
 
 _ADDRESS = re.compile(r"0x[0-9a-f]+|capture-\d+")  # what differs between two runs of one scenario
@@ -218,7 +221,8 @@ def evidence(
     def raw(tensor: torch.Tensor | None) -> tuple[object, ...] | None:
         if tensor is None:
             return None
-        plain = tensor.resolve_conj().resolve_neg().contiguous()
+        # (a fresh tensor has standard strides: a contiguous one of one element can carry any stride)
+        plain = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.resolve_conj().resolve_neg())
         return (
             str(plain.dtype),
             tuple(plain.shape),

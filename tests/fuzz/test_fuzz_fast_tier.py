@@ -89,8 +89,8 @@ def test_the_fast_tier_gives_the_rule_engines_verdict_and_bytes(fast_steps: list
     @given(whole_model_scenarios())
     def one(scenario: Scenario) -> None:
         nonlocal runs
-        fast = run(scenario, fast_tier=True)
-        ruled = run(scenario, fast_tier=False)
+        fast = run(scenario, fast_tier=True, keep_evidence=True)
+        ruled = run(scenario, fast_tier=False, keep_evidence=True)
         runs += 1
         if fast.verdict in (oracle.SILENT, oracle.CRASH):
             lies.append(f"{fast.verdict}: {fast.reason} {fast.detail}\n{scenario.describe()}")
