@@ -327,10 +327,11 @@ class GraphContract:
         declared slot does not resolve to a tensor. After a reload that left the contract unsafe, sealing again is
         :meth:`reseal`, and needs a capture after that reload.
 
-        A seal that finds nothing to track (a ``devices`` filter that matches no tensor of the model, or
-        ``detect="declared-only"`` on a model with no declaration, parameter or buffer) leaves the contract not
-        serving-safe: a contract that tracks nothing cannot keep any captured address. :attr:`unsafe_reason` says
-        which setting to change.
+        A ``devices`` filter that matches none of the model's parameters, buffers and declared slots (a rank and
+        local-rank mix-up) raises :class:`~graphsafe.GraphSafeError`: it would track the declared slots at most.
+        A seal that finds nothing to track (``detect="declared-only"`` on a model with no declaration, parameter
+        or buffer) leaves the contract not serving-safe: a contract that tracks nothing cannot keep any captured
+        address. :attr:`unsafe_reason` says which setting to change.
         """
         return self._seal_alone(recaptured=False)
 
@@ -364,6 +365,7 @@ class GraphContract:
                 "or reseal(recaptured=True))",
                 self.last_outcome,
             )
+        self._refuse_foreign_devices()
         layers: list[SealedLayer] = []
         self._units = frozenset(id(module) for module in self.model.modules())
         try:
@@ -409,6 +411,29 @@ class GraphContract:
     def _model_name(self) -> str:
         model = self._model_ref()
         return type(model).__name__ if model is not None else "a collected model"
+
+    def _refuse_foreign_devices(self) -> None:
+        """A ``devices`` list that matches none of the model's loaded tensors (its parameters, buffers and declared
+        slots; a rank and local-rank mix-up) would seal the declared slots only and let a loader rebind the weights
+        the graphs read: refused, in one line."""
+        devices = self.devices
+        if devices is None:
+            return
+        model = self.model
+        tensors = [*model.parameters(), *model.buffers()]
+        for module in model.modules():
+            for declaration in declarations_of(module).values():
+                value = declaration.path.resolve_or(module, None)
+                if isinstance(value, torch.Tensor):
+                    tensors.append(value)
+        held = sorted({str(t.device) for t in tensors if t.device.type != "meta"})
+        if held and not any(t.device in devices for t in tensors):
+            wanted = ", ".join(str(d) for d in devices.devices or ())
+            raise GraphSafeError(
+                f"graphsafe seal of {type(model).__name__}: devices=[{wanted}] matches none of its tensors (they are "
+                f'on {", ".join(held)}); pass devices= naming the device the graphs read ("cuda" matches every '
+                "cuda:N), or leave devices out"
+            )
 
     def _tracks_nothing(self) -> str:
         """Why an empty seal is not serving-safe, naming the setting that made it empty and what to do."""
