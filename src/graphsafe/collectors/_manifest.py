@@ -96,6 +96,11 @@ class CapturedStorage:
     hi: int = 0
     #: Whether some op wrote it (an ``out=`` or in-place argument); reads are the common case.
     written: bool = False
+    #: Whether the capture read bytes of it that it had not itself written first through ``out=`` (a scratch the
+    #: graph fills before reading is no read of what was there before). The kernel scan cannot tell: always set.
+    read: bool = False
+    #: ``[lo, hi)``: the bytes ``out=`` arguments wrote before any read (the dispatch recorder's bookkeeping).
+    fresh: tuple[int, int] = (0, 0)
     #: Model paths that held it when last indexed; empty for unowned storage.
     holders: tuple[Holder, ...] = ()
     #: Which backend produced this fact: ``"dispatch"`` (the dispatch recorder) or ``"kernel-scan"`` (the graph's
@@ -143,8 +148,18 @@ class CapturedStorage:
 # torch.tensor(data) inside a capture reaches the dispatcher as lift_fresh of a tensor made on the spot.
 _FRESH_OPS: frozenset[Any] = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
 # How an op uses an argument (collectors._dataflow reads it from the schema): a view only aliases it (reads no
-# bytes), a write may not read it; anything else reads it.
+# bytes), a write may not read it; anything else reads it. An ``out=`` argument is written without being read.
 _READ = 0
+_OUT = 3
+# In-place ops that overwrite their first argument without reading it: a pure write, as ``out=`` is.
+_OVERWRITE: frozenset[Any] = frozenset(
+    {
+        torch.ops.aten.copy_.default,
+        torch.ops.aten.fill_.Scalar,
+        torch.ops.aten.fill_.Tensor,
+        torch.ops.aten.zero_.default,
+    }
+)
 _ACCESS: dict[Any, tuple[dict[int, int], dict[str, int], str]] = {}
 
 
@@ -216,17 +231,21 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
             positions, names, name = _access(func)
             touch = self._touch
             # Inlined walk over the arguments: this runs for every op of the capture.
+            overwrite = func in _OVERWRITE
             for index, value in enumerate(args):
                 if isinstance(value, torch.Tensor):
-                    touch(value, name, positions.get(index, _READ))
+                    touch(value, name, _OUT if overwrite and index == 0 else positions.get(index, _READ))
                 elif isinstance(value, list | tuple):
                     access = positions.get(index, _READ)
                     for item in value:
                         if isinstance(item, torch.Tensor):
                             touch(item, name, access)
             for key, value in kwargs.items():
+                access = names.get(key, _READ)
+                if key == "out" and access == _WRITE:
+                    access = _OUT
                 for tensor in _tensors(value):
-                    touch(tensor, name, names.get(key, _READ))
+                    touch(tensor, name, access)
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             self._mark_internal(out)
@@ -286,11 +305,17 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
             self.in_capture.add(key)
         if access == _VIEW:
             return
-        if access == _WRITE:
+        if access != _READ:
             entry.written = True
         span = _touched_bytes(tensor)
         if span is None:
             return
+        fresh = entry.fresh
+        if access == _OUT:
+            if not entry.read and (fresh[0] == fresh[1] or (span[0] <= fresh[1] and fresh[0] <= span[1])):
+                entry.fresh = (min(fresh[0], span[0]), max(fresh[1], span[1])) if fresh[1] else span
+        elif not (fresh[0] <= span[0] and span[1] <= fresh[1]):  # a read (an in-place write reads too)
+            entry.read = True
         if entry.hi == 0:  # the first bytes touched name the op and the view in messages
             entry.op, entry.first_view, entry.lo, entry.hi = op, fingerprint(tensor), span[0], span[1]
         else:
@@ -498,6 +523,7 @@ def _scan_capture(
                 op=label,
                 lo=offset,
                 hi=storage.nbytes(),
+                read=True,
                 backend="kernel-scan",
             )
         )
@@ -627,6 +653,8 @@ class Manifest:
         self._scans: dict[str, kscan.ScanFacts] = {}
         #: One line per thing a capture could not see (kernel scan unavailable, ``extra`` parameters, ...).
         self.notes: list[str] = []
+        # Storages vouched for as fixed tables outside the model (vouch_fixed), by id; weakly held.
+        self._fixed: dict[int, weakref.ReferenceType[Any]] = {}
 
     # -- contents ----------------------------------------------------------------------------------------------
     @property
@@ -657,8 +685,23 @@ class Manifest:
         return len(self.storages())
 
     def unowned(self) -> list[CapturedStorage]:
-        """Recorded storages no model path held when indexed (module-level caches, third-party internals)."""
-        return [entry for entry in self.storages() if not entry.holders]
+        """Recorded storages no model path held when indexed (module-level caches, third-party internals), but
+        those vouched for as fixed tables (:meth:`vouch_fixed`)."""
+        return [entry for entry in self.storages() if not entry.holders and not self._vouched(entry.storage_ref())]
+
+    def vouch_fixed(self, *tensors: torch.Tensor) -> None:
+        """Vouch that these tensors, which the graphs read and no model path holds (a module-level lookup table),
+        are fixed: no reload changes what they hold or where. Their storages are then not ``orphaned`` when
+        unowned (a read no model path feeds is otherwise a finding), and not listed by :meth:`unowned`; freed,
+        they are still ``dead``. Held weakly; vouch again for a table made anew."""
+        for tensor in tensors:
+            for part in _memory(tensor):
+                storage = part.untyped_storage()
+                self._fixed[id(storage)] = weakref.ref(storage)
+
+    def _vouched(self, storage: Any) -> bool:
+        ref = self._fixed.get(id(storage)) if storage is not None else None
+        return ref is not None and ref() is storage
 
     def discard(self, capture: str) -> bool:
         """Forget a capture whose graph was destroyed; ``False`` if there was none by that name."""
@@ -827,10 +870,10 @@ class Manifest:
                 findings.append(_finding(FindingKind.DEAD, entry, model, None, what=moved))
                 continue
             if not entry.holders:
-                if entry.backend == "kernel-scan":
-                    # A kernel node points into it and no model path, input or output holds it: nothing a reload
-                    # does is known to reach what replay reads there. The dispatch recorder's unowned storages stay
-                    # a listing (unowned()): it also sees storages no kernel reads (views, ops outside the graph).
+                # The graph reads it (a kernel node points into it, or an op read bytes the graph had not written
+                # through out= first; a storage only viewed is no read) and no model path, input or output holds it:
+                # nothing a reload does is known to reach what replay reads there, in either backend.
+                if entry.read and not self._vouched(storage):
                     findings.append(_finding(FindingKind.ORPHANED, entry, model, None, what=_UNOWNED_ALIVE))
                 continue
             left = [holder for holder in entry.holders if not _holds(model, layers, holder, storage)]
@@ -850,8 +893,9 @@ class Manifest:
 
 
 _UNOWNED_ALIVE = (
-    "no model path holds it, so no reload updates what replay reads there; hold it at a model path, declare it, or "
-    "pass it as a graph input"
+    "no model path holds it, so no reload updates what replay reads there; hold it at a model path, declare it, "
+    "pass it as a graph input (record_capture's ignore=), or, for a fixed table no reload changes, vouch for it "
+    "with contract.manifest.vouch_fixed(tensor)"
 )
 
 

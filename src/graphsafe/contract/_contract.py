@@ -947,7 +947,8 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
         if any(not f.path for f in undeclared):
             advice += (
                 "\nCaptured storage no layer holds (a module-level cache or a library's internal buffer) cannot be "
-                "declared: write it in place in PWAL, or keep it reachable from the layer and declare that path."
+                "declared: keep it reachable from the layer and declare that path, pass it as a graph input "
+                "(ignore=), or vouch for a fixed table no reload changes with contract.manifest.vouch_fixed(tensor)."
             )
         return UndeclaredDriftError(f"{header}\n{body}{advice}", outcome)
     return DeclaredDriftError(f"{header}\n{body}", outcome)
