@@ -41,6 +41,7 @@ from graphsafe.contract._slots import (
     judge_noted,
     reads_as_captured,
 )
+from graphsafe.contract._unmaterialised import refuse_unmaterialised
 from graphsafe.contract._unread import UNREAD_POLICIES, SkipState, skip_unread
 from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.errors import (
@@ -328,7 +329,8 @@ class GraphContract:
         :meth:`reseal`, and needs a capture after that reload.
 
         A ``devices`` filter that matches none of the model's parameters, buffers and declared slots (a rank and
-        local-rank mix-up) raises :class:`~graphsafe.GraphSafeError`: it would track the declared slots at most.
+        local-rank mix-up) raises :class:`~graphsafe.GraphSafeError`: it would track the declared slots at most. So
+        does a parameter or buffer not materialised yet (a lazy module before its first forward, a ``meta`` tensor).
         A seal that finds nothing to track (``detect="declared-only"`` on a model with no declaration, parameter
         or buffer) leaves the contract not serving-safe: a contract that tracks nothing cannot keep any captured
         address. :attr:`unsafe_reason` says which setting to change.
@@ -366,6 +368,7 @@ class GraphContract:
                 self.last_outcome,
             )
         self._refuse_foreign_devices()
+        refuse_unmaterialised(self.model)
         layers: list[SealedLayer] = []
         self._units = frozenset(id(module) for module in self.model.modules())
         try:
