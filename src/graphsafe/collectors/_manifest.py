@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphsafe.collectors import _kernelscan as kscan
 from graphsafe.collectors._classify import classify
 from graphsafe.collectors._dataflow import _VIEW, _WRITE, _schema_access, _tensors
+from graphsafe.collectors._names import module_names
 from graphsafe.errors import GraphSafeError
 from graphsafe.outcome import (
     Finding,
@@ -597,12 +598,15 @@ class _PathIndex:
 
 
 def _model_index(model: nn.Module, index: _PathIndex, *, walk: bool) -> None:
-    """Every classified path of every layer (the walker's finds too when ``walk``)."""
+    """Every classified path of every layer (the walker's finds too when ``walk``), under every qualified name of a
+    module held at several paths."""
     units = frozenset(id(module) for module in model.modules())  # as the contract's seal walks
+    names = module_names(model)
     for qualname, layer in model.named_modules():
         layer_class = type(layer).__name__
         for entry in classify(layer, walk_layer=walk, units=units).tensors:
-            index.add(entry.tensor, qualname, layer_class, entry.path.text, entry.origin)
+            for name in names.get(id(layer), [qualname]):
+                index.add(entry.tensor, name, layer_class, entry.path.text, entry.origin)
 
 
 def _contract_index(contract: SealedModel, index: _PathIndex) -> None:

@@ -20,7 +20,15 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from graphsafe.collectors import UNTRACKABLE_ADVICE, Classified, Dataflow, classify, classify_walk, walk
+from graphsafe.collectors import (
+    UNTRACKABLE_ADVICE,
+    Classified,
+    Dataflow,
+    classify,
+    classify_walk,
+    module_names,
+    walk,
+)
 from graphsafe.contract._access import submodule_is
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._copy import CopyBatch, clone_laid_out, overlapping_pairs
@@ -195,6 +203,8 @@ class GraphContract:
         self.devices: DeviceSet | None = DeviceSet(devices) if devices is not None else None
         self._layers: list[SealedLayer] = []
         self._units: frozenset[int] = frozenset()  # ids of the model's modules at seal: each its own reload unit
+        #: id(module) -> the split qualified names after its first, for a module held at several paths at seal.
+        self._also: dict[int, list[tuple[str, ...]]] = {}
         self._by_layer: dict[int, list[int]] = {}  # id(layer) -> indices into _layers (for before/after_layer)
         self._shared: SharedIndex = {}  # captured storage id -> every (sealed layer, slot position) reading it
         #: (id(sealed layer), slot position) of slots whose captured memory also lies under another storage object.
@@ -371,6 +381,11 @@ class GraphContract:
         refuse_unmaterialised(self.model)
         layers: list[SealedLayer] = []
         self._units = frozenset(id(module) for module in self.model.modules())
+        self._also = {
+            key: [tuple(name.split(".")) for name in names[1:]]
+            for key, names in module_names(self.model).items()
+            if len(names) > 1
+        }
         try:
             for qualname, layer in self.model.named_modules():
                 sealed = self._seal_layer(qualname, layer)
@@ -1558,13 +1573,19 @@ class ReloadTransaction:
         return self._written.get(id(storage)) is storage
 
     def _still_in_model(self, sealed: SealedLayer, layer: nn.Module) -> bool:
+        """Whether the model still holds ``layer`` at its qualified name, and at every other name it had at seal
+        (a submodule shared at two paths: a module bound at either leaves the graph reading the captured one)."""
         if not sealed.qualname:
             return layer is self.contract.model
-        known = submodule_is(self.contract.model, sealed.atoms, layer)
+        also = self.contract._also.get(id(layer), ())
+        return all(self._holds_at(atoms, layer) for atoms in (sealed.atoms, *also))
+
+    def _holds_at(self, atoms: tuple[str, ...], layer: nn.Module) -> bool:
+        known = submodule_is(self.contract.model, atoms, layer)
         if known is not None:
             return known
         try:
-            return self.contract.model.get_submodule(sealed.qualname) is layer
+            return self.contract.model.get_submodule(".".join(atoms)) is layer
         except AttributeError:
             return False
 
