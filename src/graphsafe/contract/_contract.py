@@ -33,6 +33,7 @@ from graphsafe.contract._access import submodule_is
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._copy import CopyBatch, clone_laid_out, overlapping_pairs
 from graphsafe.contract._gcpause import collections_paused
+from graphsafe.contract._order import Stamp, stamp
 from graphsafe.contract._samples import SampleBatch, version_of
 from graphsafe.contract._slots import (
     ClosedLayer,
@@ -998,6 +999,7 @@ class ReloadTransaction:
         # (layer, path) -> (id, version counter, data_ptr) of what each untracked manifest path held at the start
         self._held_before: dict[tuple[str, str], tuple[int, int, int]] = {}
         self._gone: set[int] = set()  # sealed layers already reported as replaced or removed
+        self._stamps: dict[int, Stamp] = {}  # layerwise: id(sealed layer) -> its stamp at begin (see _order)
         self._moved: set[int] = set()  # of those, the ones still in the model elsewhere when snapshotted
         self._findings: list[Finding] = []
         #: New tensors earlier restore steps left at their paths (findings): later steps treat them as readers.
@@ -1069,6 +1071,11 @@ class ReloadTransaction:
             # Whole model: every layer now. Layer by layer: those whose captured storage another layer reads too
             # (a tie) now as well, since an earlier layer's PWAL can write that storage before their before_layer().
             early = [s for s in contract._layers if not self.layerwise or s.shared_across_layers]
+            if self.layerwise:
+                for sealed in contract._layers:
+                    layer = sealed.layer_ref()
+                    if layer is not None and not sealed.shared_across_layers:
+                        self._stamps[id(sealed)] = stamp(layer)
             if early:
                 start = time.perf_counter()
                 with collections_paused():
@@ -1230,6 +1237,7 @@ class ReloadTransaction:
             for sealed in self._layer_entries("after_layer()", layer):
                 snapshot = self._snapshots.get(id(sealed))
                 if snapshot is None:
+                    self._stamps.pop(id(sealed), None)  # the finding below says so
                     snapshot = self._snapshot(sealed)
                     if snapshot is not None and self.layerwise:
                         # Taken after the load: it sees PWAL's tensors as the captured ones, so neither stale
@@ -1550,6 +1558,16 @@ class ReloadTransaction:
                     (exhausted or sealed.walk_exhausted or "")
                     + "; undeclared tensors past it are unchecked: raise max_depth/max_objects or declare them",
                     declared=False,
+                )
+            )
+        before = self._stamps.pop(id(sealed), None)
+        if before is not None and stamp(layer) != before:
+            snapshot.findings.append(
+                sealed.layer_finding(
+                    FindingKind.RELOAD_ERROR,
+                    "loaded before its before_layer() (called late, or not at all): the snapshot saw the loaded "
+                    "state, so stale values go unchecked; call txn.before_layer(layer) before each layer's load",
+                    declared=True,
                 )
             )
         self._snapshots[id(sealed)] = snapshot
