@@ -205,11 +205,18 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         # Keyed by id(storage); the weak reference confirms the id still names the same storage (ids are reused).
         self.external: dict[int, CapturedStorage] = {}
         self.internal: dict[int, weakref.ReferenceType[Any]] = {}
-        self.ignored: dict[int, weakref.ReferenceType[Any]] = {}
+        # The ignored tensors' own bytes, by storage: a static input carved out of a storage that also holds a model
+        # tensor leaves that tensor's bytes recorded.
+        self.ignored: dict[int, tuple[weakref.ReferenceType[Any], list[tuple[int, int]]]] = {}
         for tensor in ignore:
             for part in _memory(tensor):
                 storage = part.untyped_storage()
-                self.ignored[id(storage)] = weakref.ref(storage)
+                span = _touched_bytes(part)
+                held = self.ignored.get(id(storage))
+                if held is None or held[0]() is not storage:
+                    held = self.ignored[id(storage)] = (weakref.ref(storage), [])
+                if span is not None:
+                    held[1].append(span)
         # Whether an op ran while a CUDA stream was capturing; if one did, ops outside the capture (torch's own
         # bookkeeping in capture_begin, e.g. the RNG seed/offset fills) are not part of the graph.
         self.capturing = False
@@ -283,9 +290,11 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         ref = self.internal.get(key)
         if ref is not None and ref() is storage:
             return
-        ref = self.ignored.get(key)
-        if ref is not None and ref() is storage:
-            return
+        ignored = self.ignored.get(key)
+        if ignored is not None and ignored[0]() is storage:
+            span = _touched_bytes(tensor)
+            if span is None or any(lo <= span[0] and span[1] <= hi for lo, hi in ignored[1]):
+                return  # within an ignored tensor's bytes
         entry = self.external.get(key)
         if entry is None or entry.storage_ref() is not storage:
             device = tensor.device
@@ -361,7 +370,8 @@ def record_capture(
         contract: the contract whose graphs these are (``None``: record into ``manifest`` only).
         name: the capture's name; recording again under a name replaces that capture (a recapture). Default: a
             fresh name per call.
-        ignore: tensors the graph touches that are not model state (static inputs and outputs): not recorded.
+        ignore: tensors the graph touches that are not model state (static inputs and outputs): their own bytes
+            are not recorded (the rest of a storage they share with a model tensor still is).
         devices: record only tensors on these devices (``"cuda"`` matches every index). Default: every device.
         reindex: tie the recorded storages to the model paths that hold them now. The adapter passes ``False``
             when the contract reseals right after (a recapture), which indexes everything anyway.
