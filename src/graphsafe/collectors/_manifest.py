@@ -11,8 +11,11 @@ not walk, the walker's finds. At the end of every reload :meth:`Manifest.check` 
 recorded storage that was freed is ``dead``, one the model no longer holds under any of them is ``orphaned``. The
 contract decides what a finding does, per mode, as for any other finding.
 
-Only ops that pass through torch's dispatcher are seen (aten ops and ``torch.library`` custom ops); a kernel
-launched directly (a raw Triton or CUDA call) is invisible to the manifest.
+Only ops that pass through torch's dispatcher are seen, and only through the tensors passed to them: aten ops
+read nothing else, but a ``torch.library`` custom op's implementation may read a tensor it is not passed (a
+module-level table, a closure, a pointer held in C++), which the dispatch recorder cannot see; the capture's
+:meth:`Manifest.truth` and notes name every custom op it ran. A kernel launched directly (a raw Triton or CUDA
+call) is invisible too. The kernel scan reads what the captured kernels really point at, and sees both.
 """
 
 from __future__ import annotations
@@ -146,6 +149,9 @@ class CapturedStorage:
 # --------------------------------------------------------------------------------------------------------------
 # Recording.
 
+# Ops whose reads are their tensor arguments; any other namespace is a custom op (torch.library), whose
+# implementation may read tensors it is not passed.
+_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims", "_c10d_functional", "c10d"})
 # torch.tensor(data) inside a capture reaches the dispatcher as lift_fresh of a tensor made on the spot.
 _FRESH_OPS: frozenset[Any] = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
 # How an op uses an argument (collectors._dataflow reads it from the schema): a view only aliases it (reads no
@@ -222,6 +228,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         self.capturing = False
         self.saw_capture = False
         self.in_capture: set[int] = set()
+        #: Custom ops (outside torch's own namespaces) that ran: seen only through the tensors passed to them.
+        self.custom: dict[str, None] = {}
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -231,6 +239,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         capturing = _cuda_ready() and torch.cuda.is_current_stream_capturing()
         self.capturing = capturing
         self.saw_capture = self.saw_capture or capturing
+        if getattr(func, "namespace", "aten") not in _TORCH_NAMESPACES:
+            self.custom.setdefault(str(getattr(func, "_overloadpacket", func)), None)
         if func in _FRESH_OPS:
             # torch.tensor(...) inside the capture: the input was made on the spot, not read from the model.
             for tensor in _tensors(args):
@@ -416,12 +426,24 @@ def record_capture(
     if recorder.saw_capture:
         entries = {key: entry for key, entry in entries.items() if key in recorder.in_capture}
     manifest._install(capture, list(entries.values()))
+    if recorder.custom:
+        manifest._blind[capture] = tuple(recorder.custom)
+        manifest.notes.append(f"graphsafe: capture {capture!r}: {_blind_phrase(manifest._blind[capture])}")
     if contract is not None:
         contract.manifest = manifest
         # A capture ran: the evidence a reseal after a failed reload needs.
         contract.note_capture()
         if reindex:
             manifest._index(contract, manifest.entries(capture))
+
+
+def _blind_phrase(ops: tuple[str, ...]) -> str:
+    more = f" and {len(ops) - 3} more" if len(ops) > 3 else ""
+    return (
+        f"the dispatch recorder sees custom op(s) {', '.join(ops[:3])}{more} only through the tensors passed to them; "
+        "a tensor such an op reads without being passed (a module-level table) is not recorded (the kernel scan "
+        "sees it)"
+    )
 
 
 def record_scan(
@@ -667,6 +689,8 @@ class Manifest:
         self._scans: dict[str, kscan.ScanFacts] = {}
         #: One line per thing a capture could not see (kernel scan unavailable, ``extra`` parameters, ...).
         self.notes: list[str] = []
+        # Custom ops each dispatch-recorded capture ran (seen only through their tensor arguments).
+        self._blind: dict[str, tuple[str, ...]] = {}
         # Storages vouched for as fixed tables outside the model (vouch_fixed), by id; weakly held.
         self._fixed: dict[int, weakref.ReferenceType[Any]] = {}
 
@@ -720,12 +744,19 @@ class Manifest:
     def discard(self, capture: str) -> bool:
         """Forget a capture whose graph was destroyed; ``False`` if there was none by that name."""
         self._scans.pop(capture, None)
+        self._blind.pop(capture, None)
         return self._captures.pop(capture, None) is not None
 
     def _install(self, capture: str, entries: list[CapturedStorage], *, scanned: bool = False) -> None:
         self._captures[capture] = entries
+        self._blind.pop(capture, None)  # a recapture says again what it could not see
         if not scanned:
             self._scans.pop(capture, None)  # a recapture by the dispatch recorder replaces an earlier scan
+
+    def blind_spots(self) -> dict[str, tuple[str, ...]]:
+        """The custom ops each dispatch-recorded capture ran, by capture: the dispatch recorder sees them only through
+        the tensors passed to them, so it cannot prove that a tensor no recorded op touched is unread."""
+        return dict(self._blind)
 
     def backends(self) -> dict[str, str]:
         """Which backend recorded each capture: ``"kernel-scan"`` or ``"dispatch"``."""
@@ -743,7 +774,10 @@ class Manifest:
         for name in self._captures:
             facts = self._scans.get(name)
             if facts is None:
-                return f"capture {name!r} was recorded by the dispatch recorder, not read by the kernel scan"
+                blind = self._blind.get(name)
+                return f"capture {name!r} was recorded by the dispatch recorder, not read by the kernel scan" + (
+                    f"; {_blind_phrase(blind)}" if blind else ""
+                )
             if facts.scan.incomplete:
                 more = len(facts.scan.incomplete) - 1
                 return f"capture {name!r}: {facts.scan.incomplete[0]}" + (f" (and {more} more)" if more else "")
