@@ -540,6 +540,9 @@ class ReloadOutcome:
     layers: int = 0
     error: BaseException | None = field(default=None, repr=False, compare=False)
     rank_statuses: tuple[tuple[int, Status], ...] = ()
+    #: The name of the contract this outcome decides (``GraphContract.name``), set for a rank agreement: every rank
+    #: of a round must decide the same contract.
+    contract: str = ""
     #: Slots whose storage no captured graph reads, by the kernel scan (``None``: not every capture was
     #: kernel-scanned, so what is unread is not known).
     slots_unread: int | None = None

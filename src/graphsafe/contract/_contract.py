@@ -6,6 +6,7 @@ The contract is the only place that decides an outcome. Adapters translate a fra
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import reprlib
 import threading
@@ -166,6 +167,10 @@ class GraphContract:
     the vLLM plugin); a graph captured any other way would read freed memory. Where what the graphs read is not
     fully known (a capture by the dispatch recorder, a kernel whose parameters the scan could not read), nothing is
     skipped and the outcome says why (``skip_refused``).
+
+    ``name`` names the contract in every outcome it decides (``ReloadOutcome.contract``); rank agreement checks that
+    every rank of a round decides the same contract. Default: the model's class name. Contracts that share an
+    agreement group need distinct names (a target and a draft model of one class: pass ``name=``).
     """
 
     def __init__(
@@ -177,6 +182,7 @@ class GraphContract:
         budget: WalkBudget | None = None,
         devices: Collection[torch.device | str] | None = None,
         unread: Unread = "restore",
+        name: str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"GraphContract needs an nn.Module, got {type(model).__name__}")
@@ -193,6 +199,8 @@ class GraphContract:
                 "the copies of slots no kernel-scanned graph reads)"
             )
         self._model_ref = weakref.ref(model)
+        #: The contract's name in its outcomes and agreement rounds.
+        self.name: str = name if name is not None else type(model).__qualname__
         #: What a reload does with slots no captured graph reads: ``"restore"`` or ``"skip"`` (see the class docs).
         self.unread: Unread = unread
         self.mode: Mode = mode
@@ -1116,7 +1124,8 @@ class ReloadTransaction:
             return None
         self._finished = True
         try:
-            return self.agreement(outcome or ReloadOutcome(Status.FAILED, self.contract.mode, error=error))
+            local = outcome or ReloadOutcome(Status.FAILED, self.contract.mode, error=error)
+            return self.agreement(dataclasses.replace(local, contract=self.contract.name))
         except Exception as exc:
             error.add_note(
                 f"graphsafe: taking part in the rank agreement as FAILED raised {exc!r} too; treat this reload as "
@@ -1293,7 +1302,7 @@ class ReloadTransaction:
         contract = self.contract
         if self.agreement is not None:
             try:
-                outcome = self.agreement(outcome)
+                outcome = self.agreement(dataclasses.replace(outcome, contract=contract.name))
             except BaseException as exc:
                 contract.mark_unsafe(f"rank agreement raised {exc!r}; the group's outcome is unknown")
                 self._record_failure(exc, "the rank agreement raised", agree=False)
