@@ -150,3 +150,29 @@ def test_an_unowned_scratch_read_beyond_what_the_graph_wrote_is_a_read() -> None
     manifest.vouch_fixed(_TABLE)
     outcome = _reload(contract, layer, pwal=False)
     assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
+
+
+class LazyTable(nn.Module):
+    """Forward makes ``table`` on its first call (after the seal) and reads it: held at a layer path, by the walker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4), requires_grad=False)
+        self.table: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.ones(4)
+        return x @ self.weight + self.table
+
+
+def test_a_tensor_that_appeared_after_the_seal_at_a_layer_path_is_not_unowned() -> None:
+    layer = LazyTable()
+    x = torch.randn(2, 4)
+    contract = GraphContract(layer, "strict").seal()  # every-reload: the reload walk finds the table
+    layer(x)  # warm-up: the table appears
+    with record_capture(contract, ignore=[x], backend="dispatch") as manifest:
+        layer(x)
+    assert manifest.unowned() == []
+    (entry,) = [e for e in manifest.storages() if e.storage_ref() is layer.table.untyped_storage()]
+    assert [h.path for h in entry.holders] == ["table"]

@@ -864,7 +864,19 @@ class Manifest:
         # Declarations made after the seal, and (where the contract does not walk) the walker's finds.
         # (``every-reload`` walks every reload itself; the other policies track no tensor that appeared after the
         # seal, which the graph may read: a warm-up forward's lazily computed cache.)
-        _model_index(model, index, walk=self.walk and (contract.detect != "every-reload" or not contract.sealed))
+        walked = self.walk and (contract.detect != "every-reload" or not contract.sealed)
+        _model_index(model, index, walk=walked)
+        if (
+            self.walk
+            and not walked
+            and any(e.storage_ref() is not None and not index.holders(e.storage_ref()) for e in entries)
+        ):
+            # Something no sealed or registered path holds: before calling it unowned (a finding when read), look
+            # where the walker finds tensors that appeared after the seal (a first forward's lazy table). Once per
+            # capture or seal, and only then.
+            index = _PathIndex()
+            _contract_index(contract, index)
+            _model_index(model, index, walk=True)
         for entry in entries:
             storage = entry.storage_ref()
             if storage is None:
