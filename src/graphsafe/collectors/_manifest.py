@@ -151,7 +151,21 @@ class CapturedStorage:
 
 # Ops whose reads are their tensor arguments; any other namespace is a custom op (torch.library), whose
 # implementation may read tensors it is not passed.
-_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims", "_c10d_functional", "c10d"})
+_TORCH_NAMESPACES = frozenset(
+    {
+        "aten",
+        "prim",
+        "prims",
+        "_c10d_functional",
+        "c10d",
+        "profiler",
+        "quantized",
+        "rngprims",
+        "debugprims",
+        "inductor",
+        "higher_order",
+    }
+)
 # torch.tensor(data) inside a capture reaches the dispatcher as lift_fresh of a tensor made on the spot.
 _FRESH_OPS: frozenset[Any] = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
 # How an op uses an argument (collectors._dataflow reads it from the schema): a view only aliases it (reads no
