@@ -71,13 +71,22 @@ def inner_tensors(tensor: torch.Tensor) -> tuple[tuple[str, torch.Tensor], ...] 
     if type(tensor) in _PLAIN_KINDS or not is_traceable_wrapper_subclass(tensor):
         return None
     names, _ = tensor.__tensor_flatten__()
-    inner = tuple((name, getattr(tensor, name)) for name in names)
-    for name, value in inner:
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{type(tensor).__name__}.__tensor_flatten__ names {name!r}, which is not a tensor")
+    # A flatten may name opaque objects beside the tensors (a DTensor's device mesh): how the bytes are read, not
+    # memory. They are compared with the metadata (``flatten_meta``).
+    inner = tuple((name, value) for name in names if isinstance(value := getattr(tensor, name), torch.Tensor))
     if not inner:
         raise TypeError(f"{type(tensor).__name__} is a wrapper subclass with no inner tensors: no memory to track")
     return inner
+
+
+def flatten_meta(tensor: torch.Tensor) -> Any:
+    """A wrapper subclass's flatten metadata and the non-tensor objects its flatten names (a DTensor's placements
+    and device mesh), comparable: part of how its inner bytes are read."""
+    names, meta = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    opaque = tuple(
+        (name, _comparable(value)) for name in names if not isinstance(value := getattr(tensor, name), torch.Tensor)
+    )
+    return _comparable((meta, opaque) if opaque else meta)
 
 
 def memory_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -283,7 +292,7 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint:
             layout=tensor.layout,
             kind=type(tensor),
             inner=parts,
-            meta=_comparable(tensor.__tensor_flatten__()[1]),  # type: ignore[attr-defined]
+            meta=flatten_meta(tensor),
         )
     storage = tensor.untyped_storage()
     return Fingerprint(
@@ -315,7 +324,7 @@ def geometry_key(tensor: torch.Tensor) -> tuple[Any, ...]:
         bits = (tensor.is_conj(), tensor.is_neg())
     else:
         extra = (
-            _comparable(tensor.__tensor_flatten__()[1]),  # type: ignore[attr-defined]
+            flatten_meta(tensor),
             tuple((name, geometry_key(value), int(value.storage_offset())) for name, value in inner),
         )
         bits = (False, False)
@@ -534,6 +543,9 @@ class ReloadOutcome:
     #: loaded on its first use (the recording of what PWAL computes). Not a per-reload cost.
     setup_seconds: float = 0.0
     rank_statuses: tuple[tuple[int, Status], ...] = ()
+    #: The name of the contract this outcome decides (``GraphContract.name``), set for a rank agreement: every rank
+    #: of a round must decide the same contract.
+    contract: str = ""
     #: Slots whose storage no captured graph reads, by the kernel scan (``None``: not every capture was
     #: kernel-scanned, so what is unread is not known).
     slots_unread: int | None = None

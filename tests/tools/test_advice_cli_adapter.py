@@ -364,7 +364,7 @@ def test_adapter_closing_one_of_two_same_named_graphs_drops_the_others_manifest_
     graph_big = capture(contract, model, x, name="decode")
     graph_small = capture(contract, model, x[:1].clone(), name="decode")
     # Weakly: a strong reference would keep the old cache tensors alive, which the dispatch recorder does not flag
-    # (a separate gap: test_adapter_an_unowned_storage_kept_alive_elsewhere_commits_under_the_dispatch_recorder).
+    # (see test_adapter_an_unowned_storage_kept_alive_elsewhere_does_not_commit_under_the_dispatch_recorder).
     small_reads = [weakref.ref(t) for layer in model.modules() for t in cached_weight(layer).values()]
     assert small_reads
     graph_big.close()
@@ -424,12 +424,7 @@ def test_cli_a_target_whose_attribute_lookup_raises_is_a_usage_error_not_an_inte
     assert status == 2 and len(lines) == 1 and lines[0].startswith("graphsafe: error: "), (status, err[:300])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the dispatch recorder lists an unowned storage (no model path holds it) without a finding while it is "
-    "alive, since it also records storages a graph only viewed; the kernel scan reports it orphaned (docs/design.md)",
-)
-def test_adapter_an_unowned_storage_kept_alive_elsewhere_commits_under_the_dispatch_recorder() -> None:
+def test_adapter_an_unowned_storage_kept_alive_elsewhere_does_not_commit_under_the_dispatch_recorder() -> None:
     """Found while fixing the test above: the legacy `module_cache` under one adapter graph (CPU: the dispatch
     recorder). Something outside the model (here the test, in an engine any stray reference) keeps the old cache
     tensor alive: the manifest entry is alive, at its address, held at no path, so the reload COMMITS while the graph

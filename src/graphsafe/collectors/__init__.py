@@ -5,6 +5,7 @@
 * :func:`record_capture` / :class:`Manifest`: the capture-time manifest (what a graph really read).
 * :func:`scan_graph` / :class:`StorageView`: the kernel scan (what a captured CUDA graph's nodes point into).
 * :class:`Dataflow`: which storages PWAL computed each tensor from (what a reload really read).
+* :func:`module_names`: every qualified name of every module (a submodule held at two paths has two).
 
 Collectors observe; they never restore anything.
 """
@@ -38,6 +39,7 @@ from graphsafe.collectors._manifest import (
     record_capture,
     record_scan,
 )
+from graphsafe.collectors._names import module_names
 from graphsafe.collectors.walker import TensorRef, WalkResult, collect, walk
 
 __all__ = [
@@ -62,6 +64,7 @@ __all__ = [
     "classify_walk",
     "collect",
     "kernel_scan_unavailable",
+    "module_names",
     "pointer_words",
     "record_capture",
     "record_scan",

@@ -116,7 +116,8 @@ def _state_entries(
     layer: nn.Module, declared: Collection[str], devices: DeviceSet | None, notes: list[str]
 ) -> list[Classified]:
     """The layer's own parameters and buffers not already declared under their name. One without storage
-    (sparse, ...) cannot be fingerprinted or restored: it goes to ``notes`` (untrackable), as a walker find does."""
+    (sparse, nested, a wrapper subclass without the flatten protocol) cannot be fingerprinted or restored: it goes
+    to ``notes`` (untrackable), as a walker find does."""
     entries: list[Classified] = []
     for origin, table in ((Origin.PARAMETER, layer._parameters), (Origin.BUFFER, layer._buffers)):
         for name, tensor in table.items():
@@ -134,7 +135,13 @@ def _state_entries(
                 what = "nested" if tensor.is_nested else tensor.layout
                 notes.append(f"{path.text}: cannot fingerprint a {what} {origin.value} (it has no storage)")
                 continue
-            entries.append(Classified(path, tensor, fingerprint(tensor), origin))
+            try:
+                print_ = fingerprint(tensor)
+            except (TypeError, RuntimeError) as exc:  # no storage and no flatten protocol to reach its memory
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                notes.append(f"{path.text}: cannot fingerprint a {type(tensor).__name__} {origin.value} ({first})")
+                continue
+            entries.append(Classified(path, tensor, print_, origin))
     return entries
 
 

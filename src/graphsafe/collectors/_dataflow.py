@@ -10,8 +10,9 @@ weakly (intermediates die during PWAL; their edges stay, so a chain through them
 was (transitively) computed from: the walk goes back through intermediates and stops at storages the caller says
 the model holds. The contract uses it to learn each derived slot's real inputs once, on a first reload.
 
-Like the capture manifest, it sees only ops that pass through the dispatcher (aten ops and ``torch.library``
-custom ops), and only on the thread that entered it.
+Like the capture manifest's dispatch recorder, it sees only ops that pass through the dispatcher, each only
+through the tensors passed to it (a ``torch.library`` custom op that reads a table it is not passed hides that
+read), and only on the thread that entered it.
 """
 
 from __future__ import annotations

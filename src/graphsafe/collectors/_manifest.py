@@ -11,8 +11,11 @@ not walk, the walker's finds. At the end of every reload :meth:`Manifest.check` 
 recorded storage that was freed is ``dead``, one the model no longer holds under any of them is ``orphaned``. The
 contract decides what a finding does, per mode, as for any other finding.
 
-Only ops that pass through torch's dispatcher are seen (aten ops and ``torch.library`` custom ops); a kernel
-launched directly (a raw Triton or CUDA call) is invisible to the manifest.
+Only ops that pass through torch's dispatcher are seen, and only through the tensors passed to them: aten ops
+read nothing else, but a ``torch.library`` custom op's implementation may read a tensor it is not passed (a
+module-level table, a closure, a pointer held in C++), which the dispatch recorder cannot see; the capture's
+:meth:`Manifest.truth` and notes name every custom op it ran. A kernel launched directly (a raw Triton or CUDA
+call) is invisible too. The kernel scan reads what the captured kernels really point at, and sees both.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphsafe.collectors import _kernelscan as kscan
 from graphsafe.collectors._classify import classify
 from graphsafe.collectors._dataflow import _VIEW, _WRITE, _schema_access, _tensors
+from graphsafe.collectors._names import module_names
 from graphsafe.errors import GraphSafeError
 from graphsafe.outcome import (
     Finding,
@@ -96,6 +100,11 @@ class CapturedStorage:
     hi: int = 0
     #: Whether some op wrote it (an ``out=`` or in-place argument); reads are the common case.
     written: bool = False
+    #: Whether the capture read bytes of it that it had not itself written first through ``out=`` (a scratch the
+    #: graph fills before reading is no read of what was there before). The kernel scan cannot tell: always set.
+    read: bool = False
+    #: ``[lo, hi)``: the bytes ``out=`` arguments wrote before any read (the dispatch recorder's bookkeeping).
+    fresh: tuple[int, int] = (0, 0)
     #: Model paths that held it when last indexed; empty for unowned storage.
     holders: tuple[Holder, ...] = ()
     #: Which backend produced this fact: ``"dispatch"`` (the dispatch recorder) or ``"kernel-scan"`` (the graph's
@@ -140,11 +149,38 @@ class CapturedStorage:
 # --------------------------------------------------------------------------------------------------------------
 # Recording.
 
+# Ops whose reads are their tensor arguments; any other namespace is a custom op (torch.library), whose
+# implementation may read tensors it is not passed.
+_TORCH_NAMESPACES = frozenset(
+    {
+        "aten",
+        "prim",
+        "prims",
+        "_c10d_functional",
+        "c10d",
+        "profiler",
+        "quantized",
+        "rngprims",
+        "debugprims",
+        "inductor",
+        "higher_order",
+    }
+)
 # torch.tensor(data) inside a capture reaches the dispatcher as lift_fresh of a tensor made on the spot.
 _FRESH_OPS: frozenset[Any] = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
 # How an op uses an argument (collectors._dataflow reads it from the schema): a view only aliases it (reads no
-# bytes), a write may not read it; anything else reads it.
+# bytes), a write may not read it; anything else reads it. An ``out=`` argument is written without being read.
 _READ = 0
+_OUT = 3
+# In-place ops that overwrite their first argument without reading it: a pure write, as ``out=`` is.
+_OVERWRITE: frozenset[Any] = frozenset(
+    {
+        torch.ops.aten.copy_.default,
+        torch.ops.aten.fill_.Scalar,
+        torch.ops.aten.fill_.Tensor,
+        torch.ops.aten.zero_.default,
+    }
+)
 _ACCESS: dict[Any, tuple[dict[int, int], dict[str, int], str]] = {}
 
 
@@ -189,16 +225,25 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         # Keyed by id(storage); the weak reference confirms the id still names the same storage (ids are reused).
         self.external: dict[int, CapturedStorage] = {}
         self.internal: dict[int, weakref.ReferenceType[Any]] = {}
-        self.ignored: dict[int, weakref.ReferenceType[Any]] = {}
+        # The ignored tensors' own bytes, by storage: a static input carved out of a storage that also holds a model
+        # tensor leaves that tensor's bytes recorded.
+        self.ignored: dict[int, tuple[weakref.ReferenceType[Any], list[tuple[int, int]]]] = {}
         for tensor in ignore:
             for part in _memory(tensor):
                 storage = part.untyped_storage()
-                self.ignored[id(storage)] = weakref.ref(storage)
+                span = _touched_bytes(part)
+                held = self.ignored.get(id(storage))
+                if held is None or held[0]() is not storage:
+                    held = self.ignored[id(storage)] = (weakref.ref(storage), [])
+                if span is not None:
+                    held[1].append(span)
         # Whether an op ran while a CUDA stream was capturing; if one did, ops outside the capture (torch's own
         # bookkeeping in capture_begin, e.g. the RNG seed/offset fills) are not part of the graph.
         self.capturing = False
         self.saw_capture = False
         self.in_capture: set[int] = set()
+        #: Custom ops (outside torch's own namespaces) that ran: seen only through the tensors passed to them.
+        self.custom: dict[str, None] = {}
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -208,6 +253,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         capturing = _cuda_ready() and torch.cuda.is_current_stream_capturing()
         self.capturing = capturing
         self.saw_capture = self.saw_capture or capturing
+        if getattr(func, "namespace", "aten") not in _TORCH_NAMESPACES:
+            self.custom.setdefault(str(getattr(func, "_overloadpacket", func)), None)
         if func in _FRESH_OPS:
             # torch.tensor(...) inside the capture: the input was made on the spot, not read from the model.
             for tensor in _tensors(args):
@@ -216,17 +263,21 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
             positions, names, name = _access(func)
             touch = self._touch
             # Inlined walk over the arguments: this runs for every op of the capture.
+            overwrite = func in _OVERWRITE
             for index, value in enumerate(args):
                 if isinstance(value, torch.Tensor):
-                    touch(value, name, positions.get(index, _READ))
+                    touch(value, name, _OUT if overwrite and index == 0 else positions.get(index, _READ))
                 elif isinstance(value, list | tuple):
                     access = positions.get(index, _READ)
                     for item in value:
                         if isinstance(item, torch.Tensor):
                             touch(item, name, access)
             for key, value in kwargs.items():
+                access = names.get(key, _READ)
+                if key == "out" and access == _WRITE:
+                    access = _OUT
                 for tensor in _tensors(value):
-                    touch(tensor, name, names.get(key, _READ))
+                    touch(tensor, name, access)
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             self._mark_internal(out)
@@ -263,9 +314,11 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         ref = self.internal.get(key)
         if ref is not None and ref() is storage:
             return
-        ref = self.ignored.get(key)
-        if ref is not None and ref() is storage:
-            return
+        ignored = self.ignored.get(key)
+        if ignored is not None and ignored[0]() is storage:
+            span = _touched_bytes(tensor)
+            if span is None or any(lo <= span[0] and span[1] <= hi for lo, hi in ignored[1]):
+                return  # within an ignored tensor's bytes
         entry = self.external.get(key)
         if entry is None or entry.storage_ref() is not storage:
             device = tensor.device
@@ -286,11 +339,17 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
             self.in_capture.add(key)
         if access == _VIEW:
             return
-        if access == _WRITE:
+        if access != _READ:
             entry.written = True
         span = _touched_bytes(tensor)
         if span is None:
             return
+        fresh = entry.fresh
+        if access == _OUT:
+            if not entry.read and (fresh[0] == fresh[1] or (span[0] <= fresh[1] and fresh[0] <= span[1])):
+                entry.fresh = (min(fresh[0], span[0]), max(fresh[1], span[1])) if fresh[1] else span
+        elif not (fresh[0] <= span[0] and span[1] <= fresh[1]):  # a read (an in-place write reads too)
+            entry.read = True
         if entry.hi == 0:  # the first bytes touched name the op and the view in messages
             entry.op, entry.first_view, entry.lo, entry.hi = op, fingerprint(tensor), span[0], span[1]
         else:
@@ -335,7 +394,8 @@ def record_capture(
         contract: the contract whose graphs these are (``None``: record into ``manifest`` only).
         name: the capture's name; recording again under a name replaces that capture (a recapture). Default: a
             fresh name per call.
-        ignore: tensors the graph touches that are not model state (static inputs and outputs): not recorded.
+        ignore: tensors the graph touches that are not model state (static inputs and outputs): their own bytes
+            are not recorded (the rest of a storage they share with a model tensor still is).
         devices: record only tensors on these devices (``"cuda"`` matches every index). Default: every device.
         reindex: tie the recorded storages to the model paths that hold them now. The adapter passes ``False``
             when the contract reseals right after (a recapture), which indexes everything anyway.
@@ -380,12 +440,24 @@ def record_capture(
     if recorder.saw_capture:
         entries = {key: entry for key, entry in entries.items() if key in recorder.in_capture}
     manifest._install(capture, list(entries.values()))
+    if recorder.custom:
+        manifest._blind[capture] = tuple(recorder.custom)
+        manifest.notes.append(f"graphsafe: capture {capture!r}: {_blind_phrase(manifest._blind[capture])}")
     if contract is not None:
         contract.manifest = manifest
         # A capture ran: the evidence a reseal after a failed reload needs.
         contract.note_capture()
         if reindex:
             manifest._index(contract, manifest.entries(capture))
+
+
+def _blind_phrase(ops: tuple[str, ...]) -> str:
+    more = f" and {len(ops) - 3} more" if len(ops) > 3 else ""
+    return (
+        f"the dispatch recorder sees custom op(s) {', '.join(ops[:3])}{more} only through the tensors passed to them; "
+        "a tensor such an op reads without being passed (a module-level table) is not recorded (the kernel scan "
+        "sees it)"
+    )
 
 
 def record_scan(
@@ -498,6 +570,7 @@ def _scan_capture(
                 op=label,
                 lo=offset,
                 hi=storage.nbytes(),
+                read=True,
                 backend="kernel-scan",
             )
         )
@@ -571,12 +644,15 @@ class _PathIndex:
 
 
 def _model_index(model: nn.Module, index: _PathIndex, *, walk: bool) -> None:
-    """Every classified path of every layer (the walker's finds too when ``walk``)."""
+    """Every classified path of every layer (the walker's finds too when ``walk``), under every qualified name of a
+    module held at several paths."""
     units = frozenset(id(module) for module in model.modules())  # as the contract's seal walks
+    names = module_names(model)
     for qualname, layer in model.named_modules():
         layer_class = type(layer).__name__
         for entry in classify(layer, walk_layer=walk, units=units).tensors:
-            index.add(entry.tensor, qualname, layer_class, entry.path.text, entry.origin)
+            for name in names.get(id(layer), [qualname]):
+                index.add(entry.tensor, name, layer_class, entry.path.text, entry.origin)
 
 
 def _contract_index(contract: SealedModel, index: _PathIndex) -> None:
@@ -627,6 +703,10 @@ class Manifest:
         self._scans: dict[str, kscan.ScanFacts] = {}
         #: One line per thing a capture could not see (kernel scan unavailable, ``extra`` parameters, ...).
         self.notes: list[str] = []
+        # Custom ops each dispatch-recorded capture ran (seen only through their tensor arguments).
+        self._blind: dict[str, tuple[str, ...]] = {}
+        # Storages vouched for as fixed tables outside the model (vouch_fixed), by id; weakly held.
+        self._fixed: dict[int, weakref.ReferenceType[Any]] = {}
 
     # -- contents ----------------------------------------------------------------------------------------------
     @property
@@ -657,18 +737,40 @@ class Manifest:
         return len(self.storages())
 
     def unowned(self) -> list[CapturedStorage]:
-        """Recorded storages no model path held when indexed (module-level caches, third-party internals)."""
-        return [entry for entry in self.storages() if not entry.holders]
+        """Recorded storages no model path held when indexed (module-level caches, third-party internals), but
+        those vouched for as fixed tables (:meth:`vouch_fixed`)."""
+        return [entry for entry in self.storages() if not entry.holders and not self._vouched(entry.storage_ref())]
+
+    def vouch_fixed(self, *tensors: torch.Tensor) -> None:
+        """Vouch that these tensors, which the graphs read and no model path holds (a module-level lookup table),
+        are fixed: no reload changes what they hold or where. Their storages are then not ``orphaned`` when
+        unowned (a read no model path feeds is otherwise a finding), and not listed by :meth:`unowned`; freed,
+        they are still ``dead``. Held weakly; vouch again for a table made anew."""
+        for tensor in tensors:
+            for part in _memory(tensor):
+                storage = part.untyped_storage()
+                self._fixed[id(storage)] = weakref.ref(storage)
+
+    def _vouched(self, storage: Any) -> bool:
+        ref = self._fixed.get(id(storage)) if storage is not None else None
+        return ref is not None and ref() is storage
 
     def discard(self, capture: str) -> bool:
         """Forget a capture whose graph was destroyed; ``False`` if there was none by that name."""
         self._scans.pop(capture, None)
+        self._blind.pop(capture, None)
         return self._captures.pop(capture, None) is not None
 
     def _install(self, capture: str, entries: list[CapturedStorage], *, scanned: bool = False) -> None:
         self._captures[capture] = entries
+        self._blind.pop(capture, None)  # a recapture says again what it could not see
         if not scanned:
             self._scans.pop(capture, None)  # a recapture by the dispatch recorder replaces an earlier scan
+
+    def blind_spots(self) -> dict[str, tuple[str, ...]]:
+        """The custom ops each dispatch-recorded capture ran, by capture: the dispatch recorder sees them only through
+        the tensors passed to them, so it cannot prove that a tensor no recorded op touched is unread."""
+        return dict(self._blind)
 
     def backends(self) -> dict[str, str]:
         """Which backend recorded each capture: ``"kernel-scan"`` or ``"dispatch"``."""
@@ -686,7 +788,10 @@ class Manifest:
         for name in self._captures:
             facts = self._scans.get(name)
             if facts is None:
-                return f"capture {name!r} was recorded by the dispatch recorder, not read by the kernel scan"
+                blind = self._blind.get(name)
+                return f"capture {name!r} was recorded by the dispatch recorder, not read by the kernel scan" + (
+                    f"; {_blind_phrase(blind)}" if blind else ""
+                )
             if facts.scan.incomplete:
                 more = len(facts.scan.incomplete) - 1
                 return f"capture {name!r}: {facts.scan.incomplete[0]}" + (f" (and {more} more)" if more else "")
@@ -773,7 +878,19 @@ class Manifest:
         # Declarations made after the seal, and (where the contract does not walk) the walker's finds.
         # (``every-reload`` walks every reload itself; the other policies track no tensor that appeared after the
         # seal, which the graph may read: a warm-up forward's lazily computed cache.)
-        _model_index(model, index, walk=self.walk and (contract.detect != "every-reload" or not contract.sealed))
+        walked = self.walk and (contract.detect != "every-reload" or not contract.sealed)
+        _model_index(model, index, walk=walked)
+        if (
+            self.walk
+            and not walked
+            and any(e.storage_ref() is not None and not index.holders(e.storage_ref()) for e in entries)
+        ):
+            # Something no sealed or registered path holds: before calling it unowned (a finding when read), look
+            # where the walker finds tensors that appeared after the seal (a first forward's lazy table). Once per
+            # capture or seal, and only then.
+            index = _PathIndex()
+            _contract_index(contract, index)
+            _model_index(model, index, walk=True)
         for entry in entries:
             storage = entry.storage_ref()
             if storage is None:
@@ -827,10 +944,10 @@ class Manifest:
                 findings.append(_finding(FindingKind.DEAD, entry, model, None, what=moved))
                 continue
             if not entry.holders:
-                if entry.backend == "kernel-scan":
-                    # A kernel node points into it and no model path, input or output holds it: nothing a reload
-                    # does is known to reach what replay reads there. The dispatch recorder's unowned storages stay
-                    # a listing (unowned()): it also sees storages no kernel reads (views, ops outside the graph).
+                # The graph reads it (a kernel node points into it, or an op read bytes the graph had not written
+                # through out= first; a storage only viewed is no read) and no model path, input or output holds it:
+                # nothing a reload does is known to reach what replay reads there, in either backend.
+                if entry.read and not self._vouched(storage):
                     findings.append(_finding(FindingKind.ORPHANED, entry, model, None, what=_UNOWNED_ALIVE))
                 continue
             left = [holder for holder in entry.holders if not _holds(model, layers, holder, storage)]
@@ -850,8 +967,9 @@ class Manifest:
 
 
 _UNOWNED_ALIVE = (
-    "no model path holds it, so no reload updates what replay reads there; hold it at a model path, declare it, or "
-    "pass it as a graph input"
+    "no model path holds it, so no reload updates what replay reads there; hold it at a model path, declare it, "
+    "pass it as a graph input (record_capture's ignore=), or, for a fixed table no reload changes, vouch for it "
+    "with contract.manifest.vouch_fixed(tensor)"
 )
 
 

@@ -12,8 +12,11 @@ How ranks exchange (one round per reload, through the group's key-value store, n
    *n*-th group reload of every rank, so ranks must make the same sequence of group reloads; the contract makes a
    reload that leaves before agreeing (``begin()`` raised, or ``finish()``'s restore did) still take part (as
    ``FAILED``), which keeps the counters paired.
-2. It posts a short JSON summary under ``<n>/rank/<rank>``: status, mode, problem count, the error's ``repr`` and
-   the first :data:`SUMMARY_FINDINGS` findings (kind, layer, path, detail).
+2. It posts a short JSON summary under ``<n>/rank/<rank>``: the contract it decides (``ReloadOutcome.contract``),
+   status, mode, problem count, the error's ``repr`` and the first :data:`SUMMARY_FINDINGS` findings (kind,
+   layer, path, detail). A peer whose summary names another contract (two contracts sharing the group, reloaded
+   in different orders) counts as ``FAILED``, with a finding naming both: a round never decides one model by
+   another's outcome.
 3. It waits for every rank's summary with ``store.wait(keys, remaining timeout)``.
 4. It proposes a decision with ``compare_set(<n>/decision, "", proposal)``: ``{"missing": []}`` if every summary is
    there, else the ranks still missing. The first proposal wins and every rank adopts it, so all ranks that get
@@ -271,6 +274,7 @@ def _summary(local: ReloadOutcome) -> dict[str, Any]:
             }
         )
     return {
+        "contract": local.contract,
         "status": local.status.value,
         "mode": local.mode,
         "problems": len(problems),
@@ -327,7 +331,22 @@ def _merge(local: ReloadOutcome, peers: AgreementGroup, result: _Round, seconds:
     statuses: dict[int, Status] = {peers.rank: local.status}
     added: list[Finding] = []
     for rank in sorted(result.summaries):
-        status, findings = _remote_findings(rank, result.summaries[rank])
+        summary = result.summaries[rank]
+        theirs = summary.get("contract")
+        if summary and theirs != local.contract:  # (an unreadable summary is reported as such below)
+            # Paired with another contract's reload: neither decision is about the other's model.
+            statuses[rank] = Status.FAILED
+            added.append(
+                _rank_failure(
+                    rank,
+                    f"decided contract {theirs!r} in round {result.number}, while this rank decided "
+                    f"{local.contract!r}: the contracts sharing agreement group {peers.name!r} are reloaded in "
+                    "different orders on its ranks; reload them in the same order on every rank, or give each "
+                    "its own AgreementGroup name",
+                )
+            )
+            continue
+        status, findings = _remote_findings(rank, summary)
         statuses[rank] = status
         added.extend(findings)
     late = peers.rank in result.missing

@@ -7,6 +7,7 @@ The contract is the only place that decides an outcome. Adapters translate a fra
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import reprlib
 import threading
@@ -21,12 +22,21 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from graphsafe.collectors import UNTRACKABLE_ADVICE, Classified, Dataflow, classify, classify_walk, walk
+from graphsafe.collectors import (
+    UNTRACKABLE_ADVICE,
+    Classified,
+    Dataflow,
+    classify,
+    classify_walk,
+    module_names,
+    walk,
+)
 from graphsafe.contract._access import submodule_is
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._copy import CopyBatch, clone_laid_out, overlapping_pairs
 from graphsafe.contract._fast import Rebinds, plan_common, step_conditions
 from graphsafe.contract._gcpause import collections_paused
+from graphsafe.contract._order import Stamp, stamp
 from graphsafe.contract._samples import SampleBatch, version_of
 from graphsafe.contract._slots import (
     ClosedLayer,
@@ -43,6 +53,7 @@ from graphsafe.contract._slots import (
     judge_noted,
     reads_as_captured,
 )
+from graphsafe.contract._unmaterialised import refuse_unmaterialised
 from graphsafe.contract._unread import UNREAD_POLICIES, SkipState, skip_unread
 from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.errors import (
@@ -158,6 +169,10 @@ class GraphContract:
     the vLLM plugin); a graph captured any other way would read freed memory. Where what the graphs read is not
     fully known (a capture by the dispatch recorder, a kernel whose parameters the scan could not read), nothing is
     skipped and the outcome says why (``skip_refused``).
+
+    ``name`` names the contract in every outcome it decides (``ReloadOutcome.contract``); rank agreement checks that
+    every rank of a round decides the same contract. Default: the model's class name. Contracts that share an
+    agreement group need distinct names (a target and a draft model of one class: pass ``name=``).
     """
 
     def __init__(
@@ -169,6 +184,7 @@ class GraphContract:
         budget: WalkBudget | None = None,
         devices: Collection[torch.device | str] | None = None,
         unread: Unread = "restore",
+        name: str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"GraphContract needs an nn.Module, got {type(model).__name__}")
@@ -185,6 +201,8 @@ class GraphContract:
                 "the copies of slots no kernel-scanned graph reads)"
             )
         self._model_ref = weakref.ref(model)
+        #: The contract's name in its outcomes and agreement rounds.
+        self.name: str = name if name is not None else type(model).__qualname__
         #: What a reload does with slots no captured graph reads: ``"restore"`` or ``"skip"`` (see the class docs).
         self.unread: Unread = unread
         self.mode: Mode = mode
@@ -196,6 +214,8 @@ class GraphContract:
         self.devices: DeviceSet | None = DeviceSet(devices) if devices is not None else None
         self._layers: list[SealedLayer] = []
         self._units: frozenset[int] = frozenset()  # ids of the model's modules at seal: each its own reload unit
+        #: id(module) -> the split qualified names after its first, for a module held at several paths at seal.
+        self._also: dict[int, list[tuple[str, ...]]] = {}
         self._by_layer: dict[int, list[int]] = {}  # id(layer) -> indices into _layers (for before/after_layer)
         self._shared: SharedIndex = {}  # captured storage id -> every (sealed layer, slot position) reading it
         #: (id(sealed layer), slot position) of slots whose captured memory also lies under another storage object.
@@ -333,10 +353,12 @@ class GraphContract:
         declared slot does not resolve to a tensor. After a reload that left the contract unsafe, sealing again is
         :meth:`reseal`, and needs a capture after that reload.
 
-        A seal that finds nothing to track (a ``devices`` filter that matches no tensor of the model, or
-        ``detect="declared-only"`` on a model with no declaration, parameter or buffer) leaves the contract not
-        serving-safe: a contract that tracks nothing cannot keep any captured address. :attr:`unsafe_reason` says
-        which setting to change.
+        A ``devices`` filter that matches none of the model's parameters, buffers and declared slots (a rank and
+        local-rank mix-up) raises :class:`~graphsafe.GraphSafeError`: it would track the declared slots at most. So
+        does a parameter or buffer not materialised yet (a lazy module before its first forward, a ``meta`` tensor).
+        A seal that finds nothing to track (``detect="declared-only"`` on a model with no declaration, parameter
+        or buffer) leaves the contract not serving-safe: a contract that tracks nothing cannot keep any captured
+        address. :attr:`unsafe_reason` says which setting to change.
         """
         return self._seal_alone(recaptured=False)
 
@@ -370,8 +392,15 @@ class GraphContract:
                 "or reseal(recaptured=True))",
                 self.last_outcome,
             )
+        self._refuse_foreign_devices()
+        refuse_unmaterialised(self.model)
         layers: list[SealedLayer] = []
         self._units = frozenset(id(module) for module in self.model.modules())
+        self._also = {
+            key: [tuple(name.split(".")) for name in names[1:]]
+            for key, names in module_names(self.model).items()
+            if len(names) > 1
+        }
         try:
             for qualname, layer in self.model.named_modules():
                 sealed = self._seal_layer(qualname, layer)
@@ -415,6 +444,29 @@ class GraphContract:
     def _model_name(self) -> str:
         model = self._model_ref()
         return type(model).__name__ if model is not None else "a collected model"
+
+    def _refuse_foreign_devices(self) -> None:
+        """A ``devices`` list that matches none of the model's loaded tensors (its parameters, buffers and declared
+        slots; a rank and local-rank mix-up) would seal the declared slots only and let a loader rebind the weights
+        the graphs read: refused, in one line."""
+        devices = self.devices
+        if devices is None:
+            return
+        model = self.model
+        tensors = [*model.parameters(), *model.buffers()]
+        for module in model.modules():
+            for declaration in declarations_of(module).values():
+                value = declaration.path.resolve_or(module, None)
+                if isinstance(value, torch.Tensor):
+                    tensors.append(value)
+        held = sorted({str(t.device) for t in tensors if t.device.type != "meta"})
+        if held and not any(t.device in devices for t in tensors):
+            wanted = ", ".join(str(d) for d in devices.devices or ())
+            raise GraphSafeError(
+                f"graphsafe seal of {type(model).__name__}: devices=[{wanted}] matches none of its tensors (they are "
+                f'on {", ".join(held)}); pass devices= naming the device the graphs read ("cuda" matches every '
+                "cuda:N), or leave devices out"
+            )
 
     def _tracks_nothing(self) -> str:
         """Why an empty seal is not serving-safe, naming the setting that made it empty and what to do."""
@@ -968,7 +1020,8 @@ def _violation(outcome: ReloadOutcome, contract: GraphContract) -> ContractViola
         if any(not f.path for f in undeclared):
             advice += (
                 "\nCaptured storage no layer holds (a module-level cache or a library's internal buffer) cannot be "
-                "declared: write it in place in PWAL, or keep it reachable from the layer and declare that path."
+                "declared: keep it reachable from the layer and declare that path, pass it as a graph input "
+                "(ignore=), or vouch for a fixed table no reload changes with contract.manifest.vouch_fixed(tensor)."
             )
         return UndeclaredDriftError(f"{header}\n{body}{advice}", outcome)
     return DeclaredDriftError(f"{header}\n{body}", outcome)
@@ -1000,6 +1053,7 @@ class ReloadTransaction:
         # (layer, path) -> (id, version counter, data_ptr) of what each untracked manifest path held at the start
         self._held_before: dict[tuple[str, str], tuple[int, int, int]] = {}
         self._gone: set[int] = set()  # sealed layers already reported as replaced or removed
+        self._stamps: dict[int, Stamp] = {}  # layerwise: id(sealed layer) -> its stamp at begin (see _order)
         self._moved: set[int] = set()  # of those, the ones still in the model elsewhere when snapshotted
         self._findings: list[Finding] = []
         #: New tensors earlier restore steps left at their paths (findings): later steps treat them as readers.
@@ -1073,6 +1127,11 @@ class ReloadTransaction:
             # Whole model: every layer now. Layer by layer: those whose captured storage another layer reads too
             # (a tie) now as well, since an earlier layer's PWAL can write that storage before their before_layer().
             early = [s for s in contract._layers if not self.layerwise or s.shared_across_layers]
+            if self.layerwise:
+                for sealed in contract._layers:
+                    layer = sealed.layer_ref()
+                    if layer is not None and not sealed.shared_across_layers:
+                        self._stamps[id(sealed)] = stamp(layer)
             if early:
                 start = time.perf_counter()
                 with collections_paused():
@@ -1114,7 +1173,8 @@ class ReloadTransaction:
             return None
         self._finished = True
         try:
-            return self.agreement(outcome or ReloadOutcome(Status.FAILED, self.contract.mode, error=error))
+            local = outcome or ReloadOutcome(Status.FAILED, self.contract.mode, error=error)
+            return self.agreement(dataclasses.replace(local, contract=self.contract.name))
         except Exception as exc:
             error.add_note(
                 f"graphsafe: taking part in the rank agreement as FAILED raised {exc!r} too; treat this reload as "
@@ -1235,6 +1295,7 @@ class ReloadTransaction:
             for sealed in self._layer_entries("after_layer()", layer):
                 snapshot = self._snapshots.get(id(sealed))
                 if snapshot is None:
+                    self._stamps.pop(id(sealed), None)  # the finding below says so
                     snapshot = self._snapshot(sealed)
                     if snapshot is not None and self.layerwise:
                         # Taken after the load: it sees PWAL's tensors as the captured ones, so neither stale
@@ -1290,7 +1351,7 @@ class ReloadTransaction:
         contract = self.contract
         if self.agreement is not None:
             try:
-                outcome = self.agreement(outcome)
+                outcome = self.agreement(dataclasses.replace(outcome, contract=contract.name))
             except BaseException as exc:
                 contract.mark_unsafe(f"rank agreement raised {exc!r}; the group's outcome is unknown")
                 self._record_failure(exc, "the rank agreement raised", agree=False)
@@ -1557,6 +1618,16 @@ class ReloadTransaction:
                     declared=False,
                 )
             )
+        before = self._stamps.pop(id(sealed), None)
+        if before is not None and stamp(layer) != before:
+            snapshot.findings.append(
+                sealed.layer_finding(
+                    FindingKind.RELOAD_ERROR,
+                    "loaded before its before_layer() (called late, or not at all): the snapshot saw the loaded "
+                    "state, so stale values go unchecked; call txn.before_layer(layer) before each layer's load",
+                    declared=True,
+                )
+            )
         self._snapshots[id(sealed)] = snapshot
         if flush:
             self._samples.flush()
@@ -1578,13 +1649,19 @@ class ReloadTransaction:
         return self._written.get(id(storage)) is storage
 
     def _still_in_model(self, sealed: SealedLayer, layer: nn.Module) -> bool:
+        """Whether the model still holds ``layer`` at its qualified name, and at every other name it had at seal
+        (a submodule shared at two paths: a module bound at either leaves the graph reading the captured one)."""
         if not sealed.qualname:
             return layer is self.contract.model
-        known = submodule_is(self.contract.model, sealed.atoms, layer)
+        also = self.contract._also.get(id(layer), ())
+        return all(self._holds_at(atoms, layer) for atoms in (sealed.atoms, *also))
+
+    def _holds_at(self, atoms: tuple[str, ...], layer: nn.Module) -> bool:
+        known = submodule_is(self.contract.model, atoms, layer)
         if known is not None:
             return known
         try:
-            return self.contract.model.get_submodule(sealed.qualname) is layer
+            return self.contract.model.get_submodule(".".join(atoms)) is layer
         except AttributeError:
             return False
 

@@ -293,7 +293,11 @@ def _maybe_record(state: AdapterState, contract: GraphContract | None, runner: A
     why = kernel_scan_unavailable()
     if why is not None:
         log.info("graphsafe: %s; vLLM's capture is recorded by the dispatch recorder", why)
-        with record_capture(contract, name="vllm", reindex=False, backend="dispatch"):
+        # The runner's own buffers (inputs, outputs, KV cache) are no model state; a read no model path feeds is a
+        # finding. Those the model also holds stay recorded (the recorder drops whatever it is told to ignore).
+        model_storages = {_storage_id(t) for t in (*contract.model.parameters(), *contract.model.buffers())}
+        inputs = [t for t in engine_tensors(runner) if _storage_id(t) not in model_storages | {None}]
+        with record_capture(contract, name="vllm", reindex=False, backend="dispatch", ignore=inputs):
             yield
         return
     with _kept_graphs() as graphs:
@@ -325,6 +329,14 @@ def _kept_graphs() -> Iterator[list[Any]]:
         yield made
     finally:
         torch.cuda.CUDAGraph = original  # type: ignore[misc]
+
+
+def _storage_id(tensor: torch.Tensor) -> int | None:
+    """``id`` of a plain tensor's storage; ``None`` for one without (a wrapper subclass, sparse, meta)."""
+    try:
+        return id(tensor.untyped_storage()) if tensor.layout is torch.strided else None
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
 
 
 def engine_tensors(runner: Any, depth: int = 2) -> list[torch.Tensor]:

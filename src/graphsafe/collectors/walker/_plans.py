@@ -304,11 +304,24 @@ COMPILED_ARTIFACT_MODULES: Final[tuple[str, ...]] = (
 )
 
 
+#: Where a distributed tensor's layout bookkeeping comes from: a DTensor's spec and device mesh (placements, the
+#: mesh's rank map: host-side topology, never memory a kernel reads for the model). Opaque to the walker like
+#: compiled artifacts; the DTensor's local shard is its memory (its flatten protocol), and the placements and mesh
+#: are compared as its flatten metadata.
+DISTRIBUTED_LAYOUT_MODULES: Final[tuple[str, ...]] = (
+    "torch.distributed.device_mesh",
+    "torch.distributed.tensor._dtensor_spec",
+    "torch.distributed.tensor.placement_types",
+)
+
+
 def _compiled_artifact(d: Any) -> bool:
-    """Whether the class whose dictionary is ``d`` was defined by a compiler (see COMPILED_ARTIFACT_MODULES)."""
+    """Whether the class whose dictionary is ``d`` was defined by a compiler (see COMPILED_ARTIFACT_MODULES) or is
+    a distributed tensor's layout bookkeeping (DISTRIBUTED_LAYOUT_MODULES)."""
     module = d.get("__module__")
     return type(module) is str and any(
-        module == prefix or module.startswith(prefix + ".") for prefix in COMPILED_ARTIFACT_MODULES
+        module == prefix or module.startswith(prefix + ".")
+        for prefix in (*COMPILED_ARTIFACT_MODULES, *DISTRIBUTED_LAYOUT_MODULES)
     )
 
 

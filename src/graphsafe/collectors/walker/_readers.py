@@ -282,8 +282,7 @@ def read_frozenset(obj: Any, plan: Plan, kids: list[Kid]) -> None:
 
 _REFERENT: Final = "the referent of a weak reference"
 _LRU_CACHE: Final = "the cache of an lru_cache"
-_CONTEXT_VALUE: Final = "the value of a ContextVar in the current context"
-_NO_VALUE: Final[Any] = object()
+_CONTEXT_VALUE: Final = "the value (or default) of a ContextVar in the current context"
 
 
 def read_ref(obj: Any, plan: Plan, kids: list[Kid]) -> None:
@@ -323,10 +322,13 @@ def read_lru(obj: Any, plan: Plan, kids: list[Kid]) -> None:
 
 
 def read_contextvar(obj: Any, plan: Plan, kids: list[Kid]) -> None:
-    """A ContextVar's value (or default) in the current context; other threads' contexts are out of reach."""
-    value = CONTEXTVAR_GET(obj, _NO_VALUE)
-    if value is not _NO_VALUE:
-        add_kid(kids, UNNAMED, _CONTEXT_VALUE, value, NO_WRITE, None)
+    """A ContextVar's value in the current context, or else the default it was made with; other threads' contexts
+    are out of reach. (``get(sentinel)`` would hide the variable's own default: the argument takes precedence.)"""
+    try:
+        value = CONTEXTVAR_GET(obj)
+    except LookupError:  # neither a value here nor a default
+        return
+    add_kid(kids, UNNAMED, _CONTEXT_VALUE, value, NO_WRITE, None)
 
 
 # Attribute values a class holds as code, not state: not followed from its instances.

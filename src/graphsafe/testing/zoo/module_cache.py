@@ -3,7 +3,9 @@ global dict (workspace / lookup-table caches keyed by layer) instead of on the l
 
 Nothing reachable from the layer points at the tensor, so no walker or path can find it; only a capture-time
 manifest of what the graph read sees it. The legacy PWAL puts a new tensor in the cache every load; the migrated
-PWAL writes the new values into the cached tensor in place (``copy_``) and declares nothing.
+PWAL writes the new values into the cached tensor in place (``copy_``) and keeps it reachable from the layer
+(``layer.folded``, declared), so a model path feeds what the graph reads (a captured read no model path holds is
+a finding, however it is written).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import weakref
 import torch
 from torch import nn
 
+from graphsafe.registry import register_derived
 from graphsafe.testing.zoo.base import HIDDEN, Example, Variant, new_param
 
 __all__ = [
@@ -50,20 +53,23 @@ def process_cached(layer: CachedLinear) -> None:
 
 
 def process_cached_migrated(layer: CachedLinear) -> None:
-    """Migrated PWAL: new values into the cached tensor's own storage; nothing to declare."""
+    """Migrated PWAL: new values into the cached tensor's own storage, which the layer also holds (``folded``)."""
     fresh = _derive(layer)
     cached = _DERIVED_CACHE.get(id(layer))
     if cached is None:
         _put(layer, fresh)
+        layer.folded = fresh
+        register_derived(layer, "folded", fresh)
     else:
         cached.copy_(fresh)
 
 
 class CachedLinear(nn.Module):
-    """A linear layer whose folded weight lives only in the module cache."""
+    """A linear layer whose folded weight lives in the module cache (and, migrated, at ``folded`` too)."""
 
     weight: nn.Parameter
     weight_scale: nn.Parameter
+    folded: torch.Tensor
 
     def __init__(self, variant: Variant, device: torch.device) -> None:
         super().__init__()
@@ -84,7 +90,7 @@ class CachedLinear(nn.Module):
 EXAMPLE = Example(
     name="module_cache",
     models="a module-level dict cache of per-layer derived weights (keyed by id(layer)), unreachable from the layer",
-    slot_paths=(),
+    slot_paths=("folded",),  # the migrated variant's; the legacy one holds nothing at a layer path
     make_layer=CachedLinear,
     unreachable=cached_weight,
 )

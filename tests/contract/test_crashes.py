@@ -1,0 +1,156 @@
+"""graphsafe never turns a legal model into a raw torch exception, nor a legal torch operation into a failure.
+
+* A parameter that is a wrapper subclass without the flatten protocol (no storage of its own, no inner tensors to
+  reach) seals: its memory cannot be tracked, so every reload reports it ``untrackable`` (fail closed).
+* A DTensor parameter (its flatten names the device mesh beside the local shard) seals and reloads through its
+  local shard; its placements and mesh are how the shard is read (another placement is ``respecified``).
+* ``torch.utils.swap_tensors`` on a sealed tensor, and ``load_state_dict`` under
+  ``torch.__future__.set_swap_module_params_on_conversion(True)``, work on a sealed model (graphsafe holds no weak
+  reference to a model's tensors, which swap_tensors refuses), and the reload does not commit while the graph's
+  captured memory no longer holds the new values.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status
+
+
+def reload(contract: GraphContract, body: Any) -> ReloadOutcome:
+    with contract.reload():
+        body()
+    outcome = contract.last_outcome
+    assert outcome is not None
+    return outcome
+
+
+def at_address(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    """A fresh plain view of ``like``'s geometry on ``storage``: what a replaying graph reads there."""
+    view = torch.empty(0, dtype=like.dtype, device=like.device)
+    view.set_(storage, like.storage_offset(), like.shape, like.stride())
+    return view
+
+
+# ----------------------------------------------------------------------------------------------------
+# A wrapper subclass without the flatten protocol
+# ----------------------------------------------------------------------------------------------------
+
+
+class Opaque(torch.Tensor):
+    """A wrapper subclass (``_make_wrapper_subclass``) that keeps its values in a plain attribute and does not
+    implement ``__tensor_flatten__``: its memory is out of any tracker's reach."""
+
+    inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> Opaque:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
+            cls, inner.shape, dtype=inner.dtype, device=inner.device, requires_grad=False
+        )
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.detach.default:
+            return Opaque(args[0].inner)
+
+        def plain(x: Any) -> Any:
+            return x.inner if isinstance(x, Opaque) else x
+
+        return func(*tree_map(plain, args), **tree_map(plain, kwargs or {}))
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_a_parameter_wrapping_an_unflattenable_wrapper_seals_and_is_untrackable(requires_grad: bool) -> None:
+    layer = nn.Linear(4, 4)
+    layer.packed = nn.Parameter(Opaque(torch.randn(4, 4)), requires_grad=requires_grad)
+    contract = GraphContract(layer, "recapture").seal()  # raised a RuntimeError (invalid python storage)
+    outcome = reload(contract, lambda: None)
+    assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
+    assert [f.kind for f in outcome.problems] == [FindingKind.UNTRACKABLE]
+    assert "packed: cannot fingerprint a Opaque parameter" in outcome.problems[0].detail
+
+
+# ----------------------------------------------------------------------------------------------------
+# DTensor parameters (a process group of one rank)
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    owned = not dist.is_initialized()
+    if owned:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def _dtensor(mesh: Any, values: torch.Tensor, placement: str = "shard") -> torch.Tensor:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    return distribute_tensor(values, mesh, [Shard(0) if placement == "shard" else Replicate()])
+
+
+def _dlayer(mesh: Any) -> nn.Linear:
+    layer = nn.Linear(4, 4)
+    layer.weight = nn.Parameter(_dtensor(mesh, torch.randn(4, 4)), requires_grad=False)
+    return layer
+
+
+@pytest.mark.parametrize("mode", ["strict", "recapture"])
+def test_a_dtensor_parameter_seals_and_commits_a_copy_in_place(mesh: Any, mode: str) -> None:
+    layer = _dlayer(mesh)
+    contract = GraphContract(layer, mode).seal()  # type: ignore[arg-type]  # raised TypeError (flatten)
+    new = torch.randn(4, 4)
+
+    def load() -> None:
+        with torch.no_grad():
+            layer.weight.copy_(_dtensor(mesh, new))
+
+    outcome = reload(contract, load)
+    assert outcome.status is Status.COMMITTED, outcome.summary()
+    assert torch.equal(layer.weight.to_local(), new)
+
+
+def test_a_new_dtensor_parameter_is_copied_into_the_captured_local_shard(mesh: Any) -> None:
+    layer = _dlayer(mesh)
+    captured = layer.weight
+    local = captured.to_local()
+    storage = local.untyped_storage()
+    contract = GraphContract(layer, "strict").seal()
+    new = torch.randn(4, 4)
+    outcome = reload(contract, lambda: setattr(layer, "weight", nn.Parameter(_dtensor(mesh, new), False)))
+    assert outcome.status is Status.COMMITTED, outcome.summary()
+    assert layer.weight is captured
+    assert torch.equal(at_address(storage, local), new)  # what the graph reads holds the new weight
+
+
+def test_a_dtensor_bound_with_another_placement_is_respecified(mesh: Any) -> None:
+    layer = _dlayer(mesh)
+    contract = GraphContract(layer, "recapture").seal()
+    new = nn.Parameter(_dtensor(mesh, torch.randn(4, 4), placement="replicate"), requires_grad=False)
+    outcome = reload(contract, lambda: setattr(layer, "weight", new))
+    assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
+    assert {(f.path, f.kind) for f in outcome.problems} == {("weight", FindingKind.RESPECIFIED)}

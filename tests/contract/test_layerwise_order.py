@@ -1,0 +1,110 @@
+"""Layerwise reloads: ``before_layer(layer)`` must come before the layer's load. Called after it (out of order), or
+not at all for a layer the reload changed, the snapshot would take the loaded state for the captured one: a PWAL
+guard that skips the rebuild would then commit stale derived values. Both fail closed (``reload-error``); a layer
+the reload leaves alone needs no call."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+from graphsafe import ContractViolation, FindingKind, GraphContract, ReloadOutcome, Status, register_derived
+
+
+class Guarded(nn.Module):
+    """PWAL derives ``w_t`` once; a guard skips the rebuild on later loads (the case that hides the load)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((4,), float(seed)), requires_grad=False)
+        self.built = False
+        self.process_weights_after_loading()
+        register_derived(self, "w_t")
+
+    def process_weights_after_loading(self) -> None:
+        if self.built:
+            return
+        self.w_t = self.weight * 2.0 + 1.0
+        self.built = True
+
+
+def model() -> nn.Module:
+    net = nn.Module()
+    net.layers = nn.ModuleList([Guarded(1), Guarded(2)])
+    return net
+
+
+def load(layer: nn.Module, value: float) -> None:
+    with torch.no_grad():
+        layer.weight.copy_(torch.full((4,), value))  # type: ignore[operator]
+
+
+def rebuild(layer: nn.Module) -> None:
+    """A PWAL that does rebuild (the guard lifted)."""
+    layer.built = False
+    layer.process_weights_after_loading()  # type: ignore[operator]
+
+
+def finish(contract: GraphContract, body: object) -> ReloadOutcome:
+    with contextlib.suppress(ContractViolation), contract.reload(layerwise=True) as txn:
+        body(txn)  # type: ignore[operator]
+    outcome = contract.last_outcome
+    assert outcome is not None
+    return outcome
+
+
+@pytest.mark.parametrize("mode", ["recapture", "migrate"])
+def test_before_layer_after_the_layers_load_fails_closed(mode: str) -> None:
+    net = model()
+    contract = GraphContract(net, mode).seal()  # type: ignore[arg-type]
+
+    def body(txn: object) -> None:
+        for index, layer in enumerate(net.layers):
+            load(layer, 10.0 + index)
+            txn.before_layer(layer)  # type: ignore[attr-defined]  # too late: the weights are loaded
+            layer.process_weights_after_loading()  # type: ignore[operator]
+            txn.after_layer(layer)  # type: ignore[attr-defined]
+
+    outcome = finish(contract, body)
+    assert outcome.status is Status.FAILED, outcome.summary()  # a recapture would read the stale values too
+    assert {f.kind for f in outcome.problems} == {FindingKind.RELOAD_ERROR}
+    assert "before_layer()" in outcome.problems[0].detail
+
+
+@pytest.mark.parametrize("with_after", [True, False])
+def test_a_layer_loaded_without_before_layer_fails_closed(with_after: bool) -> None:
+    net = model()
+    contract = GraphContract(net, "recapture").seal()
+
+    def body(txn: object) -> None:
+        first, second = net.layers
+        txn.before_layer(first)  # type: ignore[attr-defined]
+        load(first, 10.0)
+        rebuild(first)
+        txn.after_layer(first)  # type: ignore[attr-defined]
+        load(second, 11.0)  # no before_layer
+        second.process_weights_after_loading()  # type: ignore[operator]  # the guard skips the rebuild
+        if with_after:
+            txn.after_layer(second)  # type: ignore[attr-defined]
+
+    outcome = finish(contract, body)
+    assert outcome.status is not Status.COMMITTED, outcome.summary()
+    assert {f.layer for f in outcome.problems} == {"layers.1"}
+    assert FindingKind.RELOAD_ERROR in {f.kind for f in outcome.problems}
+
+
+def test_a_layer_the_reload_leaves_alone_needs_no_before_layer() -> None:
+    net = model()
+    contract = GraphContract(net, "strict").seal()
+
+    def body(txn: object) -> None:
+        first = net.layers[0]
+        txn.before_layer(first)  # type: ignore[attr-defined]
+        load(first, 10.0)
+        rebuild(first)
+        txn.after_layer(first)  # type: ignore[attr-defined]
+
+    assert finish(contract, body).status is Status.COMMITTED

@@ -1,0 +1,78 @@
+"""A submodule held at two paths (``model.a is model.b``) is one sealed layer with two qualified names. A reload
+that binds another module at either path (the second one too) leaves the graph reading the captured layer where
+the model no longer holds it: the layer is ``vanished`` at that path, never committed. The capture manifest ties a
+recorded storage to every path of a shared module, so it sees the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status
+from graphsafe.collectors import record_capture
+
+
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = self.a  # one module at two paths
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(4, 4))
+        self.second = nn.Sequential(self.first[0])  # the same Linear under another parent
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def reload(contract: GraphContract, body: object) -> ReloadOutcome:
+    with contract.reload():
+        body()  # type: ignore[operator]
+    outcome = contract.last_outcome
+    assert outcome is not None
+    return outcome
+
+
+@pytest.mark.parametrize("detect", ["every-reload", "sealed-paths", "declared-only"])
+@pytest.mark.parametrize("path", ["a", "b"])
+def test_binding_another_module_at_either_path_of_a_shared_submodule_does_not_commit(path: str, detect: str) -> None:
+    model = Twice()
+    contract = GraphContract(model, "recapture", detect=detect).seal()  # type: ignore[arg-type]
+    outcome = reload(contract, lambda: setattr(model, path, nn.Linear(4, 4)))
+    assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
+    assert {f.kind for f in outcome.problems} == {FindingKind.VANISHED}
+
+
+def test_a_shared_module_replaced_under_its_second_parent_does_not_commit() -> None:
+    model = Nested()
+    contract = GraphContract(model, "recapture").seal()
+    outcome = reload(contract, lambda: model.second.__setitem__(0, nn.Linear(4, 4)))
+    assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
+    assert {f.kind for f in outcome.problems} == {FindingKind.VANISHED}
+
+
+def test_a_shared_submodule_reloaded_in_place_commits() -> None:
+    model = Twice()
+    contract = GraphContract(model, "strict").seal()
+    new = torch.randn(4, 4)
+    outcome = reload(contract, lambda: model.b.weight.data.copy_(new))
+    assert outcome.status is Status.COMMITTED, outcome.summary()
+    assert torch.equal(model.a.weight, new)
+
+
+def test_the_manifest_ties_a_shared_module_storage_to_both_paths() -> None:
+    model = Twice()
+    contract = GraphContract(model, "recapture").seal()
+    x = torch.randn(2, 4)
+    with record_capture(contract, ignore=[x], backend="dispatch") as manifest:
+        model(x)
+    (entry,) = [e for e in manifest.storages() if e.storage_ref() is model.a.weight.untyped_storage()]
+    assert {h.where for h in entry.holders} >= {"a:weight", "b:weight"}
