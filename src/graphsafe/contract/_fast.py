@@ -38,7 +38,6 @@ from graphsafe.contract._slots import (
     _Move,
     _sorted_ranges,
     _view,
-    storage_covers,
 )
 from graphsafe.outcome import Origin, geometry_key
 
@@ -97,7 +96,9 @@ def plan_common(
             if start and _hits(ranges, (move.src.device, start, start + storage.nbytes())):
                 return None
         plan.moves = moves
-        if plan.crossing():
+        # Copies writing overlapping memory under two storage objects (the engine takes them back): only where any
+        # two destinations overlap at all, which the sorted ranges show in one pass.
+        if _any_overlap(ranges) and plan.crossing():
             plan.moves = []
             return None
     # Pass 2: what the engine's restore leaves on each snapshot.
@@ -176,7 +177,7 @@ def _classify(
             or captured.storage_offset() != fp.storage_offset
             or captured.data_ptr() != fp.data_ptr
             or (index in freshness and current.data_ptr() == captured.data_ptr())
-            or not storage_covers(captured, captured_storage)
+            or captured_storage.nbytes() < slot.span[1]  # shrunk in place (laid out as sealed: the sealed span)
             or current.__dict__
             or captured.__dict__
         ):
@@ -207,6 +208,15 @@ def _classify(
             )
         )
     return rebinds, stayed
+
+
+def _any_overlap(ranges: dict[Any, tuple[list[int], list[int]]]) -> bool:
+    """Whether two of the ranges :func:`_sorted_ranges` sorted share a byte: one starts before an earlier one ends."""
+    for starts, furthest in ranges.values():
+        for index in range(1, len(starts)):
+            if starts[index] < furthest[index - 1]:
+                return True
+    return False
 
 
 def _only_writers(moves: Sequence[_Move], shared: SharedIndex) -> bool:
