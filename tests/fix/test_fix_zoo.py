@@ -19,8 +19,9 @@ from fix.workdir import Workdir, only_meant_lines
 from graphsafe import GraphContract, Status, capture, run_reload
 from graphsafe.testing.zoo import EXAMPLES, Example
 
-#: Zoo examples with a path the report can name; module_cache keeps its tensor where no path reaches.
-NAMED = [name for name, example in EXAMPLES.items() if example.slot_paths]
+#: Zoo examples whose legacy form holds every derived tensor at a path the report can name (module_cache's legacy
+#: form keeps its tensor where no path reaches: ``unreachable``; only its migrated form holds it at a layer path).
+NAMED = [name for name, example in EXAMPLES.items() if example.slot_paths and example.unreachable is None]
 
 TARGET = """
 import torch
