@@ -41,6 +41,7 @@ from graphsafe.contract._slots import (
     judge_noted,
     reads_as_captured,
 )
+from graphsafe.contract._tensorref import TensorRef
 from graphsafe.contract._unread import UNREAD_POLICIES, SkipState, skip_unread
 from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.errors import (
@@ -119,7 +120,7 @@ def _sealed_slot(entry: Classified) -> SealedSlot:
     return SealedSlot(
         entry.path,
         entry.fingerprint,
-        weakref.ref(entry.tensor),
+        TensorRef.of(entry.tensor),
         entry.origin,
         entry.declaration,
         restorable=entry.restorable,
@@ -682,7 +683,7 @@ class GraphContract:
             value = declaration.path.resolve_or(layer, None)
             if not isinstance(value, torch.Tensor):
                 continue  # verified at the next seal, which raises DeclarationError for it
-            slot = SealedSlot(declaration.path, fingerprint(value), weakref.ref(value), Origin.DECLARED, declaration)
+            slot = SealedSlot(declaration.path, fingerprint(value), TensorRef.of(value), Origin.DECLARED, declaration)
             if index is not None:
                 # Known to the walker since the seal: keep the sealed fingerprint, now as a declared slot.
                 old = sealed.slots[index]
@@ -1936,8 +1937,8 @@ class ReloadTransaction:
             origin = Origin.ALIAS if id(tensor.untyped_storage()) in tracked else Origin.WALKER
             key = (sealed.qualname, path)
             slot = contract._manifest_slots.get(key)
-            if slot is None or slot.tensor_ref() is not tensor or slot.origin is not origin:
-                slot = SealedSlot(SlotPath(path), fingerprint(tensor), weakref.ref(tensor), origin)
+            if slot is None or not slot.tensor_ref.holds(tensor) or slot.origin is not origin:
+                slot = SealedSlot(SlotPath(path), fingerprint(tensor), TensorRef.of(tensor), origin)
                 if key in contract._recorded_extras:  # a recording saw PWAL run over this path (before a reseal)
                     slot.inputs = contract._recorded_extras[key]
                 else:

@@ -43,6 +43,7 @@ from graphsafe.contract._samples import (
     unchanged,
     version_of,
 )
+from graphsafe.contract._tensorref import TensorRef
 from graphsafe.outcome import (
     Finding,
     FindingKind,
@@ -94,11 +95,12 @@ def _view(tensor: torch.Tensor) -> tuple[Any, ...]:
 
 @dataclass(slots=True)
 class SealedSlot:
-    """One tracked slot: its path, its sealed fingerprint and a weak handle to the captured tensor."""
+    """One tracked slot: its path, its sealed fingerprint and the identity of the captured tensor object (no weak
+    reference to it: ``torch.utils.swap_tensors`` refuses a tensor that has one; see :class:`TensorRef`)."""
 
     path: SlotPath
     fp: Fingerprint
-    tensor_ref: weakref.ReferenceType[torch.Tensor]
+    tensor_ref: TensorRef
     origin: Origin
     declaration: Declaration | None = None
     restorable: bool = True
@@ -139,12 +141,11 @@ class SealedSlot:
         self.key = fp.key
         self.get = compile_getter(self.path)
         self.set = compile_setter(self.path)
-        tensor = self.tensor_ref()
         # The raw class of the sealed object (a Parameter stays a Parameter), so that the in-place check matches it.
-        cls = type(tensor) if tensor is not None else fp.kind
+        cls = self.tensor_ref.kind
         self.layout = (fp.shape, fp.stride, fp.dtype, fp.device, fp.conj, fp.neg, cls, None if fp.inner else fp.meta)
         self.wrapped = bool(fp.inner)
-        self.group = (fp.device, fp.dtype, tensor.layout if tensor is not None else torch.strided)
+        self.group = (fp.device, fp.dtype, fp.layout)
         self.nbytes = fp.nbytes
         self.span = span_of(fp.shape, fp.stride, fp.storage_offset, fp.dtype.itemsize)
         self.plain = plain_layout(fp.conj, fp.neg, fp.stride)
@@ -155,11 +156,11 @@ class SealedSlot:
             self.origin is Origin.DECLARED and declaration is not None and not declaration.static
         ) or self.origin is Origin.WALKER
 
-    def captured(self) -> torch.Tensor | None:
-        """The captured tensor: the original object, or a new view on the captured storage, or ``None`` if freed."""
-        tensor = self.tensor_ref()
-        if tensor is not None:
-            return tensor
+    def captured(self, current: Any = MISSING) -> torch.Tensor | None:
+        """The captured tensor: the original object where ``current`` (what the path holds now) is it, else a new
+        view on the captured storage, or ``None`` if freed."""
+        if self.tensor_ref.holds(current):
+            return current  # type: ignore[no-any-return]
         return _rebuild(self.fp)
 
 
@@ -380,19 +381,19 @@ def written_unseen(entries: Sequence[tuple[torch.Tensor | None, int, Sample | No
 
 @dataclass(slots=True)
 class ValuesBefore:
-    """The tensors found before a recorded initial load (``record_inputs()``), each held weakly with its version
+    """The tensors found before a recorded initial load (``record_inputs()``), each by identity with its version
     counter and value sample: what :func:`written_unseen` checks a slot the recording did not see computed
     against, since the seal (and so the slot) comes only after that load."""
 
-    taken: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, Sample]]
+    taken: dict[int, tuple[TensorRef, int, Sample]]
 
     @classmethod
     def take(cls, tensors: Iterable[torch.Tensor]) -> ValuesBefore:
         batch = SampleBatch()
-        taken: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, Sample]] = {}
+        taken: dict[int, tuple[TensorRef, int, Sample]] = {}
         for tensor in tensors:
             if _strided(tensor) and id(tensor) not in taken:
-                taken[id(tensor)] = (weakref.ref(tensor), version_of(tensor), batch.take(tensor, SLOT_ELEMENTS))
+                taken[id(tensor)] = (TensorRef.of(tensor), version_of(tensor), batch.take(tensor, SLOT_ELEMENTS))
         batch.flush()
         return cls(taken)
 
@@ -401,7 +402,7 @@ class ValuesBefore:
         entries: list[tuple[torch.Tensor | None, int, Sample | None, Any]] = []
         for tensor in tensors:
             entry = self.taken.get(id(tensor))
-            if entry is None or entry[0]() is not tensor:
+            if entry is None or not entry[0].holds(tensor):
                 entries.append((None, -1, None, tensor))
             else:
                 entries.append((tensor, entry[1], entry[2], tensor))
@@ -684,10 +685,14 @@ class LayerSnapshot:
         inputs: _Inputs | None = None
         tensor_type = torch.Tensor
         for index, slot in enumerate(slots):
-            tensor = slot.tensor_ref()
-            versions.append(-1 if tensor is None else version_of(tensor))
-            if tensor is None:
-                tensor = slot.captured()  # a new view on the captured storage, if it is still alive
+            held = slot.get(layer)
+            if slot.tensor_ref.holds(held):  # the sealed object, on its sealed implementation
+                tensor = held
+                versions.append(version_of(tensor))
+            else:  # a new view on the captured storage, if it is still alive
+                tensor = slot.captured()
+                versions.append(-1)
+            del held
             captured.append(tensor)
             if tensor is None:
                 findings.append(
