@@ -935,14 +935,7 @@ class LayerSnapshot:
                     after = fingerprint(current)
                     self.findings.append(sealed.finding(FindingKind.DEAD, slot, after=after, detail=lost))
                     continue
-            if (
-                inner_pairs is None
-                and not exact
-                and (
-                    geometry_key(current) != geometry_key(captured)
-                    or current.storage_offset() != slot.fp.storage_offset
-                )
-            ):
+            if inner_pairs is None and not exact and _copy_cannot_keep(slot, current, captured):
                 self._respecified(slot, current, "", "; a copy cannot keep the captured layout: recapture")
                 continue
             if slot.origin is Origin.WALKER:
@@ -1389,6 +1382,25 @@ class LayerSnapshot:
 
 
 _LOADED = (Origin.PARAMETER, Origin.BUFFER)
+
+
+def _copy_cannot_keep(slot: SealedSlot, current: torch.Tensor, captured: torch.Tensor) -> bool:
+    """Whether copying ``current`` (another storage) into ``captured`` cannot restore the slot: ``respecified``.
+
+    A parameter or buffer is judged by the captured layout: the loaded tensor carries values, and where the
+    checkpoint laid them (an offset into a flat buffer, another stride order) is the loader's business; the copy
+    writes them as the graph reads them. Not when the captured tensor broadcasts a dimension the new one does not
+    (its distinct elements cannot hold the new values). Any other slot (derived, found by the walker) must also
+    keep its significant stride and offset: PWAL may have laid its bytes out for a kernel that reads them raw.
+    """
+    now, then = geometry_key(current), geometry_key(captured)
+    if slot.origin in _LOADED and (now[:1] + now[2:]) == (then[:1] + then[2:]):
+        shape, stride = then[0], then[1]
+        return any(
+            step == 0 and size != 1 and new_step != 0
+            for size, step, new_step in zip(shape, stride, now[1], strict=True)
+        )
+    return now != then or current.storage_offset() != slot.fp.storage_offset
 
 
 def _would_change(new: torch.Tensor, captured: torch.Tensor, keep: bool) -> bool:
