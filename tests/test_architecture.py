@@ -47,6 +47,7 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
         "graphsafe.contract._access",
         "graphsafe.contract._copy",
         "graphsafe.contract._slots",
+        "graphsafe.contract._tensorref",
     },
     # the shared fake_cuda fixture: the kernel scan's driver, allocator view and live tensors from recorded tables
     "tests/conftest.py": {"graphsafe.collectors._kernelscan"},
