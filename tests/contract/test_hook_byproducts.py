@@ -69,3 +69,43 @@ def test_a_weight_norm_reload_without_a_forward_commits(mode: str) -> None:
 
     outcome = reload(contract, load)
     assert outcome.status is Status.COMMITTED, outcome.summary()
+
+
+# ----------------------------------------------------------------------------------------------------
+# A nested-tensor buffer (torch.nested, strided layout): its buffer is one storage
+# ----------------------------------------------------------------------------------------------------
+
+
+def _with_nested() -> nn.Linear:
+    layer = nn.Linear(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the strided nested layout is a prototype
+        layer.register_buffer("table", torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)]))
+    return layer
+
+
+@pytest.mark.parametrize("mode", ["strict", "recapture"])
+def test_a_nested_buffer_left_in_place_commits(mode: str) -> None:
+    layer = _with_nested()
+    contract = GraphContract(layer, mode).seal()  # type: ignore[arg-type]
+    assert {s.path: s.origin for s in contract.slots()}["table"] is Origin.BUFFER
+    new = torch.randn(4, 4)
+
+    def load() -> None:
+        with torch.no_grad():
+            layer.weight.copy_(new)
+            layer.table.mul_(2)  # written in place: the captured buffer holds the new values
+
+    outcome = reload(contract, load)
+    assert outcome.status is Status.COMMITTED, outcome.summary()
+
+
+def test_a_nested_buffer_replaced_is_respecified_not_committed() -> None:
+    layer = _with_nested()
+    contract = GraphContract(layer, "recapture").seal()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        new = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)])
+    outcome = reload(contract, lambda: setattr(layer, "table", new))
+    assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
+    assert [f.path for f in outcome.problems] == ["table"]

@@ -136,7 +136,7 @@ def _state_entries(
                 or (devices is not None and tensor.device not in devices)
             ):
                 continue
-            if tensor.layout is not torch.strided or tensor.is_nested:  # no storage to fingerprint (sparse, nested)
+            if tensor.layout is not torch.strided:  # no storage to fingerprint (sparse, a jagged nested tensor)
                 what = "nested" if tensor.is_nested else tensor.layout
                 notes.append(f"{path.text}: cannot fingerprint a {what} {origin.value} (it has no storage)")
                 continue

@@ -55,6 +55,7 @@ from graphsafe.outcome import (
     inner_tensors,
     memory_tensors,
     read_params,
+    shape_and_stride,
     tensor_kind,
 )
 from graphsafe.paths import MISSING, Getter, Setter, SlotPath, compile_getter, compile_setter
@@ -80,6 +81,9 @@ _MISSING: Any = MISSING
 def _view(tensor: torch.Tensor) -> tuple[Any, ...]:
     """The cheap layout tuple of a tensor as it is now (compared with :attr:`SealedSlot.layout`): everything that
     changes how its bytes are read, the class and a quantized tensor's scale included."""
+    if tensor.is_nested:  # no sizes or strides: its flat buffer, and its components' layout (read_params)
+        shape, stride = shape_and_stride(tensor)
+        return (shape, stride, tensor.dtype, tensor.device, False, False, type(tensor), read_params(tensor))
     quantized = read_params(tensor) if tensor.is_quantized else None
     return (
         tensor.shape,
@@ -1724,7 +1728,8 @@ def storage_covers(tensor: torch.Tensor, storage: Any = None) -> bool:
 
 def address_range(tensor: torch.Tensor) -> tuple[str, int, int]:
     """``(device, first byte address, end address)`` of the memory a plain strided tensor spans."""
-    extent = sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True)) + 1 if tensor.numel() else 0
+    shape, stride = shape_and_stride(tensor) if tensor.is_nested else (tensor.shape, tensor.stride())
+    extent = sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) + 1 if tensor.numel() else 0
     # From the storage: an empty tensor's data_ptr() is 0, but it still marks a place in its storage.
     start = tensor.untyped_storage().data_ptr() + int(tensor.storage_offset()) * tensor.element_size()
     return str(tensor.device), start, start + int(extent) * tensor.element_size()
