@@ -435,6 +435,9 @@ class FindingKind(enum.Enum):
     UNTRACKABLE = "untrackable"
     RELOAD_ERROR = "reload-error"
     AUTO_RESTORED = "auto-restored"
+    #: An undeclared tensor drifted (moved, re-created, left stale, gone) where graph truth proves that no captured
+    #: graph reads its captured memory: reported, not a problem (replay is unchanged).
+    UNREAD_DRIFT = "unread-drift"
 
     @property
     def recapture_fixes(self) -> bool:
@@ -447,8 +450,8 @@ class FindingKind(enum.Enum):
 
     @property
     def is_problem(self) -> bool:
-        """``False`` only for records of repairs (``auto-restored``)."""
-        return self is not FindingKind.AUTO_RESTORED
+        """``False`` only for records: repairs (``auto-restored``) and drift no graph reads (``unread-drift``)."""
+        return self is not FindingKind.AUTO_RESTORED and self is not FindingKind.UNREAD_DRIFT
 
     @property
     def rank(self) -> int:
@@ -473,6 +476,7 @@ _KIND_ORDER: tuple[FindingKind, ...] = (
     FindingKind.BUDGET_EXHAUSTED,
     FindingKind.RELOAD_ERROR,
     FindingKind.AUTO_RESTORED,
+    FindingKind.UNREAD_DRIFT,
 )
 
 

@@ -140,6 +140,8 @@ class CapturedStorage:
 # --------------------------------------------------------------------------------------------------------------
 # Recording.
 
+#: The op namespaces whose kernels read only the tensors they are passed (torch's own operators).
+_TORCH_NAMESPACES: frozenset[str] = frozenset({"aten", "prim", "prims", "_c10d_functional", "c10d", "quantized"})
 # torch.tensor(data) inside a capture reaches the dispatcher as lift_fresh of a tensor made on the spot.
 _FRESH_OPS: frozenset[Any] = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
 # How an op uses an argument (collectors._dataflow reads it from the schema): a view only aliases it (reads no
@@ -199,6 +201,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         self.capturing = False
         self.saw_capture = False
         self.in_capture: set[int] = set()
+        #: Ops of a namespace outside torch's own (``torch.library`` custom ops): they may read memory they are not
+        #: passed, which no dispatch mode sees, so this capture proves nothing unread.
+        self.opaque: dict[str, None] = {}
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -214,6 +219,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
                 self._mark_internal(tensor)
         else:
             positions, names, name = _access(func)
+            if getattr(func, "namespace", "aten") not in _TORCH_NAMESPACES:
+                self.opaque[name] = None
             touch = self._touch
             # Inlined walk over the arguments: this runs for every op of the capture.
             for index, value in enumerate(args):
@@ -380,6 +387,7 @@ def record_capture(
     if recorder.saw_capture:
         entries = {key: entry for key, entry in entries.items() if key in recorder.in_capture}
     manifest._install(capture, list(entries.values()))
+    manifest._opaque[capture] = tuple(recorder.opaque)
     if contract is not None:
         contract.manifest = manifest
         # A capture ran: the evidence a reseal after a failed reload needs.
@@ -627,6 +635,8 @@ class Manifest:
         self._scans: dict[str, kscan.ScanFacts] = {}
         #: One line per thing a capture could not see (kernel scan unavailable, ``extra`` parameters, ...).
         self.notes: list[str] = []
+        #: Per dispatch-recorded capture: the custom ops it ran (see :meth:`unread_proof`).
+        self._opaque: dict[str, tuple[str, ...]] = {}
 
     # -- contents ----------------------------------------------------------------------------------------------
     @property
@@ -663,6 +673,7 @@ class Manifest:
     def discard(self, capture: str) -> bool:
         """Forget a capture whose graph was destroyed; ``False`` if there was none by that name."""
         self._scans.pop(capture, None)
+        self._opaque.pop(capture, None)
         return self._captures.pop(capture, None) is not None
 
     def _install(self, capture: str, entries: list[CapturedStorage], *, scanned: bool = False) -> None:
@@ -732,6 +743,45 @@ class Manifest:
             return any(ranges.overlaps(start, end) for ranges in scans)
 
         return reads_storage
+
+    def unread_proof(self) -> Callable[[Fingerprint], bool] | None:
+        """A test ``captured fingerprint -> bool``: whether graph truth proves that no captured graph reads any
+        byte of that memory (a wrapper's: every inner tensor's storage). ``None`` before any capture.
+
+        Each capture must prove it. A kernel-scanned one whose scan is complete (:meth:`truth`) proves what none of
+        its read ranges overlaps. A dispatch-recorded one proves what none of its recorded storages (read, written
+        or only viewed) overlaps, only on a device whose kernels all go through the dispatcher (not CUDA, where a
+        Triton or CuPy launch is unseen) and only when it ran no custom op (which may read memory it is not
+        passed). Anything else proves nothing.
+        """
+        if not self._captures:
+            return None
+        ranges: list[tuple[bool, list[tuple[str, int, int]], kscan.ReadRanges | None]] = []
+        for name, entries in self._captures.items():
+            facts = self._scans.get(name)
+            if facts is not None:
+                ranges.append((not facts.scan.incomplete, [], facts.reads))
+                continue
+            spans = [(str(e.device), e.data_ptr, e.data_ptr + max(e.nbytes, 1)) for e in entries]
+            ranges.append((not self._opaque.get(name, ()), spans, None))
+
+        def unread(fp: Fingerprint) -> bool:
+            for part in fp.memory():
+                start, end = part.storage_ptr, part.storage_ptr + max(part.storage_nbytes, 1)
+                device = str(part.device)
+                for proves, spans, reads in ranges:
+                    if not proves:
+                        return False
+                    if reads is not None:
+                        if reads.overlaps(start, end):
+                            return False
+                    elif part.device.type == "cuda" or any(
+                        where == device and first < end and start < last for where, first, last in spans
+                    ):
+                        return False
+            return True
+
+        return unread
 
     def unread(self, contract: SealedModel) -> list[SlotInfo] | None:
         """The contract's slots whose storage no captured graph reads; ``None`` unless :attr:`complete`.

@@ -43,6 +43,7 @@ from graphsafe.contract._slots import (
 )
 from graphsafe.contract._tensorref import TensorRef
 from graphsafe.contract._unread import UNREAD_POLICIES, SkipState, skip_unread
+from graphsafe.contract._unread_drift import excuse_unread_drift
 from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.errors import (
     ContractViolation,
@@ -1337,6 +1338,7 @@ class ReloadTransaction:
                     self._findings.extend(
                         f for f in contract.manifest.check(contract) if not f.path or (f.layer, f.path) not in flagged
                     )
+                    self._findings = excuse_unread_drift(self._findings, contract.manifest)
                 # What a reseal must not take for fresh: the slots this reload found stale (SealedSlot.owed).
                 stale = {(f.layer, f.path) for f in self._findings if f.kind is FindingKind.STALE}
                 for sealed in contract._layers:
