@@ -231,3 +231,30 @@ def test_the_toolkit_runs_a_loader_that_swaps() -> None:
         )
 
     assert_reload_stable(lambda: nn.Linear(4, 4), load, example_input=torch.randn(2, 4))  # raised (weakref)
+
+
+def test_a_captured_tensor_pwal_replaces_after_its_after_layer_is_restored_as_the_same_object() -> None:
+    """Without a weak reference to it, the captured object is still the one rebound: the transaction keeps the
+    objects its snapshots held, so a later snapshot of the layer finds it although its path no longer holds it."""
+    layer = nn.Linear(4, 4)
+    layer.w_t = layer.weight.detach().t().contiguous()
+    from graphsafe import register_derived
+
+    register_derived(layer, "w_t")
+    contract = GraphContract(layer, "strict").seal()
+    captured = layer.w_t
+
+    def pwal() -> None:
+        layer.w_t = layer.weight.detach().t().contiguous()
+
+    with contract.reload(layerwise=True) as txn, torch.no_grad():
+        txn.before_layer(layer)
+        layer.weight.copy_(torch.randn(4, 4))
+        pwal()
+        txn.after_layer(layer)
+        pwal()  # again: the path holds a new tensor, and the captured one only the transaction
+        txn.before_layer(layer)  # reopened: its new snapshot is taken while the path holds PWAL's tensor
+        pwal()
+        txn.after_layer(layer)
+    assert txn.outcome is not None and txn.outcome.committed, txn.outcome
+    assert layer.w_t is captured and torch.equal(captured, layer.weight.t())

@@ -955,6 +955,8 @@ class ReloadTransaction:
         self._abandoned: list[tuple[LayerSnapshot, int, str, int, int]] = []
         # (layer, path) -> (id, version counter, data_ptr) of what each untracked manifest path held at the start
         self._held_before: dict[tuple[str, str], tuple[int, int, int]] = {}
+        # id -> the captured objects this transaction's snapshots held (see LayerSnapshot.take's ``originals``)
+        self._originals: dict[int, torch.Tensor] = {}
         self._gone: set[int] = set()  # sealed layers already reported as replaced or removed
         self._moved: set[int] = set()  # of those, the ones still in the model elsewhere when snapshotted
         self._findings: list[Finding] = []
@@ -1380,6 +1382,7 @@ class ReloadTransaction:
         finally:
             self._snapshots.clear()
             self._closed.clear()
+            self._originals.clear()
             contract._active = None
         self._seconds += time.perf_counter() - start
         return ReloadOutcome(
@@ -1496,6 +1499,7 @@ class ReloadTransaction:
             recorded=contract._recorded,
             outer=functools.partial(contract._outer, sealed.qualname),
             scratch=self._graph_writes,
+            originals=self._originals,
         )
         # Untrackable at the seal or now: no check can tell whether the graph still reads their memory.
         for where in dict.fromkeys(sealed.untrackable + untrackable):

@@ -642,6 +642,8 @@ class LayerSnapshot:
     gone: list[tuple[int, str, int, int]] = field(default_factory=list)
     #: Per slot, whether the reload wrote its captured memory before the restore's copies (set at restore).
     written: list[bool] = field(default_factory=list)
+    #: The transaction's captured objects by id (see :meth:`take`): one more reference of ours to each.
+    originals: dict[int, torch.Tensor] = field(default_factory=dict)
     #: Per slot, whether PWAL left it reading its captured memory as captured (set at restore, before copies).
     left: list[bool] = field(default_factory=list)
     #: Per slot, whether :meth:`verify` found the captured object at its path on its captured memory as sealed.
@@ -668,8 +670,14 @@ class LayerSnapshot:
         recorded: bool = False,
         outer: Callable[[], list[tuple[str, nn.Module]]] | None = None,
         scratch: Callable[[torch.Tensor], bool] | None = None,
+        originals: dict[int, torch.Tensor] | None = None,
     ) -> LayerSnapshot:
         """Snapshot ``layer`` before its load.
+
+        ``originals``: the captured objects earlier snapshots of this transaction held, by ``id`` (the transaction
+        keeps them alive, so an ``id`` names one object): a captured tensor a path no longer holds (PWAL ran again
+        after its layer's ``after_layer()``) is found there rather than rebuilt as a new view; this snapshot adds
+        its own.
 
         ``recorded``: a recording of PWAL (the first reload's, or the initial load's under ``record_inputs()``)
         exists. A tensor only the walker found is then watched for freshness if that recording saw PWAL compute it
@@ -690,9 +698,13 @@ class LayerSnapshot:
         tensor_type = torch.Tensor
         for index, slot in enumerate(slots):
             held = slot.get(layer)
+            if not slot.tensor_ref.holds(held) and originals:
+                held = originals.get(slot.tensor_ref.ident, held)
             if slot.tensor_ref.holds(held):  # the sealed object, on its sealed implementation
                 tensor = held
                 versions.append(version_of(tensor))
+                if originals is not None:
+                    originals[id(tensor)] = tensor
             else:  # a new view on the captured storage, if it is still alive
                 tensor = slot.captured()
                 versions.append(-1)
@@ -719,7 +731,18 @@ class LayerSnapshot:
                     sample = samples.take(current, SLOT_ELEMENTS)
                     freshness[index] = (current, version_of(current), sample, inputs.of(slot))
         shared = sealed.shares_storage or len(slots) > len(sealed.slots)
-        return cls(sealed, layer, slots, captured, findings, freshness, inputs, shared=shared, versions=versions)
+        return cls(
+            sealed,
+            layer,
+            slots,
+            captured,
+            findings,
+            freshness,
+            inputs,
+            shared=shared,
+            versions=versions,
+            originals=originals if originals is not None else {},
+        )
 
     def learn_inputs(
         self, reads: Callable[[torch.Tensor], list[InputRef]], updated: Callable[[Any], bool], written: set[int]
@@ -799,6 +822,10 @@ class LayerSnapshot:
             ):
                 return False
         return True
+
+    def _in_originals(self, tensor: torch.Tensor) -> int:
+        """1 where the transaction's table of captured objects holds ``tensor`` (a reference of ours), else 0."""
+        return int(self.originals.get(id(tensor)) is tensor)
 
     def _respecified(self, slot: SealedSlot, current: torch.Tensor, prefix: str, suffix: str = "") -> None:
         """A new tensor at the slot's path that no copy can restore: a finding, and the tensor stays (kept)."""
@@ -967,7 +994,8 @@ class LayerSnapshot:
                 # tensor gets the holder look a plain slot gets (PWAL can hand the old wrapper, or one of its
                 # inner tensors, to a spare): ours are the wrapper's attribute and the pairs list.
                 before = freshness.get(index)
-                if sys.getrefcount(captured) - 2 > (3 if before is not None and before[0] is captured else 2):
+                ours = (3 if before is not None and before[0] is captured else 2) + self._in_originals(captured)
+                if sys.getrefcount(captured) - 2 > ours:
                     self.suspects.append((index, "object", -1))  # the old wrapper itself is held elsewhere
                 parts = {id(part): position for position, part in enumerate(memory_tensors(captured))}
                 for dst, src in inner_pairs:
@@ -981,12 +1009,13 @@ class LayerSnapshot:
                 continue
             before = freshness.get(index)
             # Ours: the snapshot's list, the rebind just planned, the freshness entry where it is the same object.
-            held = held_outside(
-                captured, own=3 if before is not None and before[0] is captured else 2, storage=captured_storage
-            )
+            # (and the transaction's table of captured objects, where it is one).
+            own = (3 if before is not None and before[0] is captured else 2) + self._in_originals(captured)
+            held = held_outside(captured, own=own, storage=captured_storage)
             if held == "object":  # maybe only this snapshot's other entries (two slots, one tensor): count them
                 own = sum(t is captured for t in captured_list) + sum(t is captured for _, t in rebinds)
                 own += sum(b[0] is captured for b in freshness.values()) + plan.holds(captured)
+                own += self._in_originals(captured)
                 held = held_outside(captured, own=own, storage=captured_storage)
             if held is not None:
                 self.suspects.append((index, held, None))

@@ -246,11 +246,14 @@ def _let_go(contract: GraphContract, entry: _Group, new_storage: Any) -> bool:
     # The captured objects, held weakly only while this step runs (no user code runs in between, so no
     # torch.utils.swap_tensors can meet the weak reference; the contract keeps none: see TensorRef).
     originals: list[weakref.ReferenceType[torch.Tensor] | None] = []
+    held = contract._active._originals if contract._active is not None else {}  # the transaction's, by id
     for snapshot, index, _ in entry.members:
         captured = snapshot.captured[index]
         version = snapshot.versions[index] if index < len(snapshot.versions) else -1
         moved.append(captured is not None and 0 <= version != version_of(captured))
         originals.append(weakref.ref(captured) if captured is not None else None)
+        if captured is not None and held.get(id(captured)) is captured:
+            del held[id(captured)]
         del captured
         snapshot.captured[index] = None
         before = snapshot.freshness.get(index)
@@ -262,6 +265,8 @@ def _let_go(contract: GraphContract, entry: _Group, new_storage: Any) -> bool:
         for (snapshot, index, _), written, original in zip(entry.members, moved, originals, strict=True):
             slot = snapshot.slots[index]
             tensor = original() if original is not None else None
+            if tensor is not None and slot.tensor_ref.holds(tensor):
+                held[id(tensor)] = tensor
             if tensor is None:  # only the snapshot held that object: a new view on the captured storage
                 tensor = slot.captured()
                 if tensor is not None and index < len(snapshot.versions) and snapshot.versions[index] >= 0:
