@@ -892,6 +892,8 @@ class LayerSnapshot:
                 # Moved or gone: its memory is abandoned (see the contract's _doubt_abandoned). Let go of the
                 # captured tensor: where nothing else holds it, the manifest must see it freed.
                 self.gone.append((index, *address_range(captured)))
+                if self._in_originals(captured):
+                    del self.originals[id(captured)]
                 captured_list[index] = None
                 before = freshness.get(index)
                 if before is not None:  # keep what it is computed from (a partner's doubt asks), not it
