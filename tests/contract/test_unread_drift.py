@@ -96,3 +96,13 @@ def test_a_capture_that_ran_a_custom_op_proves_nothing_unread() -> None:
     assert outcome.status is Status.NEEDS_RECAPTURE
     assert [(f.path, f.kind) for f in outcome.problems] == [("debug", FindingKind.MOVED)]
     del lib
+
+
+def test_a_capture_that_recorded_no_op_proves_nothing_unread() -> None:
+    model = WithDebugCopy()
+    contract = GraphContract(model, "recapture").seal()
+    with record_capture(contract, name="g"):
+        pass  # no forward: nothing says what a graph reads
+    outcome = reload(contract, model)
+    assert outcome.status is Status.NEEDS_RECAPTURE
+    assert [(f.path, f.kind) for f in outcome.problems] == [("debug", FindingKind.MOVED)]

@@ -204,6 +204,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         #: Ops of a namespace outside torch's own (``torch.library`` custom ops): they may read memory they are not
         #: passed, which no dispatch mode sees, so this capture proves nothing unread.
         self.opaque: dict[str, None] = {}
+        self.ops = 0
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -218,6 +219,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
             for tensor in _tensors(args):
                 self._mark_internal(tensor)
         else:
+            self.ops += 1
             positions, names, name = _access(func)
             if getattr(func, "namespace", "aten") not in _TORCH_NAMESPACES:
                 self.opaque[name] = None
@@ -387,7 +389,8 @@ def record_capture(
     if recorder.saw_capture:
         entries = {key: entry for key, entry in entries.items() if key in recorder.in_capture}
     manifest._install(capture, list(entries.values()))
-    manifest._opaque[capture] = tuple(recorder.opaque)
+    # A capture that saw no op at all proves nothing about a graph (it recorded around no forward).
+    manifest._opaque[capture] = tuple(recorder.opaque) if recorder.ops else ("no op recorded",)
     if contract is not None:
         contract.manifest = manifest
         # A capture ran: the evidence a reseal after a failed reload needs.
