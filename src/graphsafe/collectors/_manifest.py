@@ -759,28 +759,22 @@ class Manifest:
         """
         if not self._captures:
             return None
-        ranges: list[tuple[bool, list[tuple[str, int, int]], kscan.ReadRanges | None]] = []
+        # Per capture: whether it can prove anything, whether it is a dispatch recording (which cannot on CUDA),
+        # and the address ranges it read (one process's addresses are distinct across devices).
+        ranges: list[tuple[bool, bool, kscan.ReadRanges]] = []
         for name, entries in self._captures.items():
             facts = self._scans.get(name)
             if facts is not None:
-                ranges.append((not facts.scan.incomplete, [], facts.reads))
+                ranges.append((not facts.scan.incomplete, False, facts.reads))
                 continue
-            spans = [(str(e.device), e.data_ptr, e.data_ptr + max(e.nbytes, 1)) for e in entries]
-            ranges.append((not self._opaque.get(name, ()), spans, None))
+            spans = kscan.ReadRanges((e.data_ptr, e.data_ptr + max(e.nbytes, 1)) for e in entries)
+            ranges.append((not self._opaque.get(name, ()), True, spans))
 
         def unread(fp: Fingerprint) -> bool:
             for part in fp.memory():
                 start, end = part.storage_ptr, part.storage_ptr + max(part.storage_nbytes, 1)
-                device = str(part.device)
-                for proves, spans, reads in ranges:
-                    if not proves:
-                        return False
-                    if reads is not None:
-                        if reads.overlaps(start, end):
-                            return False
-                    elif part.device.type == "cuda" or any(
-                        where == device and first < end and start < last for where, first, last in spans
-                    ):
+                for proves, dispatch, reads in ranges:
+                    if not proves or (dispatch and part.device.type == "cuda") or reads.overlaps(start, end):
                         return False
             return True
 
