@@ -98,11 +98,27 @@ def memory_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [part for _, value in inner for part in memory_tensors(value)]
 
 
+def shape_and_stride(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A tensor's shape and stride; a nested tensor of the strided layout (``torch.nested``, which has neither) is
+    read as its one flat buffer, and its components' sizes, strides and offsets are its :func:`read_params`."""
+    if tensor.is_nested:
+        return (tensor.numel(),), (1,)
+    return tuple(tensor.shape), tuple(tensor.stride())
+
+
 def read_params(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     """How a quantized tensor's bytes are read (its scheme, scale and zero point, per tensor or per channel), or
     ``None`` for any other tensor. A kernel gets them at launch, so a captured graph keeps the ones it saw, and a
-    ``copy_`` into a quantized tensor takes its source's: like a lazy bit, they must match for a copy to restore."""
+    ``copy_`` into a quantized tensor takes its source's: like a lazy bit, they must match for a copy to restore.
+    For a nested tensor of the strided layout: its components' sizes, strides and offsets in its buffer."""
     if not tensor.is_quantized:
+        if tensor.is_nested and tensor.layout is torch.strided:
+            return (
+                "nested",
+                tuple(map(tuple, tensor._nested_tensor_size().tolist())),
+                tuple(map(tuple, tensor._nested_tensor_strides().tolist())),
+                tuple(tensor._nested_tensor_storage_offsets().tolist()),
+            )
         return None
     scheme = tensor.qscheme()
     if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
@@ -254,7 +270,7 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint:
     Raises :class:`TypeError` or :class:`RuntimeError` for a tensor without storage that is no flattenable wrapper
     (sparse, meta-less fakes); callers that meet arbitrary tensors catch them.
     """
-    if type(tensor) in _PLAIN_KINDS:  # the common case, spelled out: no wrapper test, fields in one positional call
+    if type(tensor) in _PLAIN_KINDS and not tensor.is_nested:  # the common case, spelled out: no wrapper test
         storage = tensor.untyped_storage()
         return Fingerprint(
             storage.data_ptr(),
@@ -295,13 +311,14 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint:
             meta=flatten_meta(tensor),
         )
     storage = tensor.untyped_storage()
+    shape, stride = shape_and_stride(tensor)
     return Fingerprint(
         storage_ptr=storage.data_ptr(),
         storage_nbytes=storage.nbytes(),
         data_ptr=tensor.data_ptr(),
         storage_offset=int(tensor.storage_offset()),
-        shape=tuple(tensor.shape),
-        stride=tuple(tensor.stride()),
+        shape=shape,
+        stride=stride,
         dtype=tensor.dtype,
         device=tensor.device,
         storage_ref=weakref.ref(storage),
@@ -317,7 +334,7 @@ def geometry_key(tensor: torch.Tensor) -> tuple[Any, ...]:
     """Shape, significant stride, dtype, device and how the bytes are read (conjugate and negative bits, layout,
     class; a wrapper's metadata and its inner tensors' geometry and offsets): what must match for a copy to be a
     faithful restore."""
-    shape = tuple(tensor.shape)
+    shape, stride = shape_and_stride(tensor)
     inner = inner_tensors(tensor)
     if inner is None:
         extra: tuple[Any, ...] = (read_params(tensor),)
@@ -330,7 +347,7 @@ def geometry_key(tensor: torch.Tensor) -> tuple[Any, ...]:
         bits = (False, False)
     return (
         shape,
-        _significant_stride(shape, tuple(tensor.stride())),
+        _significant_stride(shape, stride),
         tensor.dtype,
         tensor.device,
         *bits,
@@ -418,6 +435,9 @@ class FindingKind(enum.Enum):
     UNTRACKABLE = "untrackable"
     RELOAD_ERROR = "reload-error"
     AUTO_RESTORED = "auto-restored"
+    #: An undeclared tensor drifted (moved, re-created, left stale, gone) where graph truth proves that no captured
+    #: graph reads its captured memory: reported, not a problem (replay is unchanged).
+    UNREAD_DRIFT = "unread-drift"
 
     @property
     def recapture_fixes(self) -> bool:
@@ -430,8 +450,8 @@ class FindingKind(enum.Enum):
 
     @property
     def is_problem(self) -> bool:
-        """``False`` only for records of repairs (``auto-restored``)."""
-        return self is not FindingKind.AUTO_RESTORED
+        """``False`` only for records: repairs (``auto-restored``) and drift no graph reads (``unread-drift``)."""
+        return self is not FindingKind.AUTO_RESTORED and self is not FindingKind.UNREAD_DRIFT
 
     @property
     def rank(self) -> int:
@@ -456,6 +476,7 @@ _KIND_ORDER: tuple[FindingKind, ...] = (
     FindingKind.BUDGET_EXHAUSTED,
     FindingKind.RELOAD_ERROR,
     FindingKind.AUTO_RESTORED,
+    FindingKind.UNREAD_DRIFT,
 )
 
 

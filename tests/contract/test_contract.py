@@ -755,10 +755,6 @@ REPLACEMENTS: dict[str, tuple[Callable[[nn.Module], None], FindingKind]] = {
         lambda layer: setattr(layer, "weight", nn.Parameter(torch.randn(4, 6, dtype=torch.float64), False)),
         FindingKind.RESPECIFIED,
     ),
-    "respecified-stride": (
-        lambda layer: setattr(layer, "weight", nn.Parameter(torch.randn(6, 4).t(), requires_grad=False)),
-        FindingKind.RESPECIFIED,
-    ),
     "vanished": (lambda layer: delattr(layer, "weight"), FindingKind.VANISHED),
     "vanished-none": (lambda layer: setattr(layer, "weight", None), FindingKind.VANISHED),
 }

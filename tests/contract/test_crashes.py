@@ -154,3 +154,107 @@ def test_a_dtensor_bound_with_another_placement_is_respecified(mesh: Any) -> Non
     outcome = reload(contract, lambda: setattr(layer, "weight", new))
     assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
     assert {(f.path, f.kind) for f in outcome.problems} == {("weight", FindingKind.RESPECIFIED)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# torch.utils.swap_tensors on sealed tensors
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def swapping() -> Iterator[None]:
+    """``load_state_dict`` swaps every parameter and buffer (``torch.utils.swap_tensors``) instead of copying."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def _state(layer: nn.Linear) -> dict[str, torch.Tensor]:
+    return {"weight": torch.randn(4, 4), "bias": torch.randn(4)}
+
+
+def test_swap_tensors_works_on_a_sealed_parameter_and_the_next_reload_fails_closed() -> None:
+    layer = nn.Linear(4, 4)
+    contract = GraphContract(layer, "recapture").seal()
+    new = nn.Parameter(torch.randn(4, 4))
+    torch.utils.swap_tensors(layer.weight, new)  # raised: "Cannot swap t1 because it has weakref associated with it"
+    del new  # the captured memory went with the swapped-out implementation
+    outcome = reload(contract, lambda: None)
+    assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
+    assert ("weight", FindingKind.DEAD) in {(f.path, f.kind) for f in outcome.problems}
+
+
+@pytest.mark.usefixtures("swapping")
+def test_load_state_dict_with_swapping_copies_into_the_captured_memory_and_commits() -> None:
+    layer = nn.Linear(4, 4)
+    weight, bias = layer.weight, layer.bias
+    captured = [(t.untyped_storage(), t.detach()) for t in (weight, bias)]
+    contract = GraphContract(layer, "strict").seal()
+    state = _state(layer)
+    outcome = reload(contract, lambda: layer.load_state_dict(state))  # raised through load_state_dict's errors
+    assert outcome.status is Status.COMMITTED, outcome.summary()
+    for (storage, like), name in zip(captured, ("weight", "bias"), strict=True):
+        assert torch.equal(at_address(storage, like), state[name])  # what the graph reads holds the new values
+
+
+@pytest.mark.usefixtures("swapping")
+def test_load_state_dict_assign_with_swapping_moves_the_parameters_and_fails_closed() -> None:
+    layer = nn.Linear(4, 4)
+    contract = GraphContract(layer, "recapture").seal()
+    state = _state(layer)
+    outcome = reload(contract, lambda: layer.load_state_dict(state, assign=True))
+    assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
+    assert {f.path for f in outcome.problems} == {"weight", "bias"}
+
+
+@pytest.mark.usefixtures("swapping")
+def test_a_recorded_initial_load_with_swapping_works() -> None:
+    layer = nn.Linear(4, 4)
+    contract = GraphContract(layer, "strict")
+    with contract.record_inputs():
+        layer.load_state_dict(_state(layer))
+    contract.seal()
+    outcome = reload(contract, lambda: layer.load_state_dict(_state(layer)))
+    assert outcome.status is Status.COMMITTED, outcome.summary()
+
+
+@pytest.mark.usefixtures("swapping")
+def test_the_toolkit_runs_a_loader_that_swaps() -> None:
+    from graphsafe.testing import assert_reload_stable
+
+    def load(layer: nn.Module, generator: torch.Generator) -> None:
+        layer.load_state_dict(
+            {name: torch.randn(t.shape, generator=generator) for name, t in layer.state_dict().items()}
+        )
+
+    assert_reload_stable(lambda: nn.Linear(4, 4), load, example_input=torch.randn(2, 4))  # raised (weakref)
+
+
+def test_a_captured_tensor_pwal_replaces_after_its_after_layer_is_restored_as_the_same_object() -> None:
+    """Without a weak reference to it, the captured object is still the one rebound: the transaction keeps the
+    objects its snapshots held, so a later snapshot of the layer finds it although its path no longer holds it."""
+    layer = nn.Linear(4, 4)
+    layer.w_t = layer.weight.detach().t().contiguous()
+    from graphsafe import register_derived
+
+    register_derived(layer, "w_t")
+    contract = GraphContract(layer, "strict").seal()
+    captured = layer.w_t
+
+    def pwal() -> None:
+        layer.w_t = layer.weight.detach().t().contiguous()
+
+    with contract.reload(layerwise=True) as txn, torch.no_grad():
+        txn.before_layer(layer)
+        layer.weight.copy_(torch.randn(4, 4))
+        pwal()
+        txn.after_layer(layer)
+        pwal()  # again: the path holds a new tensor, and the captured one only the transaction
+        txn.before_layer(layer)  # reopened: its new snapshot is taken while the path holds PWAL's tensor
+        pwal()
+        txn.after_layer(layer)
+    assert txn.outcome is not None and txn.outcome.committed, txn.outcome
+    assert layer.w_t is captured and torch.equal(captured, layer.weight.t())

@@ -23,7 +23,10 @@ def test_status_worst_orders_failed_over_recapture_over_committed() -> None:
 def test_only_value_and_error_findings_are_beyond_a_recapture() -> None:
     beyond = {kind for kind in FindingKind if not kind.recapture_fixes}
     assert beyond == {FindingKind.STALE, FindingKind.RELOAD_ERROR}
-    assert {kind for kind in FindingKind if not kind.is_problem} == {FindingKind.AUTO_RESTORED}
+    assert {kind for kind in FindingKind if not kind.is_problem} == {
+        FindingKind.AUTO_RESTORED,
+        FindingKind.UNREAD_DRIFT,
+    }
 
 
 def test_where_names_the_root_model_explicitly() -> None:

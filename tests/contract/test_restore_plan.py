@@ -7,7 +7,6 @@ The accessors are shortcuts for the per-reload hot loop; each test runs the shor
 from __future__ import annotations
 
 import functools
-import weakref
 from collections import namedtuple
 from dataclasses import dataclass
 from typing import Any
@@ -227,6 +226,7 @@ def test_the_sealed_span_is_the_span_of_the_tensor_as_sealed(
     the bytes the tensor spans (the overlap checks that order copies rely on it)."""
     from graphsafe.contract._copy import byte_span
     from graphsafe.contract._slots import SealedSlot
+    from graphsafe.contract._tensorref import TensorRef
     from graphsafe.outcome import Origin, fingerprint
     from graphsafe.paths import SlotPath
 
@@ -235,7 +235,7 @@ def test_the_sealed_span_is_the_span_of_the_tensor_as_sealed(
         tensor = tensor.transpose(0, 1)
     if offset and tensor.dim() and tensor.shape[0] > 1:
         tensor = tensor[1:]
-    slot = SealedSlot(SlotPath("t"), fingerprint(tensor), weakref.ref(tensor), Origin.DECLARED)
+    slot = SealedSlot(SlotPath("t"), fingerprint(tensor), TensorRef.of(tensor), Origin.DECLARED)
     # The oracle: each element's own place in the storage, read off a tensor of element indices laid out alike.
     if tensor.numel() == 0:
         expected = (0, 0)

@@ -240,18 +240,33 @@ def test_a_loader_that_replaces_a_parameter_is_restored_by_the_contract() -> Non
     assert all(o.committed and o.slots_restored == 2 for o in result.outcomes)
 
 
-def test_a_loader_that_replaces_a_parameter_with_another_layout_fails() -> None:
+def test_a_loader_that_replaces_a_parameter_with_another_stride_order_is_restored_by_copy() -> None:
     def load_weights(layer: nn.Module, generator: torch.Generator) -> None:
         assert isinstance(layer, ReplacingLinear)
         value = torch.randn(4, 4, generator=generator)
         if getattr(layer, "loaded", False):
-            value = value.t()  # on a reload: same shape, another stride (no copy keeps the captured layout)
+            value = value.t().contiguous().t()  # on a reload: the same values column-major (judged as captured)
+        layer.loaded = True
+        layer.weight = nn.Parameter(value, requires_grad=False)
+        layer.process_weights_after_loading()
+
+    result = assert_reload_stable(ReplacingLinear, load_weights, example_input=torch.randn(2, 4))
+    assert all(o.committed for o in result.outcomes)
+
+
+def test_a_loader_that_replaces_a_parameter_with_another_dtype_fails() -> None:
+    def load_weights(layer: nn.Module, generator: torch.Generator) -> None:
+        assert isinstance(layer, ReplacingLinear)
+        value = torch.randn(4, 4, generator=generator)
+        if getattr(layer, "loaded", False):
+            value = value.double()  # on a reload: same shape, another dtype (no copy keeps the captured layout)
         layer.loaded = True
         layer.weight = nn.Parameter(value, requires_grad=False)
         layer.process_weights_after_loading()
 
     message = failure(ReplacingLinear, load_weights)
-    assert "respecified: declared slot 'weight' of <model> (ReplacingLinear): stride [4, 1] -> [1, 4]" in message
+    expected = "respecified: declared slot 'weight' of <model> (ReplacingLinear): dtype torch.float32 -> torch.float64"
+    assert expected in message
     assert "a parameter or buffer of the layer" in message
     assert "weight (parameter/buffer): moved from" not in message  # the contract's own finding names it
 

@@ -6,6 +6,9 @@ answer wherever it is looked at. The rules, in order:
 
 1. **declared**: a path in the layer's declarations (``graph_visible``, ``register_derived``, ``stable_empty``). A
    declared path that does not hold a tensor is listed in :attr:`LayerTensors.unresolved` (the seal raises on it).
+   What torch's own forward pre-hooks recompute before every forward (``weight_norm``'s and ``spectral_norm``'s
+   ``weight``: the graph writes it before it reads it) is declared static on torch's behalf
+   (:func:`hook_declarations`), unless the author declared the path.
 2. **parameter** / **buffer**: a registered parameter or buffer of the layer itself (not ``None``, not lazy,
    strided, not on ``meta``, on ``devices`` when given) that is not also declared under its name.
 3. **alias**: a path the walker found whose storage is the storage of a declared, parameter or buffer slot of
@@ -25,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from graphsafe.collectors.walker import WalkResult, walk
 from graphsafe.devices import DeviceSet, WalkBudget
@@ -131,7 +136,7 @@ def _state_entries(
                 or (devices is not None and tensor.device not in devices)
             ):
                 continue
-            if tensor.layout is not torch.strided or tensor.is_nested:  # no storage to fingerprint (sparse, nested)
+            if tensor.layout is not torch.strided:  # no storage to fingerprint (sparse, a jagged nested tensor)
                 what = "nested" if tensor.is_nested else tensor.layout
                 notes.append(f"{path.text}: cannot fingerprint a {what} {origin.value} (it has no storage)")
                 continue
@@ -183,6 +188,32 @@ def classify_walk(result: WalkResult, known: Collection[str], tracked: Iterable[
     return entries
 
 
+#: torch's forward pre-hooks that bind a tensor attribute (``hook.name``) recomputed from the layer's parameters
+#: before every forward: the hook's class, and who declares the attribute in findings.
+_RECOMPUTING_HOOKS: tuple[tuple[type, str], ...] = (
+    (WeightNorm, "torch.nn.utils.weight_norm (recomputed by its forward pre-hook)"),
+    (SpectralNorm, "torch.nn.utils.spectral_norm (recomputed by its forward pre-hook)"),
+)
+
+
+def hook_declarations(layer: nn.Module) -> dict[str, Declaration]:
+    """The attributes torch's own forward pre-hooks recompute before every forward, declared static: a captured
+    graph recomputes them (it writes them before it reads them) and so does every eager forward, so neither a new
+    tensor there (an eager forward in the reload) nor old values (no forward yet) is wrong; a copy into the
+    captured tensor restores the address."""
+    hooks = layer._forward_pre_hooks
+    if not hooks:
+        return {}
+    found: dict[str, Declaration] = {}
+    for hook in hooks.values():
+        for kind, source in _RECOMPUTING_HOOKS:
+            name = getattr(hook, "name", None)
+            if isinstance(hook, kind) and isinstance(name, str) and name.isidentifier():
+                path = SlotPath(name)
+                found[path.text] = Declaration(path=path, source=source, static=True)
+    return found
+
+
 def classify(
     layer: nn.Module,
     *,
@@ -199,6 +230,8 @@ def classify(
     elsewhere (a plain list) are walked into.
     """
     declarations = dict(declarations_of(layer))
+    if layer._forward_pre_hooks:
+        declarations = {**hook_declarations(layer), **declarations}
     entries: list[Classified] = []
     unresolved: list[Unresolved] = []
     for text, declaration in declarations.items():

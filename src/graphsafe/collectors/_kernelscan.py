@@ -514,8 +514,28 @@ def _storage_ranges(tensors: Iterable[object]) -> Iterator[tuple[int, int, Any]]
             yield address, storage.nbytes(), tensor
 
 
+def _own_ranges(tensors: Iterable[object]) -> Iterator[tuple[int, int, Any]]:
+    """``(address, nbytes, tensor)`` of the bytes each tensor itself spans (not its whole storage)."""
+    for start, _nbytes, tensor in _storage_ranges(tensors):
+        lo, hi = _span(tensor)
+        yield start + lo, hi - lo, tensor
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """``[lo, hi)`` in bytes of its storage that a strided tensor spans (``(0, 0)`` when empty)."""
+    if tensor.numel() == 0:
+        return 0, 0
+    extent = sum((int(n) - 1) * abs(int(st)) for n, st in zip(tensor.shape, tensor.stride(), strict=True)) + 1
+    lo = int(tensor.storage_offset()) * tensor.element_size()
+    return lo, lo + extent * tensor.element_size()
+
+
 class StorageView:
     """What an address is, by the caller's storages and the caching allocator's own view.
+
+    A registered graph input or output is looked up first, by the bytes it spans: it is what the caller said the
+    graph reads there, whatever else claims the address (a model path that also holds it, a layer caching its
+    last input; an address another tensor held before), so it is never a finding.
 
     Args:
         model: ``(address, nbytes, tensor)`` of the storages model paths hold.
@@ -533,7 +553,7 @@ class StorageView:
         others: Iterable[tuple[int, int, Any]] | None = None,
     ) -> None:
         self._model = _Intervals(model)
-        self._ignored = _Intervals(_storage_ranges(ignored))
+        self._ignored = _Intervals(_own_ranges(ignored))
         blocks: list[tuple[int, int, Any]] = []
         segs: list[tuple[int, int, Any]] = []
         for segment in segments:
@@ -564,12 +584,12 @@ class StorageView:
 
     def locate(self, address: int) -> Located:
         """What ``address`` is (see the module docs for the kinds)."""
-        hit = self._model.find(address)
-        if hit is not None:
-            return Located(MODEL, hit[0], hit[1] - hit[0], hit[2], address - hit[0])
         hit = self._ignored.find(address)
         if hit is not None:
             return Located(IGNORED, hit[0], hit[1] - hit[0], hit[2], address - hit[0])
+        hit = self._model.find(address)
+        if hit is not None:
+            return Located(MODEL, hit[0], hit[1] - hit[0], hit[2], address - hit[0])
         block = self._blocks.find(address)
         if block is None:
             segment = self._segments.find(address)

@@ -244,6 +244,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         self.in_capture: set[int] = set()
         #: Custom ops (outside torch's own namespaces) that ran: seen only through the tensors passed to them.
         self.custom: dict[str, None] = {}
+        self.ops = 0  # ops recorded (a capture that recorded none proves nothing unread)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -260,6 +261,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
             for tensor in _tensors(args):
                 self._mark_internal(tensor)
         else:
+            self.ops += 1
             positions, names, name = _access(func)
             touch = self._touch
             # Inlined walk over the arguments: this runs for every op of the capture.
@@ -443,6 +445,8 @@ def record_capture(
     if recorder.custom:
         manifest._blind[capture] = tuple(recorder.custom)
         manifest.notes.append(f"graphsafe: capture {capture!r}: {_blind_phrase(manifest._blind[capture])}")
+    if not recorder.ops:  # it recorded around no forward: it proves nothing about a graph
+        manifest._empty.add(capture)
     if contract is not None:
         contract.manifest = manifest
         # A capture ran: the evidence a reseal after a failed reload needs.
@@ -707,6 +711,8 @@ class Manifest:
         self._blind: dict[str, tuple[str, ...]] = {}
         # Storages vouched for as fixed tables outside the model (vouch_fixed), by id; weakly held.
         self._fixed: dict[int, weakref.ReferenceType[Any]] = {}
+        # Dispatch-recorded captures that recorded no op at all.
+        self._empty: set[str] = set()
 
     # -- contents ----------------------------------------------------------------------------------------------
     @property
@@ -759,11 +765,13 @@ class Manifest:
         """Forget a capture whose graph was destroyed; ``False`` if there was none by that name."""
         self._scans.pop(capture, None)
         self._blind.pop(capture, None)
+        self._empty.discard(capture)
         return self._captures.pop(capture, None) is not None
 
     def _install(self, capture: str, entries: list[CapturedStorage], *, scanned: bool = False) -> None:
         self._captures[capture] = entries
         self._blind.pop(capture, None)  # a recapture says again what it could not see
+        self._empty.discard(capture)
         if not scanned:
             self._scans.pop(capture, None)  # a recapture by the dispatch recorder replaces an earlier scan
 
@@ -837,6 +845,39 @@ class Manifest:
             return any(ranges.overlaps(start, end) for ranges in scans)
 
         return reads_storage
+
+    def unread_proof(self) -> Callable[[Fingerprint], bool] | None:
+        """A test ``captured fingerprint -> bool``: whether graph truth proves that no captured graph reads any
+        byte of that memory (a wrapper's: every inner tensor's storage). ``None`` before any capture.
+
+        Each capture must prove it. A kernel-scanned one whose scan is complete (:meth:`truth`) proves what none of
+        its read ranges overlaps. A dispatch-recorded one proves what none of its recorded storages (read, written
+        or only viewed) overlaps, only on a device whose kernels all go through the dispatcher (not CUDA, where a
+        Triton or CuPy launch is unseen) and only when it ran no custom op (which may read memory it is not
+        passed). Anything else proves nothing.
+        """
+        if not self._captures:
+            return None
+        # Per capture: whether it can prove anything, whether it is a dispatch recording (which cannot on CUDA),
+        # and the address ranges it read (one process's addresses are distinct across devices).
+        ranges: list[tuple[bool, bool, kscan.ReadRanges]] = []
+        for name, entries in self._captures.items():
+            facts = self._scans.get(name)
+            if facts is not None:
+                ranges.append((not facts.scan.incomplete, False, facts.reads))
+                continue
+            spans = kscan.ReadRanges((e.data_ptr, e.data_ptr + max(e.nbytes, 1)) for e in entries)
+            ranges.append((not self._blind.get(name) and name not in self._empty, True, spans))
+
+        def unread(fp: Fingerprint) -> bool:
+            for part in fp.memory():
+                start, end = part.storage_ptr, part.storage_ptr + max(part.storage_nbytes, 1)
+                for proves, dispatch, reads in ranges:
+                    if not proves or (dispatch and part.device.type == "cuda") or reads.overlaps(start, end):
+                        return False
+            return True
+
+        return unread
 
     def unread(self, contract: SealedModel) -> list[SlotInfo] | None:
         """The contract's slots whose storage no captured graph reads; ``None`` unless :attr:`complete`.

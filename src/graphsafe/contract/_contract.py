@@ -53,8 +53,10 @@ from graphsafe.contract._slots import (
     judge_noted,
     reads_as_captured,
 )
+from graphsafe.contract._tensorref import TensorRef
 from graphsafe.contract._unmaterialised import refuse_unmaterialised
 from graphsafe.contract._unread import UNREAD_POLICIES, SkipState, skip_unread
+from graphsafe.contract._unread_drift import excuse_unread_drift
 from graphsafe.devices import DeviceSet, WalkBudget
 from graphsafe.errors import (
     ContractViolation,
@@ -132,7 +134,7 @@ def _sealed_slot(entry: Classified) -> SealedSlot:
     return SealedSlot(
         entry.path,
         entry.fingerprint,
-        weakref.ref(entry.tensor),
+        TensorRef.of(entry.tensor),
         entry.origin,
         entry.declaration,
         restorable=entry.restorable,
@@ -741,7 +743,7 @@ class GraphContract:
             value = declaration.path.resolve_or(layer, None)
             if not isinstance(value, torch.Tensor):
                 continue  # verified at the next seal, which raises DeclarationError for it
-            slot = SealedSlot(declaration.path, fingerprint(value), weakref.ref(value), Origin.DECLARED, declaration)
+            slot = SealedSlot(declaration.path, fingerprint(value), TensorRef.of(value), Origin.DECLARED, declaration)
             if index is not None:
                 # Known to the walker since the seal: keep the sealed fingerprint, now as a declared slot.
                 old = sealed.slots[index]
@@ -1052,6 +1054,8 @@ class ReloadTransaction:
         self._abandoned: list[tuple[LayerSnapshot, int, str, int, int]] = []
         # (layer, path) -> (id, version counter, data_ptr) of what each untracked manifest path held at the start
         self._held_before: dict[tuple[str, str], tuple[int, int, int]] = {}
+        # id -> the captured objects this transaction's snapshots held (see LayerSnapshot.take's ``originals``)
+        self._originals: dict[int, torch.Tensor] = {}
         self._gone: set[int] = set()  # sealed layers already reported as replaced or removed
         self._stamps: dict[int, Stamp] = {}  # layerwise: id(sealed layer) -> its stamp at begin (see _order)
         self._moved: set[int] = set()  # of those, the ones still in the model elsewhere when snapshotted
@@ -1446,6 +1450,7 @@ class ReloadTransaction:
                     self._findings.extend(
                         f for f in contract.manifest.check(contract) if not f.path or (f.layer, f.path) not in flagged
                     )
+                    self._findings = excuse_unread_drift(self._findings, contract.manifest)
                 # What a reseal must not take for fresh: the slots this reload found stale (SealedSlot.owed).
                 stale = {(f.layer, f.path) for f in self._findings if f.kind is FindingKind.STALE}
                 for sealed in contract._layers:
@@ -1487,6 +1492,7 @@ class ReloadTransaction:
         finally:
             self._snapshots.clear()
             self._closed.clear()
+            self._originals.clear()
             contract._active = None
         self._seconds += time.perf_counter() - start
         return ReloadOutcome(
@@ -1603,6 +1609,7 @@ class ReloadTransaction:
             recorded=contract._recorded,
             outer=functools.partial(contract._outer, sealed.qualname),
             scratch=self._graph_writes,
+            originals=self._originals,
         )
         # Untrackable at the seal or now: no check can tell whether the graph still reads their memory.
         for where in dict.fromkeys(sealed.untrackable + untrackable):
@@ -2107,8 +2114,8 @@ class ReloadTransaction:
             origin = Origin.ALIAS if id(tensor.untyped_storage()) in tracked else Origin.WALKER
             key = (sealed.qualname, path)
             slot = contract._manifest_slots.get(key)
-            if slot is None or slot.tensor_ref() is not tensor or slot.origin is not origin:
-                slot = SealedSlot(SlotPath(path), fingerprint(tensor), weakref.ref(tensor), origin)
+            if slot is None or not slot.tensor_ref.holds(tensor) or slot.origin is not origin:
+                slot = SealedSlot(SlotPath(path), fingerprint(tensor), TensorRef.of(tensor), origin)
                 if key in contract._recorded_extras:  # a recording saw PWAL run over this path (before a reseal)
                     slot.inputs = contract._recorded_extras[key]
                 else:

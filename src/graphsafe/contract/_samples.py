@@ -92,6 +92,9 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor | None:
         except TypeError:
             return None
         tensor = tensor.as_subclass(torch.Tensor)
+    if tensor.is_nested and tensor.layout is torch.strided:  # torch.nested's strided layout: its one flat buffer
+        flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        return flat.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),), (1,))
     if tensor.layout is not torch.strided or tensor.is_conj() or tensor.is_neg() or not tensor.is_contiguous():
         return None
     if tensor.is_quantized:  # its bytes as integers (a copy): torch cannot make or view an empty quantized tensor

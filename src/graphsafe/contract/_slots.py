@@ -44,6 +44,7 @@ from graphsafe.contract._samples import (
     unchanged,
     version_of,
 )
+from graphsafe.contract._tensorref import TensorRef
 from graphsafe.outcome import (
     Finding,
     FindingKind,
@@ -55,6 +56,7 @@ from graphsafe.outcome import (
     inner_tensors,
     memory_tensors,
     read_params,
+    shape_and_stride,
     tensor_kind,
 )
 from graphsafe.paths import MISSING, Getter, Setter, SlotPath, compile_getter, compile_setter
@@ -80,6 +82,9 @@ _MISSING: Any = MISSING
 def _view(tensor: torch.Tensor) -> tuple[Any, ...]:
     """The cheap layout tuple of a tensor as it is now (compared with :attr:`SealedSlot.layout`): everything that
     changes how its bytes are read, the class and a quantized tensor's scale included."""
+    if tensor.is_nested:  # no sizes or strides: its flat buffer, and its components' layout (read_params)
+        shape, stride = shape_and_stride(tensor)
+        return (shape, stride, tensor.dtype, tensor.device, False, False, type(tensor), read_params(tensor))
     quantized = read_params(tensor) if tensor.is_quantized else None
     return (
         tensor.shape,
@@ -95,11 +100,12 @@ def _view(tensor: torch.Tensor) -> tuple[Any, ...]:
 
 @dataclass(slots=True)
 class SealedSlot:
-    """One tracked slot: its path, its sealed fingerprint and a weak handle to the captured tensor."""
+    """One tracked slot: its path, its sealed fingerprint and the identity of the captured tensor object (no weak
+    reference to it: ``torch.utils.swap_tensors`` refuses a tensor that has one; see :class:`TensorRef`)."""
 
     path: SlotPath
     fp: Fingerprint
-    tensor_ref: weakref.ReferenceType[torch.Tensor]
+    tensor_ref: TensorRef
     origin: Origin
     declaration: Declaration | None = None
     restorable: bool = True
@@ -140,12 +146,11 @@ class SealedSlot:
         self.key = fp.key
         self.get = compile_getter(self.path)
         self.set = compile_setter(self.path)
-        tensor = self.tensor_ref()
         # The raw class of the sealed object (a Parameter stays a Parameter), so that the in-place check matches it.
-        cls = type(tensor) if tensor is not None else fp.kind
+        cls = self.tensor_ref.kind
         self.layout = (fp.shape, fp.stride, fp.dtype, fp.device, fp.conj, fp.neg, cls, None if fp.inner else fp.meta)
         self.wrapped = bool(fp.inner)
-        self.group = (fp.device, fp.dtype, tensor.layout if tensor is not None else torch.strided)
+        self.group = (fp.device, fp.dtype, fp.layout)
         self.nbytes = fp.nbytes
         self.span = span_of(fp.shape, fp.stride, fp.storage_offset, fp.dtype.itemsize)
         self.plain = plain_layout(fp.conj, fp.neg, fp.stride)
@@ -156,11 +161,11 @@ class SealedSlot:
             self.origin is Origin.DECLARED and declaration is not None and not declaration.static
         ) or self.origin is Origin.WALKER
 
-    def captured(self) -> torch.Tensor | None:
-        """The captured tensor: the original object, or a new view on the captured storage, or ``None`` if freed."""
-        tensor = self.tensor_ref()
-        if tensor is not None:
-            return tensor
+    def captured(self, current: Any = MISSING) -> torch.Tensor | None:
+        """The captured tensor: the original object where ``current`` (what the path holds now) is it, else a new
+        view on the captured storage, or ``None`` if freed."""
+        if self.tensor_ref.holds(current):
+            return current  # type: ignore[no-any-return]
         return _rebuild(self.fp)
 
 
@@ -381,19 +386,19 @@ def written_unseen(entries: Sequence[tuple[torch.Tensor | None, int, Sample | No
 
 @dataclass(slots=True)
 class ValuesBefore:
-    """The tensors found before a recorded initial load (``record_inputs()``), each held weakly with its version
+    """The tensors found before a recorded initial load (``record_inputs()``), each by identity with its version
     counter and value sample: what :func:`written_unseen` checks a slot the recording did not see computed
     against, since the seal (and so the slot) comes only after that load."""
 
-    taken: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, Sample]]
+    taken: dict[int, tuple[TensorRef, int, Sample]]
 
     @classmethod
     def take(cls, tensors: Iterable[torch.Tensor]) -> ValuesBefore:
         batch = SampleBatch()
-        taken: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, Sample]] = {}
+        taken: dict[int, tuple[TensorRef, int, Sample]] = {}
         for tensor in tensors:
             if _strided(tensor) and id(tensor) not in taken:
-                taken[id(tensor)] = (weakref.ref(tensor), version_of(tensor), batch.take(tensor, SLOT_ELEMENTS))
+                taken[id(tensor)] = (TensorRef.of(tensor), version_of(tensor), batch.take(tensor, SLOT_ELEMENTS))
         batch.flush()
         return cls(taken)
 
@@ -402,7 +407,7 @@ class ValuesBefore:
         entries: list[tuple[torch.Tensor | None, int, Sample | None, Any]] = []
         for tensor in tensors:
             entry = self.taken.get(id(tensor))
-            if entry is None or entry[0]() is not tensor:
+            if entry is None or not entry[0].holds(tensor):
                 entries.append((None, -1, None, tensor))
             else:
                 entries.append((tensor, entry[1], entry[2], tensor))
@@ -641,6 +646,8 @@ class LayerSnapshot:
     gone: list[tuple[int, str, int, int]] = field(default_factory=list)
     #: Per slot, whether the reload wrote its captured memory before the restore's copies (set at restore).
     written: list[bool] = field(default_factory=list)
+    #: The transaction's captured objects by id (see :meth:`take`): one more reference of ours to each.
+    originals: dict[int, torch.Tensor] = field(default_factory=dict)
     #: Per slot, whether PWAL left it reading its captured memory as captured (set at restore, before copies).
     left: list[bool] = field(default_factory=list)
     #: Per slot, whether :meth:`verify` found the captured object at its path on its captured memory as sealed.
@@ -667,8 +674,14 @@ class LayerSnapshot:
         recorded: bool = False,
         outer: Callable[[], list[tuple[str, nn.Module]]] | None = None,
         scratch: Callable[[torch.Tensor], bool] | None = None,
+        originals: dict[int, torch.Tensor] | None = None,
     ) -> LayerSnapshot:
         """Snapshot ``layer`` before its load.
+
+        ``originals``: the captured objects earlier snapshots of this transaction held, by ``id`` (the transaction
+        keeps them alive, so an ``id`` names one object): a captured tensor a path no longer holds (PWAL ran again
+        after its layer's ``after_layer()``) is found there rather than rebuilt as a new view; this snapshot adds
+        its own.
 
         ``recorded``: a recording of PWAL (the first reload's, or the initial load's under ``record_inputs()``)
         exists. A tensor only the walker found is then watched for freshness if that recording saw PWAL compute it
@@ -688,10 +701,18 @@ class LayerSnapshot:
         inputs: _Inputs | None = None
         tensor_type = torch.Tensor
         for index, slot in enumerate(slots):
-            tensor = slot.tensor_ref()
-            versions.append(-1 if tensor is None else version_of(tensor))
-            if tensor is None:
-                tensor = slot.captured()  # a new view on the captured storage, if it is still alive
+            held = slot.get(layer)
+            if not slot.tensor_ref.holds(held) and originals:
+                held = originals.get(slot.tensor_ref.ident, held)
+            if slot.tensor_ref.holds(held):  # the sealed object, on its sealed implementation
+                tensor = held
+                versions.append(version_of(tensor))
+                if originals is not None:
+                    originals[id(tensor)] = tensor
+            else:  # a new view on the captured storage, if it is still alive
+                tensor = slot.captured()
+                versions.append(-1)
+            del held
             captured.append(tensor)
             if tensor is None:
                 findings.append(
@@ -714,7 +735,18 @@ class LayerSnapshot:
                     sample = samples.take(current, SLOT_ELEMENTS)
                     freshness[index] = (current, version_of(current), sample, inputs.of(slot))
         shared = sealed.shares_storage or len(slots) > len(sealed.slots)
-        return cls(sealed, layer, slots, captured, findings, freshness, inputs, shared=shared, versions=versions)
+        return cls(
+            sealed,
+            layer,
+            slots,
+            captured,
+            findings,
+            freshness,
+            inputs,
+            shared=shared,
+            versions=versions,
+            originals=originals if originals is not None else {},
+        )
 
     def learn_inputs(
         self, reads: Callable[[torch.Tensor], list[InputRef]], updated: Callable[[Any], bool], written: set[int]
@@ -795,6 +827,10 @@ class LayerSnapshot:
                 return False
         return True
 
+    def _in_originals(self, tensor: torch.Tensor) -> int:
+        """1 where the transaction's table of captured objects holds ``tensor`` (a reference of ours), else 0."""
+        return int(self.originals.get(id(tensor)) is tensor)
+
     def _respecified(self, slot: SealedSlot, current: torch.Tensor, prefix: str, suffix: str = "") -> None:
         """A new tensor at the slot's path that no copy can restore: a finding, and the tensor stays (kept)."""
         self.kept.append(current)
@@ -860,6 +896,8 @@ class LayerSnapshot:
                 # Moved or gone: its memory is abandoned (see the contract's _doubt_abandoned). Let go of the
                 # captured tensor: where nothing else holds it, the manifest must see it freed.
                 self.gone.append((index, *address_range(captured)))
+                if self._in_originals(captured):
+                    del self.originals[id(captured)]
                 captured_list[index] = None
                 before = freshness.get(index)
                 if before is not None:  # keep what it is computed from (a partner's doubt asks), not it
@@ -934,14 +972,7 @@ class LayerSnapshot:
                     after = fingerprint(current)
                     self.findings.append(sealed.finding(FindingKind.DEAD, slot, after=after, detail=lost))
                     continue
-            if (
-                inner_pairs is None
-                and not exact
-                and (
-                    geometry_key(current) != geometry_key(captured)
-                    or current.storage_offset() != slot.fp.storage_offset
-                )
-            ):
+            if inner_pairs is None and not exact and _copy_cannot_keep(slot, current, captured):
                 self._respecified(slot, current, "", "; a copy cannot keep the captured layout: recapture")
                 continue
             if slot.origin is Origin.WALKER:
@@ -969,7 +1000,8 @@ class LayerSnapshot:
                 # tensor gets the holder look a plain slot gets (PWAL can hand the old wrapper, or one of its
                 # inner tensors, to a spare): ours are the wrapper's attribute and the pairs list.
                 before = freshness.get(index)
-                if sys.getrefcount(captured) - 2 > (3 if before is not None and before[0] is captured else 2):
+                ours = (3 if before is not None and before[0] is captured else 2) + self._in_originals(captured)
+                if sys.getrefcount(captured) - 2 > ours:
                     self.suspects.append((index, "object", -1))  # the old wrapper itself is held elsewhere
                 parts = {id(part): position for position, part in enumerate(memory_tensors(captured))}
                 for dst, src in inner_pairs:
@@ -983,12 +1015,13 @@ class LayerSnapshot:
                 continue
             before = freshness.get(index)
             # Ours: the snapshot's list, the rebind just planned, the freshness entry where it is the same object.
-            held = held_outside(
-                captured, own=3 if before is not None and before[0] is captured else 2, storage=captured_storage
-            )
+            # (and the transaction's table of captured objects, where it is one).
+            own = (3 if before is not None and before[0] is captured else 2) + self._in_originals(captured)
+            held = held_outside(captured, own=own, storage=captured_storage)
             if held == "object":  # maybe only this snapshot's other entries (two slots, one tensor): count them
                 own = sum(t is captured for t in captured_list) + sum(t is captured for _, t in rebinds)
                 own += sum(b[0] is captured for b in freshness.values()) + plan.holds(captured)
+                own += self._in_originals(captured)
                 held = held_outside(captured, own=own, storage=captured_storage)
             if held is not None:
                 self.suspects.append((index, held, None))
@@ -1390,6 +1423,25 @@ class LayerSnapshot:
 _LOADED = (Origin.PARAMETER, Origin.BUFFER)
 
 
+def _copy_cannot_keep(slot: SealedSlot, current: torch.Tensor, captured: torch.Tensor) -> bool:
+    """Whether copying ``current`` (another storage) into ``captured`` cannot restore the slot: ``respecified``.
+
+    A parameter or buffer is judged by the captured layout: the loaded tensor carries values, and where the
+    checkpoint laid them (an offset into a flat buffer, another stride order) is the loader's business; the copy
+    writes them as the graph reads them. Not when the captured tensor broadcasts a dimension the new one does not
+    (its distinct elements cannot hold the new values). Any other slot (derived, found by the walker) must also
+    keep its significant stride and offset: PWAL may have laid its bytes out for a kernel that reads them raw.
+    """
+    now, then = geometry_key(current), geometry_key(captured)
+    if slot.origin in _LOADED and (now[:1] + now[2:]) == (then[:1] + then[2:]):
+        shape, stride = then[0], then[1]
+        return any(
+            step == 0 and size != 1 and new_step != 0
+            for size, step, new_step in zip(shape, stride, now[1], strict=True)
+        )
+    return now != then or current.storage_offset() != slot.fp.storage_offset
+
+
 def _would_change(new: torch.Tensor, captured: torch.Tensor, keep: bool) -> bool:
     """Whether giving ``captured`` the attributes of ``new`` (see :func:`_move_attributes`) changes any."""
     old = captured.__dict__
@@ -1711,7 +1763,8 @@ def storage_covers(tensor: torch.Tensor, storage: Any = None) -> bool:
 
 def address_range(tensor: torch.Tensor) -> tuple[str, int, int]:
     """``(device, first byte address, end address)`` of the memory a plain strided tensor spans."""
-    extent = sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True)) + 1 if tensor.numel() else 0
+    shape, stride = shape_and_stride(tensor) if tensor.is_nested else (tensor.shape, tensor.stride())
+    extent = sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) + 1 if tensor.numel() else 0
     # From the storage: an empty tensor's data_ptr() is 0, but it still marks a place in its storage.
     start = tensor.untyped_storage().data_ptr() + int(tensor.storage_offset()) * tensor.element_size()
     return str(tensor.device), start, start + int(extent) * tensor.element_size()

@@ -39,6 +39,7 @@ import torch
 
 from graphsafe.contract._samples import version_of
 from graphsafe.contract._slots import _NOTHING, LayerSnapshot, SealedSlot, _is_wrapper, _view
+from graphsafe.contract._tensorref import TensorRef
 from graphsafe.outcome import Origin, SlotRef, fingerprint
 
 if TYPE_CHECKING:
@@ -242,10 +243,17 @@ def _let_go(contract: GraphContract, entry: _Group, new_storage: Any) -> bool:
     # Per member, whether the reload wrote the captured tensor before now (its version counter moved since the
     # snapshot): what the restore asks of a captured tensor's counter, kept for a view rebuilt below.
     moved: list[bool] = []
+    # The captured objects, held weakly only while this step runs (no user code runs in between, so no
+    # torch.utils.swap_tensors can meet the weak reference; the contract keeps none: see TensorRef).
+    originals: list[weakref.ReferenceType[torch.Tensor] | None] = []
+    held = contract._active._originals if contract._active is not None else {}  # the transaction's, by id
     for snapshot, index, _ in entry.members:
         captured = snapshot.captured[index]
         version = snapshot.versions[index] if index < len(snapshot.versions) else -1
         moved.append(captured is not None and 0 <= version != version_of(captured))
+        originals.append(weakref.ref(captured) if captured is not None else None)
+        if captured is not None and held.get(id(captured)) is captured:
+            del held[id(captured)]
         del captured
         snapshot.captured[index] = None
         before = snapshot.freshness.get(index)
@@ -254,9 +262,11 @@ def _let_go(contract: GraphContract, entry: _Group, new_storage: Any) -> bool:
         del before
     alive = entry.storage_ref()
     if alive is not None:  # someone else holds it: restore as usual, into the captured tensor (or a view on it)
-        for (snapshot, index, _), written in zip(entry.members, moved, strict=True):
+        for (snapshot, index, _), written, original in zip(entry.members, moved, originals, strict=True):
             slot = snapshot.slots[index]
-            tensor = slot.tensor_ref()
+            tensor = original() if original is not None else None
+            if tensor is not None and slot.tensor_ref.holds(tensor):
+                held[id(tensor)] = tensor
             if tensor is None:  # only the snapshot held that object: a new view on the captured storage
                 tensor = slot.captured()
                 if tensor is not None and index < len(snapshot.versions) and snapshot.versions[index] >= 0:
@@ -273,7 +283,7 @@ def _let_go(contract: GraphContract, entry: _Group, new_storage: Any) -> bool:
         slot = SealedSlot(
             old.path,
             fingerprint(current),
-            weakref.ref(current),
+            TensorRef.of(current),
             old.origin,
             old.declaration,
             restorable=old.restorable,

@@ -15,9 +15,16 @@ from graphsafe.registry._declarations import (
     stable_empty,
     undeclare,
 )
-from graphsafe.registry._store import Declaration, declarations_generation, declarations_of, declared_layers
+from graphsafe.registry._store import (
+    CopyHook,
+    Declaration,
+    declarations_generation,
+    declarations_of,
+    declared_layers,
+)
 
 __all__ = [
+    "CopyHook",
     "GRAPH_VISIBLE_ATTR",
     "Declaration",
     "GraphVisibleSpec",

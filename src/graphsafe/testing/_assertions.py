@@ -23,6 +23,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -401,19 +402,32 @@ def _late_declared(model: nn.Module, tracked: list[_Tracked]) -> list[SlotInfo]:
 
 
 class _Version:
-    """Which tensor object is at a path (held weakly: holding it would change what the contract sees) and how
-    often it was written in place."""
+    """Which tensor object is at a path and how often it was written in place. Held by identity and a weak
+    reference to its storage, never a weak reference to the tensor (``torch.utils.swap_tensors``, which a loader
+    may use, refuses a tensor that has one), and never strongly (that would change what the contract sees)."""
 
-    __slots__ = ("ref", "version")
+    __slots__ = ("ident", "impl", "storage", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.ref = weakref.ref(tensor)
+        self.ident = id(tensor)
+        self.impl = tensor._cdata  # a swap keeps the object and changes this
+        try:
+            self.storage: weakref.ReferenceType[Any] | None = weakref.ref(tensor.untyped_storage())
+        except (RuntimeError, NotImplementedError, TypeError):  # no storage of its own (a wrapper, sparse)
+            self.storage = None
         self.version = version_of(tensor)  # -1 for an inference tensor, which counts no writes
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, _Version):
             return NotImplemented
-        return self.ref() is other.ref() and self.ref() is not None and self.version == other.version
+        if self.storage is None or other.storage is None:
+            return False
+        storage = self.storage()
+        return (
+            (self.ident, self.impl, self.version) == (other.ident, other.impl, other.version)
+            and storage is not None
+            and storage is other.storage()
+        )
 
     __hash__ = None  # type: ignore[assignment]
 

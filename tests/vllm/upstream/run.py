@@ -30,12 +30,7 @@ FILES = (
 MODES = ("off", "strict", "recapture", "migrate")
 #: ``test id -> why`` for tests whose result in a graphsafe mode may rightly differ from ``off``.
 RIGHTFUL_FAIL_CLOSED: dict[str, str] = {
-    "test_reload::test_hpc_rope_norm_kernel_sees_refit_norm_weights": (
-        "the test's HpcRopeNorm keeps an undeclared tensor, _kv_scratch, that its post-load step never rewrites "
-        "while the layer's norm weights change: graphsafe cannot tell scratch from a derived tensor left stale, "
-        "so the reload fails (stale) in every mode; a static=True declaration (what the pack gives vLLM's own "
-        "KV caches) is how an author says it does not depend on the weights"
-    ),
+    # (HpcRopeNorm._kv_scratch, lazily made scratch, is declared static by the pack: no longer listed.)
 }
 HERE = Path(__file__).resolve().parent
 

@@ -234,6 +234,15 @@ PACK: tuple[PackEntry, ...] = (
         static=("kv_cache",),
     ),
     PackEntry(
+        "vllm.model_executor.layers.hpc.rope_norm:HpcRopeNorm",
+        ("_kv_scratch",),
+        "HpcRopeNorm's stride-aware fallback makes _kv_scratch (zeros: throwaway K/V pages the fused kernel writes "
+        "and nothing reads back) lazily in forward, on the first call per (dtype, block size, device): scratch, "
+        "declared static when it is made",
+        method="_kv_write_scratch",
+        static=("_kv_scratch",),
+    ),
+    PackEntry(
         "vllm.model_executor.layers.attention.attention:Attention",
         ("kv_cache",),
         "the KV cache bound to the layer is serving state written by forward passes, not computed from the "
@@ -280,7 +289,8 @@ def _find(entry: PackEntry) -> tuple[type | None, str | None]:
     """``(class, None)`` if the entry matches the installed vLLM, else ``(None, why)``."""
     module_name, _, class_name = entry.target.partition(":")
     try:
-        importlib.import_module("vllm.config")  # see _guard._import: vLLM's own import order
+        if module_name.partition(".")[0] == "vllm":
+            importlib.import_module("vllm.config")  # see _guard._import: vLLM's own import order
         module = importlib.import_module(module_name)
     except ImportError as exc:
         return None, f"module {module_name} cannot be imported: {exc}"

@@ -123,6 +123,8 @@ def enumerate_paths(graph: WalkGraph, skip: Collection[str] = ()) -> list[Tensor
                 print_ = prints.get(child, _UNSEEN)
                 if print_ is _UNSEEN:
                     try:
+                        if tensor.is_nested:  # only a registered nested buffer is a slot (classify's)
+                            raise TypeError("a nested tensor held outside the layer's buffers")
                         print_ = fingerprint(tensor)
                     except Exception as exc:  # sparse, or a wrapper subclass without storage
                         print_ = None

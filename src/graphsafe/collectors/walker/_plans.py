@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from graphsafe.collectors.walker._edges import INPLACE, NO_WRITE, REBUILD, UNRESOLVED, nameable
+from graphsafe.registry import CopyHook
 
 # --------------------------------------------------------------------------------------------------------------
 # C-level accessors.
@@ -132,6 +133,7 @@ def _resolve_names(dotted: tuple[str, ...]) -> list[type]:
 
 
 _LEAF_BASES: Final[tuple[type, ...]] = (
+    CopyHook,  # the declarations' copy hook in a declaring layer's __dict__ (it holds the layer weakly)
     types.ModuleType,
     str,
     bytes,
