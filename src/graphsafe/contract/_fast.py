@@ -280,7 +280,8 @@ def _held_only_by_step(moves: Sequence[_Move], group: Sequence[LayerSnapshot], w
 
 def _own_references(moves: Sequence[_Move], group: Sequence[LayerSnapshot], work: Sequence[Any]) -> dict[int, int]:
     """id -> how many references the step itself holds to each captured tensor: the snapshots' lists, freshness
-    entries, the planned rebinds (a tuple each) and the moves. (Its own function: no loop name outlives it.)"""
+    entries, the planned rebinds (a tuple each), the moves and the transaction's table of captured objects. (Its own
+    function: no loop name outlives it.)"""
     own: dict[int, int] = {}
     for snapshot in group:
         for tensor in snapshot.captured:
@@ -293,6 +294,14 @@ def _own_references(moves: Sequence[_Move], group: Sequence[LayerSnapshot], work
             own[id(tensor)] += 1
     for move in moves:
         own[id(move.dst)] += 1
+    tables: set[int] = set()  # the transaction's table of captured objects, shared by its snapshots: counted once
+    for snapshot in group:
+        table = snapshot.originals
+        if id(table) not in tables:
+            tables.add(id(table))
+            for tensor in table.values():
+                if id(tensor) in own:
+                    own[id(tensor)] += 1
     return own
 
 
