@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe.contract._samples import version_of
 from graphsafe.contract._slots import (
     _STORAGE_USE_COUNT,
     LayerSnapshot,
@@ -38,6 +37,7 @@ from graphsafe.contract._slots import (
     _Move,
     _sorted_ranges,
     _view,
+    repointed_inference,
 )
 from graphsafe.outcome import Origin, geometry_key
 
@@ -144,10 +144,9 @@ def _classify(
             return None
         current = slot.get(layer)
         if current is captured:
-            fresh = index in freshness
-            if fresh and not current.is_inference() and version_of(current) < 0:
-                return None  # an inference tensor repointed outside inference mode: the engine's finding
-            stayed.append((index, current, fresh))
+            if index in freshness and repointed_inference(current):
+                return None  # the engine's finding (LayerSnapshot._note_fresh)
+            stayed.append((index, current, index in freshness))
             continue
         if type(current) not in _PLAIN_TYPES or current.layout is not torch.strided or current.is_nested:
             return None
@@ -163,10 +162,9 @@ def _classify(
                 or geometry_key(current) != geometry_key(captured)
             ):
                 return None
-            fresh = index in freshness
-            if fresh and not current.is_inference() and version_of(current) < 0:
+            if index in freshness and repointed_inference(current):
                 return None
-            stayed.append((index, current, fresh))
+            stayed.append((index, current, index in freshness))
             continue
         layout = slot.layout
         if (

@@ -73,6 +73,7 @@ __all__ = [
     "ValuesBefore",
     "check_freshness",
     "held_outside",
+    "repointed_inference",
     "judge_noted",
 ]
 
@@ -1121,7 +1122,7 @@ class LayerSnapshot:
         before = self.freshness.get(index)
         if before is None or self.inputs is None:
             return
-        if not current.is_inference() and version_of(current) < 0:
+        if repointed_inference(current):
             # An inference tensor repointed with ``.data =`` outside inference mode: torch refuses to read it.
             self.kept.append(current)
             self.findings.append(
@@ -1704,6 +1705,12 @@ _NOTHING = torch.empty(0)  # stands in for a captured tensor the snapshot let go
 
 
 _STORAGE_USE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def repointed_inference(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is an inference tensor repointed (``.data =``) outside inference mode: no longer an
+    inference tensor, yet without a version counter; torch refuses to read it there."""
+    return not tensor.is_inference() and version_of(tensor) < 0
 
 
 def held_outside(tensor: torch.Tensor, *, own: int, storage: Any = None) -> str | None:
