@@ -938,6 +938,26 @@ def _gaps(first: int, end: int, spans: list[tuple[int, int]]) -> list[tuple[int,
     return gaps
 
 
+class _Covered:
+    """Spans sorted by start with the running maximum of their ends: the parts of a range no span covers are found
+    by one search and a walk over the spans that start inside the range (not a pass over all of them)."""
+
+    def __init__(self, spans: Iterable[tuple[int, int]]) -> None:
+        self.spans = sorted(span for span in spans if span[1] > span[0])  # an empty span covers nothing
+        self.starts = [start for start, _ in self.spans]
+        self.furthest: list[int] = []
+        reach = -1
+        for _, stop in self.spans:
+            reach = max(reach, stop)
+            self.furthest.append(reach)
+
+    def gaps(self, first: int, end: int) -> list[tuple[int, int]]:
+        """:func:`_gaps` of ``[first, end)``: the spans starting at or before ``first`` only move its start on."""
+        below = bisect.bisect_right(self.starts, first)
+        at = max(first, self.furthest[below - 1]) if below else first
+        return _gaps(at, end, self.spans[below:]) if at < end else []
+
+
 def _fills_span(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s elements occupy every byte of its address span (a broadcast dimension repeats bytes
     and leaves none out): dense once dimensions of size 1 or stride 0 are set aside."""
@@ -1544,18 +1564,17 @@ class ReloadTransaction:
             except (TypeError, RuntimeError):
                 continue  # no memory of its own to cover anything
         findings: list[Finding] = []
-        spans_on: dict[str, list[tuple[int, int]]] = {}  # per device, the covered spans sorted by start (once)
+        spans_on: dict[str, list[tuple[int, int]]] = {}  # per device, the covered spans
         for where, start, stop in covered:
             if stop > start:
                 spans_on.setdefault(where, []).append((start, stop))
-        for spans in spans_on.values():
-            spans.sort()
+        covered_on = {device: _Covered(spans) for device, spans in spans_on.items()}
+        nothing = _Covered(())
         for entry, sources in entries:
             device, base = str(entry.device), entry.data_ptr
-            spans = spans_on.get(device, [])
             gaps = [
                 gap
-                for gap in _gaps(base + entry.lo, base + entry.hi, spans)
+                for gap in covered_on.get(device, nothing).gaps(base + entry.lo, base + entry.hi)
                 if not _same_as_new(entry.storage_ref(), gap[0] - base, gap[1] - base, sources)
             ]
             if not gaps:

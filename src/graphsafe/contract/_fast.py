@@ -20,7 +20,9 @@ tuple, storage, offset and reference counts; the sealed layout, span and copy gr
 from __future__ import annotations
 
 import itertools
+import operator
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -131,15 +133,19 @@ def _classify(
     """One layer's slots: the rebinds and the slots left in place, with its copies appended to ``moves``; ``None``
     where a rule of the engine could act. A (captured, new) pair repeated within the layer is copied once, as the
     engine does. (A function of its own so that none of its locals outlives it: the
-    holder look counts references.)"""
+    holder look counts references.)
+
+    The layout of the new and of the captured tensor is compared field by field with the sealed one (what
+    :func:`_view` builds, without the tuple): the sealed slot is a plain, unquantized tensor (a quantized or nested
+    one is the engine's), so a new tensor of its dtype is one too."""
     layer = snapshot.layer
     freshness = snapshot.freshness
-    captured_list = snapshot.captured
     rebinds: list[tuple[int, torch.Tensor]] = []
     seen_pairs: set[tuple[int, int]] = set()
     stayed: list[tuple[int, torch.Tensor, bool]] = []  # (index, tensor at the path, noted for freshness)
-    for index, slot in enumerate(snapshot.slots):
-        captured = captured_list[index]
+    strided = torch.strided
+    append_move = moves.append
+    for index, (slot, captured) in enumerate(zip(snapshot.slots, snapshot.captured, strict=True)):
         if captured is None or slot.watch_only or slot.wrapped or slot.origin in _RULED_ORIGINS:
             return None
         current = slot.get(layer)
@@ -148,7 +154,8 @@ def _classify(
                 return None  # the engine's finding (LayerSnapshot._note_fresh)
             stayed.append((index, current, index in freshness))
             continue
-        if type(current) not in _PLAIN_TYPES or current.layout is not torch.strided or current.is_nested:
+        kind = type(current)
+        if kind not in _PLAIN_TYPES or current.layout is not strided or current.is_nested:
             return None
         new_storage = current.untyped_storage()
         captured_storage = captured.untyped_storage()
@@ -166,15 +173,28 @@ def _classify(
                 return None
             stayed.append((index, current, index in freshness))
             continue
-        layout = slot.layout
+        shape, stride, dtype, device, conj, neg, sealed_kind, quantized = slot.layout
+        offset = fp.storage_offset
         if (
-            captured_storage is not fp.storage_ref()
-            or _view(current) != layout
-            or current.storage_offset() != fp.storage_offset
-            or _view(captured) != layout
-            or captured.storage_offset() != fp.storage_offset
+            quantized is not None
+            or captured_storage is not fp.storage_ref()
+            or current.dtype is not dtype
+            or current.shape != shape
+            or current.stride() != stride
+            or current.storage_offset() != offset
+            or current.device != device
+            or kind is not sealed_kind
+            or current.is_conj() is not conj
+            or current.is_neg() is not neg
+            or type(captured) is not sealed_kind
+            or captured.dtype is not dtype
+            or captured.shape != shape
+            or captured.stride() != stride
+            or captured.storage_offset() != offset
+            or captured.is_conj() is not conj
+            or captured.is_neg() is not neg
             or captured.data_ptr() != fp.data_ptr
-            or (index in freshness and current.data_ptr() == captured.data_ptr())
+            or (index in freshness and current.data_ptr() == fp.data_ptr)
             or captured_storage.nbytes() < slot.span[1]  # shrunk in place (laid out as sealed: the sealed span)
             or current.__dict__
             or captured.__dict__
@@ -189,7 +209,7 @@ def _classify(
             seen_pairs.add(pair)
         base = captured_storage.data_ptr()
         span = slot.span
-        moves.append(
+        append_move(
             _Move(
                 snapshot,
                 index,
@@ -202,7 +222,7 @@ def _classify(
                 key,
                 slot.plain,
                 id(new_storage),
-                (captured.device, base + span[0], base + span[1]),
+                (device, base + span[0], base + span[1]),
             )
         )
     return rebinds, stayed
@@ -245,30 +265,34 @@ def _held_only_by_step(moves: Sequence[_Move], group: Sequence[LayerSnapshot], w
     engine's holder look (:func:`held_outside`), with the references of the whole step counted exactly (several
     slots can read one tensor or one storage). Where anything else holds one, the engine searches who."""
     own = _own_references(moves, group, work)
+    refcount = sys.getrefcount
     users: dict[int, set[int]] = {}  # storage id -> the distinct tensors (captured, and their bases) on it
     storages: dict[int, Any] = {}
     checked: set[int] = set()
     for move in moves:
         dst = move.dst
-        if id(dst) in checked:
+        ident = id(dst)
+        if ident in checked:
             continue
-        checked.add(id(dst))
+        checked.add(ident)
         # getrefcount's argument and this frame's local name ``dst`` are the two references beyond the step's.
-        if sys.getrefcount(dst) - 2 > own[id(dst)]:
+        if refcount(dst) - 2 > own[ident]:
             return False
-        tensors = users.setdefault(move.storage, set())
-        tensors.add(id(dst))
+        key = move.storage
+        tensors = users.get(key)
+        if tensors is None:
+            tensors = users[key] = set()
+            storages[key] = dst.untyped_storage()
+        tensors.add(ident)
         if dst._base is not None:  # (no local name for it: the engine's exact look, see held_outside)
-            if id(dst._base) in own or sys.getrefcount(dst._base) > 2:
+            if id(dst._base) in own or refcount(dst._base) > 2:
                 return False
             tensors.add(id(dst._base))
-        if move.storage not in storages:
-            storages[move.storage] = dst.untyped_storage()
     del dst
     for key in storages:  # (not items(): its iterator's pair would be one more reference)
         storage = storages[key]
         # The storage's one Python object: this dict's entry, the local, the argument and torch's own.
-        if sys.getrefcount(storage) > 4:
+        if refcount(storage) > 4:
             return False
         # One use per tensor on it and one for its Python object.
         if _STORAGE_USE_COUNT is not None and int(_STORAGE_USE_COUNT(storage._cdata)) > len(users[key]) + 1:
@@ -276,31 +300,28 @@ def _held_only_by_step(moves: Sequence[_Move], group: Sequence[LayerSnapshot], w
     return True
 
 
-def _own_references(moves: Sequence[_Move], group: Sequence[LayerSnapshot], work: Sequence[Any]) -> dict[int, int]:
+def _own_references(moves: Sequence[_Move], group: Sequence[LayerSnapshot], work: Sequence[Any]) -> Counter[int]:
     """id -> how many references the step itself holds to each captured tensor: the snapshots' lists, freshness
-    entries, the planned rebinds (a tuple each), the moves and the transaction's table of captured objects. (Its own
-    function: no loop name outlives it.)"""
-    own: dict[int, int] = {}
+    entries, the planned rebinds (a tuple each), the moves and the transaction's table of captured objects. Counted
+    with C-level iteration (``id(None)`` is counted too, harmlessly: no tensor has it). (Its own function: no loop
+    name outlives it.)"""
+    own: Counter[int] = Counter()
+    tables: dict[int, dict[int, torch.Tensor]] = {}  # the transaction's table of captured objects: counted once
     for snapshot in group:
-        for tensor in snapshot.captured:
-            if tensor is not None:
-                own[id(tensor)] = own.get(id(tensor), 0) + 1
-        for before in snapshot.freshness.values():
-            own[id(before[0])] = own.get(id(before[0]), 0) + 1
+        own.update(map(id, snapshot.captured))
+        own.update(map(id, map(_first, snapshot.freshness.values())))
+        tables[id(snapshot.originals)] = snapshot.originals
     for _, rebinds, _ in work:
-        for _, tensor in rebinds:
-            own[id(tensor)] += 1
-    for move in moves:
-        own[id(move.dst)] += 1
-    tables: set[int] = set()  # the transaction's table of captured objects, shared by its snapshots: counted once
-    for snapshot in group:
-        table = snapshot.originals
-        if id(table) not in tables:
-            tables.add(id(table))
-            for tensor in table.values():
-                if id(tensor) in own:
-                    own[id(tensor)] += 1
+        own.update(map(id, map(_second, rebinds)))
+    own.update(map(id, map(_destination, moves)))
+    for table in tables.values():  # keyed by id: one more reference to each tensor the step already counts
+        own.update(filter(own.__contains__, table))
     return own
+
+
+_first = operator.itemgetter(0)
+_second = operator.itemgetter(1)
+_destination = operator.attrgetter("dst")
 
 
 def step_conditions(txn: Any) -> bool:

@@ -386,7 +386,8 @@ def digests(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     width are joined, each zero-padded to whole rows (zeros add nothing to a row's sum), and summed in one
     reduction."""
     result: list[torch.Tensor | None] = [None] * len(tensors)
-    joined: dict[tuple[Any, int], list[tuple[int, torch.Tensor]]] = {}
+    # (device, word width) -> (positions, their bytes)
+    joined: dict[tuple[Any, int], tuple[list[int], list[torch.Tensor]]] = {}
     with torch.no_grad():
         for position, tensor in enumerate(tensors):
             raw = _raw(tensor)
@@ -395,27 +396,29 @@ def digests(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
             data, width = raw
             if data.numel() > DIGEST_JOIN_BYTES:
                 result[position] = _digest_raw(data, width)
-            else:
-                joined.setdefault((data.device, width), []).append((position, data))
-        for (device, width), members in joined.items():
+                continue
+            key = (data.device, width)
+            members = joined.get(key)
+            if members is None:
+                members = joined[key] = ([], [])
+            members[0].append(position)
+            members[1].append(data)
+        for (device, width), (positions, datas) in joined.items():
             row_bytes = DIGEST_ROW * width
-            pieces: list[torch.Tensor] = []
-            rows: list[int] = []
-            pads: list[int] = []
-            for _, data in members:
-                count = data.numel()
-                row_count = -(-count // row_bytes)
-                pieces.append(data)
-                pads.append(row_count * row_bytes - count)
-                pieces.append(data[:0])  # the padding's place, filled below
-                rows.append(row_count)
-            zeros = torch.zeros(max(pads), dtype=torch.uint8, device=device) if max(pads) else None
-            for slot, pad in enumerate(pads):
-                if pad and zeros is not None:
-                    pieces[2 * slot + 1] = zeros[:pad]
+            rows = [-(-data.numel() // row_bytes) for data in datas]
+            pads = [count * row_bytes - data.numel() for count, data in zip(rows, datas, strict=True)]
+            widest = max(pads)
+            pieces = datas
+            if widest:  # a zero tail after each tensor that does not end on a row (one zeros tensor, sliced)
+                zeros = torch.zeros(widest, dtype=torch.uint8, device=device)
+                pieces = []
+                for data, pad in zip(datas, pads, strict=True):
+                    pieces.append(data)
+                    if pad:
+                        pieces.append(zeros[:pad])
             words, total = _words(torch.cat(pieces), width)
             sums = words.view(-1, DIGEST_ROW).sum(1, dtype=total)
-            for (position, _), part in zip(members, torch.split(sums, rows), strict=True):
+            for position, part in zip(positions, torch.split(sums, rows), strict=True):
                 result[position] = part
     return result
 
