@@ -3,7 +3,8 @@
 Authors declare graph-visible derived tensors (:func:`graph_visible`, :func:`register_derived`,
 :func:`stable_empty`); a :class:`GraphContract` seals them before capture, restores them into the captured
 storage after every reload, verifies every address and fails closed. The collectors (:func:`collect`,
-:func:`record_capture`, :func:`migration_report`) find what nobody declared; :func:`capture` and
+:func:`record_capture`, :func:`migration_report`) find what nobody declared; :func:`cuda_graph` stands where
+``torch.cuda.graph`` stood and records what the captured graph reads (the kernel scan); :func:`capture` and
 :func:`run_reload` (the plain-PyTorch adapter, also :class:`GraphRunner`) capture ``torch.cuda.graph`` graphs under
 a contract and recapture them when a reload needs it.
 
@@ -35,7 +36,7 @@ from graphsafe.errors import (
 
 if _TYPE_CHECKING:
     from graphsafe.adapters.torch import CapturedGraph, GraphRunner, capture, recapture_and_reseal, run_reload
-    from graphsafe.collectors import Manifest, TensorRef, classify, collect, record_capture
+    from graphsafe.collectors import Manifest, TensorRef, classify, collect, cuda_graph, record_capture
     from graphsafe.contract import GraphContract, ReloadTransaction
     from graphsafe.devices import DeviceSet, WalkBudget
     from graphsafe.handles import RemovableHandle
@@ -56,6 +57,7 @@ _LAZY = {
     "TensorRef": "graphsafe.collectors",
     "classify": "graphsafe.collectors",
     "collect": "graphsafe.collectors",
+    "cuda_graph": "graphsafe.collectors",
     "record_capture": "graphsafe.collectors",
     "GraphContract": "graphsafe.contract",
     "ReloadTransaction": "graphsafe.contract",
@@ -129,6 +131,7 @@ __all__ = [
     "capture",
     "classify",
     "collect",
+    "cuda_graph",
     "graph_visible",
     "graph_visible_spec",
     "migration_report",

@@ -3,6 +3,7 @@
 * :func:`classify`: the one classification of a layer's tensors (declared, parameter, buffer, alias, walker).
 * :func:`walk` / :func:`collect`: the walker (undeclared tensors reachable from a layer).
 * :func:`record_capture` / :class:`Manifest`: the capture-time manifest (what a graph really read).
+* :func:`cuda_graph`: a drop-in for ``torch.cuda.graph`` that captures, kernel-scans and records in one step.
 * :func:`scan_graph` / :class:`StorageView`: the kernel scan (what a captured CUDA graph's nodes point into).
 * :class:`Dataflow`: which storages PWAL computed each tensor from (what a reload really read).
 * :func:`module_names`: every qualified name of every module (a submodule held at two paths has two).
@@ -10,6 +11,7 @@
 Collectors observe; they never restore anything.
 """
 
+from graphsafe.collectors._capture import cuda_graph
 from graphsafe.collectors._classify import (
     UNTRACKABLE_ADVICE,
     Classified,
@@ -63,6 +65,7 @@ __all__ = [
     "classify",
     "classify_walk",
     "collect",
+    "cuda_graph",
     "kernel_scan_unavailable",
     "module_names",
     "pointer_words",
