@@ -3,7 +3,7 @@
 For code that captures CUDA graphs itself (an RL loop, a custom server)::
 
     contract = GraphContract(model, "recapture")
-    graph = capture(contract, model, static_x)          # warm-up, seal, capture under record_capture
+    graph = capture(contract, model, static_x)          # warm-up, seal, capture (cuda_graph: kernel scan)
     for step in ...:
         run_reload(contract, lambda: load_new_weights(model))  # recaptures by itself when the reload needs it
         static_x.copy_(batch)
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from graphsafe.collectors import record_capture
+from graphsafe.collectors import cuda_graph, record_capture
 from graphsafe.contract import Agreement, GraphContract, Mode
 from graphsafe.errors import GraphSafeError, NotServingSafeError, hide_frames_in_pytest
 from graphsafe.handles import RemovableHandle
@@ -207,13 +207,9 @@ class CapturedGraph:
             ignore = [*inputs, *self._out_leaves]
             if self.uses_graph:
                 self._graph = None  # free the old graph's pool before capturing the new one
-                # keep_graph: the kernel scan reads the captured nodes (record_capture falls back to the dispatch
-                # recorder, with a note, where the scan is unavailable).
-                graph = torch.cuda.CUDAGraph(keep_graph=True)
-                with (
-                    record_capture(contract, name=self._key, ignore=ignore, reindex=reindex, graph=graph),
-                    torch.cuda.graph(graph),
-                ):
+                # A keep_graph graph captured with nothing active, then kernel-scanned; where the scan is
+                # unavailable (no cuda-bindings), the dispatch recorder instead, with a one-line warning and note.
+                with cuda_graph(contract, name=self._key, ignore=ignore, reindex=reindex, fallback="dispatch") as graph:
                     self._copy_out(self.fn(*inputs))
                 self._graph = graph
             else:
@@ -222,7 +218,7 @@ class CapturedGraph:
                 self._ensure_output(result)
                 self._copy_out(result)
         self.captures += 1
-        self._generation = self.contract.captures  # record_capture reported this capture
+        self._generation = self.contract.captures  # the capture was reported to the contract
 
     def _warm_up(self) -> Any:
         """Run ``fn`` ``warmup`` times (on a side stream for CUDA graphs, as torch requires); the last result."""
@@ -320,7 +316,11 @@ def capture(
     name: str | None = None,
     use_graph: bool | None = None,
 ) -> CapturedGraph:
-    """Warm up ``fn(*static_inputs)``, seal the contract if needed, and capture it under :func:`record_capture`.
+    """Warm up ``fn(*static_inputs)``, seal the contract if needed, and capture it, recording what it reads.
+
+    On CUDA the graph is captured by :func:`~graphsafe.cuda_graph` (nothing active during the capture, then the
+    kernel scan); where the kernel scan is unavailable (no cuda-bindings) by its explicit ``fallback="dispatch"``,
+    with a one-line warning. In the no-graph fallback the eager call runs under :func:`record_capture`.
 
     Args:
         contract: the model's contract; its manifest records what the graph touches, and a reload that needs a
