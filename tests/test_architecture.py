@@ -69,6 +69,7 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     "tests/collectors/test_kernelscan.py": {"graphsafe.collectors._kernelscan", "graphsafe.adapters.vllm._hooks"},
     # the GPU tests read captured graphs through the same driver the scan uses, and the scan's per-capture facts
     "tests/gpu/test_kernel_scan.py": {"graphsafe.collectors._kernelscan"},
+    "tests/gpu/test_gpu_cuda_graph.py": {"graphsafe.collectors._kernelscan"},
     # the capture drop-in on CPU: the scan is wrapped to see when it runs, and its driver replaced to be absent
     "tests/collectors/test_cuda_graph.py": {"graphsafe.collectors._kernelscan"},
     # the skip of unread slots runs on recorded node tables: the scan's driver and allocator view are replaced
