@@ -281,3 +281,40 @@ def test_an_error_in_the_block_records_nothing_and_instantiates_nothing(
         raise ValueError("boom")
     assert isinstance(graph, FakeGraph) and graph.calls == ["capture_begin", "capture_end"]
     assert contract.manifest is None and contract.captures == 0
+
+
+# -- record_capture around a CUDA capture without graph= -----------------------------------------------------------
+@pytest.fixture
+def capturing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every op runs while a CUDA stream is capturing (as inside ``torch.cuda.graph``)."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+
+def test_record_capture_around_a_cuda_capture_without_a_graph_is_never_silent(capturing: None) -> None:
+    model = Linear()
+    contract = GraphContract(model, "recapture").seal()
+    with (
+        pytest.warns(UserWarning, match=r"^graphsafe: capture 'g': recorded by the dispatch recorder, a .*cuda_graph"),
+        torch.no_grad(),
+        record_capture(contract, name="g") as manifest,
+    ):
+        model(torch.randn(2, 4))
+    assert manifest.backends() == {"g": "dispatch"}
+    assert [n for n in manifest.notes if "graphsafe.cuda_graph(contract)" in n] == [manifest.notes[-1]]
+
+
+@pytest.mark.parametrize("where", ["explicit dispatch", "no capture"])
+def test_record_capture_chosen_explicitly_or_around_no_capture_does_not_warn(
+    where: str, monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    if where == "explicit dispatch":
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    model = Linear()
+    contract = GraphContract(model, "recapture").seal()
+    backend = "dispatch" if where == "explicit dispatch" else "auto"
+    with torch.no_grad(), record_capture(contract, name="g", backend=backend) as manifest:
+        model(torch.randn(2, 4))
+    assert manifest.notes == [] and [str(w.message) for w in recwarn] == []
+    assert {h.where for e in manifest.storages() for h in e.holders} == {"<model>:weight"}

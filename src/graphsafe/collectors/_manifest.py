@@ -382,7 +382,9 @@ def record_capture(
     graph: Any = None,
     backend: str = "auto",
 ) -> Iterator[Manifest]:
-    """Record what a capture touches: ``with record_capture(contract): with torch.cuda.graph(g): out = fwd(x)``.
+    """Record what a capture touches: ``with record_capture(contract, graph=g): with torch.cuda.graph(g): ...``.
+
+    On CUDA, :func:`~graphsafe.cuda_graph` does both in one step (``with cuda_graph(contract) as g: out = fwd(x)``).
 
     Every tensor an op reads or writes inside the block, whose storage was not created inside the block, is
     recorded in the contract's :class:`Manifest` (created and set as ``contract.manifest`` on first use), which
@@ -405,9 +407,10 @@ def record_capture(
         graph: the ``torch.cuda.CUDAGraph`` captured inside the block. Made with ``keep_graph=True``, it is read by
             the kernel scan after the capture (what its kernel, memset and memcpy nodes point into) and no
             dispatch mode is active during the capture, so the graph checked is the graph that serves.
-        backend: ``"auto"`` (the kernel scan when ``graph`` can be scanned, else the dispatch recorder with a
-            one-line warning), ``"kernel"`` (the kernel scan or a :class:`~graphsafe.GraphSafeError`) or
-            ``"dispatch"`` (the dispatch recorder: the CPU fallback and the cross-check).
+        backend: ``"auto"`` (the kernel scan when ``graph`` can be scanned, else the dispatch recorder, with a
+            one-line warning where a CUDA capture ran under it), ``"kernel"`` (the kernel scan or a
+            :class:`~graphsafe.GraphSafeError`) or ``"dispatch"`` (the dispatch recorder: the CPU fallback and the
+            cross-check).
 
     Yields:
         The manifest; the new capture's storages are in it once the block exits without an exception.
@@ -447,12 +450,23 @@ def record_capture(
         manifest.notes.append(f"graphsafe: capture {capture!r}: {_blind_phrase(manifest._blind[capture])}")
     if not recorder.ops:  # it recorded around no forward: it proves nothing about a graph
         manifest._empty.add(capture)
+    if recorder.saw_capture and backend == "auto" and graph is None:
+        # A CUDA capture ran under the recorder by omission (no graph= to scan): never silently.
+        manifest.notes.append(f"graphsafe: capture {capture!r}: {_BY_OMISSION}")
+        warnings.warn(manifest.notes[-1], stacklevel=3)
     if contract is not None:
         contract.manifest = manifest
         # A capture ran: the evidence a reseal after a failed reload needs.
         contract.note_capture()
         if reindex:
             manifest._index(contract, manifest.entries(capture))
+
+
+_BY_OMISSION = (
+    "recorded by the dispatch recorder, a TorchDispatchMode active during the CUDA capture (a torch.compile'd "
+    "forward then captures ATen's kernels, not its own); capture with graphsafe.cuda_graph(contract) where "
+    "torch.cuda.graph was, or pass backend='dispatch' to choose this recorder"
+)
 
 
 def _blind_phrase(ops: tuple[str, ...]) -> str:
