@@ -182,3 +182,22 @@ def test_a_real_graph_without_keep_graph_or_already_captured_is_refused(device: 
     ):
         pass
     assert contract.captures == 1
+
+
+# -- the perturbing recorder is never taken silently -------------------------------------------------------------------
+def test_record_capture_around_torch_cuda_graph_without_a_graph_warns_and_names_the_drop_in(
+    device: torch.device,
+) -> None:
+    model = _model(device)
+    x = torch.randn(8, 64, device=device)
+    _warm(model, x)
+    contract = GraphContract(model, "recapture").seal()
+    graph = torch.cuda.CUDAGraph()
+    with (
+        pytest.warns(UserWarning, match=r"recorded by the dispatch recorder, .*graphsafe\.cuda_graph\(contract\)"),
+        torch.no_grad(),
+        record_capture(contract, name="omitted", ignore=[x]) as manifest,
+        torch.cuda.graph(graph),
+    ):
+        model(x)
+    assert manifest.backends() == {"omitted": "dispatch"}
