@@ -806,7 +806,10 @@ class Manifest:
         read, no node type the scan does not read). The first reason found is named, with its capture.
         """
         if not self._captures:
-            return "no capture was recorded under graphsafe (record_capture, graphsafe.capture or the vLLM plugin)"
+            return (
+                "no capture was recorded under graphsafe (cuda_graph, record_capture, graphsafe.capture or the vLLM "
+                "plugin)"
+            )
         for name in self._captures:
             facts = self._scans.get(name)
             if facts is None:

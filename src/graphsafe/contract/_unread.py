@@ -24,8 +24,8 @@ unread):
    where its use count already shows another tensor on it, it is not let go at all (:func:`_held_elsewhere`).
 
 The precondition, the user's to keep: every graph that reads the model is captured through graphsafe (the torch
-adapter, ``record_capture(graph=...)``, the vLLM plugin) with the kernel scan. A graph captured any other way is not
-in the manifest; once a slot is skipped its memory is freed, and such a graph would read freed memory.
+adapter, ``cuda_graph``, ``record_capture(graph=...)``, the vLLM plugin) with the kernel scan. A graph captured any
+other way is not in the manifest; once a slot is skipped its memory is freed, and such a graph would read freed memory.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def skip_unread(contract: GraphContract, group: list[LayerSnapshot], state: Skip
     if manifest is None or not callable(truth) or not callable(read_test):
         state.refused = (
             "no capture manifest says what the graphs read: capture them with graphsafe.capture, "
-            "record_capture(contract, graph=torch.cuda.CUDAGraph(keep_graph=True)) or the vLLM plugin"
+            "graphsafe.cuda_graph(contract) (where torch.cuda.graph was) or the vLLM plugin"
         )
         return
     if state.reads is None:
