@@ -105,8 +105,7 @@ def cuda_graph(
         )
     if graph is None:
         graph = torch.cuda.CUDAGraph(keep_graph=True)
-    # "auto" is the kernel scan here (a keep_graph graph, the scan available), or, only where fallback="dispatch"
-    # allowed it, the dispatch recorder with its one-line warning and note.
+    # The kernel scan; "auto" only where fallback="dispatch" allowed the dispatch recorder (it warns and notes why).
     backend = "kernel" if why is None else "auto"
     with (
         record_capture(
