@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
         ("migration_report", report),
         ("MigrationReport", report),
         ("record_capture", collectors),
+        ("cuda_graph", collectors),
         ("CapturedGraph", torch_adapter),
         ("GraphRunner", torch_adapter),
         ("capture", torch_adapter),
