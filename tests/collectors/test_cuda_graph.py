@@ -207,6 +207,44 @@ def test_the_dispatch_fallback_is_explicit_and_says_so(fake_torch_graph: None, m
     assert isinstance(graph, FakeGraph) and graph.calls == ["capture_begin", "capture_end", "instantiate"]
 
 
+class OldGraph(FakeGraph):
+    """A torch without ``keep_graph``: its graphs cannot be kept, have no raw graph and no ``instantiate``."""
+
+    def __init__(self) -> None:
+        super().__init__(keep_graph=False)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in ("raw_cuda_graph", "instantiate"):
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_a_torch_without_keep_graph_is_refused_unless_told_to_fall_back(
+    fake_torch_graph: None, fake_cuda: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", OldGraph)
+    model = Linear()
+    fake_cuda["table"] = _table(model.weight)  # the driver is there: only torch cannot keep the graph
+    contract = GraphContract(model, "recapture").seal()
+    with (
+        pytest.raises(
+            GraphSafeError, match=r"^collectors: cuda_graph: torch .* has no torch.cuda.CUDAGraph\(keep_graph"
+        ),
+        cuda_graph(contract),
+    ):
+        pass
+    assert contract.manifest is None
+    with (
+        pytest.warns(UserWarning, match=r"keep_graph=True\); recorded by the dispatch recorder instead"),
+        torch.no_grad(),
+        cuda_graph(contract, name="g", fallback="dispatch") as graph,
+    ):
+        model(torch.randn(2, 4))
+    assert isinstance(graph, OldGraph) and graph.calls == ["capture_begin", "capture_end"]  # torch instantiated it
+    manifest = contract.manifest
+    assert isinstance(manifest, Manifest) and manifest.backends() == {"g": "dispatch"}
+
+
 # -- its steps, on a fake graph and a recorded node table ------------------------------------------------------------
 def test_it_makes_a_kept_graph_captures_with_nothing_active_then_scans_and_instantiates(
     fake_torch_graph: None, fake_cuda: dict[str, Any], monkeypatch: pytest.MonkeyPatch

@@ -65,16 +65,17 @@ def cuda_graph(
         reindex: tie the recorded storages to the model paths that hold them now (``False`` when the contract
             reseals right after, which indexes everything anyway).
         manifest: record into this manifest instead of the contract's.
-        fallback: where the kernel scan cannot run (no cuda-bindings, a driver without the calls): ``"error"``
-            raises :class:`~graphsafe.GraphSafeError`; ``"dispatch"`` records by the dispatch recorder instead,
-            with a one-line warning and a manifest note. That recorder is a ``TorchDispatchMode`` active during the
-            capture: a ``torch.compile``'d forward then captures ATen's kernels instead of its own, and kernels
-            launched outside the dispatcher (Triton, CuPy) are not seen.
+        fallback: where the kernel scan cannot run (no cuda-bindings, a driver without the calls, a torch
+            without ``CUDAGraph(keep_graph=True)``): ``"error"`` raises :class:`~graphsafe.GraphSafeError`;
+            ``"dispatch"`` records by the dispatch recorder instead, with a one-line warning and a manifest note.
+            That recorder is a ``TorchDispatchMode`` active during the capture: a ``torch.compile``'d forward
+            then captures ATen's kernels instead of its own, and kernels launched outside the dispatcher (a raw
+            Triton or CuPy launch) are not seen.
 
     Raises:
         GraphSafeError: before anything is captured, for a graph not made with ``keep_graph=True`` or already
             captured, an unknown ``capture_error_mode`` or ``fallback``, no contract and no manifest, no CUDA, or
-            (``fallback="error"``) no kernel scan.
+            (``fallback="error"``) no kernel scan or a torch without ``keep_graph``.
     """
     if capture_error_mode not in _ERROR_MODES:
         raise GraphSafeError(
@@ -104,9 +105,10 @@ def cuda_graph(
             "fallback='dispatch' to record by the dispatch recorder (which changes what torch.compile captures)"
         )
     if graph is None:
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        graph = _new_graph(fallback)
     # The kernel scan; "auto" only where fallback="dispatch" allowed the dispatch recorder (it warns and notes why).
-    backend = "kernel" if why is None else "auto"
+    kept = kscan.keeps_graph(graph)
+    backend = "kernel" if why is None and kept else "auto"
     with (
         record_capture(
             contract, name=name, ignore=ignore, reindex=reindex, manifest=manifest, graph=graph, backend=backend
@@ -114,12 +116,28 @@ def cuda_graph(
         torch.cuda.graph(graph, pool=_pool(pool), stream=stream, capture_error_mode=capture_error_mode),
     ):
         yield graph
-    graph.instantiate()  # a keep_graph graph is instantiated on request; now, not on the first replay
+    if kept:
+        graph.instantiate()  # a keep_graph graph is instantiated on request; now, not on the first replay
+
+
+def _new_graph(fallback: str) -> torch.cuda.CUDAGraph:
+    """A graph torch keeps after capture; a plain one only where ``fallback="dispatch"`` allows (a torch without
+    ``keep_graph``, whose graphs the kernel scan cannot read: the dispatch recorder then warns and records)."""
+    try:
+        return torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:
+        if fallback == "error":
+            raise GraphSafeError(
+                f"collectors: cuda_graph: torch {torch.__version__} has no torch.cuda.CUDAGraph(keep_graph=True), so "
+                "the kernel scan cannot read the captured graph; upgrade torch, or pass fallback='dispatch' (the "
+                "dispatch recorder, which changes what torch.compile captures)"
+            ) from None
+        return torch.cuda.CUDAGraph()
 
 
 def _check_graph(graph: Any) -> None:
     """Refuse, before capture, a graph the kernel scan cannot read afterwards or that holds a capture already."""
-    if not callable(getattr(graph, "capture_begin", None)) or not callable(getattr(graph, "raw_cuda_graph", None)):
+    if not callable(getattr(graph, "capture_begin", None)):
         raise GraphSafeError(
             f"collectors: cuda_graph(graph=...) got a {type(graph).__name__!r}, not a torch.cuda.CUDAGraph; pass "
             "torch.cuda.CUDAGraph(keep_graph=True), or leave graph= out to get one"
