@@ -163,6 +163,32 @@ def test_a_reload_after_a_drop_in_capture_commits_and_replays_the_new_weights(
     assert torch.allclose(got, want, rtol=RTOL, atol=ATOL)
 
 
+# -- torch.cuda.graph's arguments pass through -------------------------------------------------------------------------
+def test_two_drop_in_captures_share_a_pool_and_a_stream_and_each_replays_equal_eager(device: torch.device) -> None:
+    model = _model(device)
+    x = torch.randn(8, 64, device=device)
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    _warm(model, x)
+    contract = GraphContract(model, "recapture").seal()
+    with torch.no_grad(), graphsafe.cuda_graph(contract, name="first", ignore=[x], stream=stream) as first:
+        out_first = model(x)
+    with (
+        torch.no_grad(),
+        graphsafe.cuda_graph(
+            contract, name="second", ignore=[x], pool=first.pool(), stream=stream, capture_error_mode="thread_local"
+        ) as second,
+    ):
+        out_second = model(x) * 2
+    manifest = contract.manifest
+    assert isinstance(manifest, Manifest)
+    assert manifest.backends() == {"first": "kernel-scan", "second": "kernel-scan"}
+    x.copy_(torch.randn_like(x))
+    with torch.no_grad():
+        want = model(x)
+    assert torch.allclose(_replay(first, out_first), want, rtol=RTOL, atol=ATOL)
+    assert torch.allclose(_replay(second, out_second), want * 2, rtol=RTOL, atol=ATOL)
+
+
 # -- torch's real graphs, refused before capture -----------------------------------------------------------------------
 def test_a_real_graph_without_keep_graph_or_already_captured_is_refused(device: torch.device) -> None:
     model = _model(device)
