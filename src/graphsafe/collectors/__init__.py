@@ -11,7 +11,7 @@
 Collectors observe; they never restore anything.
 """
 
-from graphsafe.collectors._capture import cuda_graph
+from graphsafe.collectors._cuda_graph import cuda_graph
 from graphsafe.collectors._classify import (
     UNTRACKABLE_ADVICE,
     Classified,

@@ -382,41 +382,48 @@ DIGEST_JOIN_BYTES = 1 << 20
 
 
 def digests(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-    """:func:`digest` of each tensor, equal value for value, in a few launches: small tensors of one device and word
-    width are joined, each zero-padded to whole rows (zeros add nothing to a row's sum), and summed in one
-    reduction."""
+    """:func:`digest` of each tensor, equal value for value, in a few launches: small tensors of one device, dtype
+    and word width are joined in their own dtype (no byte view per tensor), each followed by zeros up to a whole row
+    (zeros add nothing to a row's sum), and summed in one reduction over their bytes."""
     result: list[torch.Tensor | None] = [None] * len(tensors)
-    # (device, word width) -> (positions, their bytes)
-    joined: dict[tuple[Any, int], tuple[list[int], list[torch.Tensor]]] = {}
+    # (device, dtype, word width) -> (positions, the tensors as plain dense ones)
+    joined: dict[tuple[Any, Any, int], tuple[list[int], list[torch.Tensor]]] = {}
     with torch.no_grad():
         for position, tensor in enumerate(tensors):
-            raw = _raw(tensor)
-            if raw is None:
+            plain = _dense(tensor)
+            if plain is None or plain.device.type == "meta":
                 continue
-            data, width = raw
-            if data.numel() > DIGEST_JOIN_BYTES:
-                result[position] = _digest_raw(data, width)
+            count = plain.numel() * plain.element_size()
+            width = 4 if count % 4 == 0 else 2 if count % 2 == 0 else 1
+            if count > DIGEST_JOIN_BYTES:
+                raw = _raw(plain)
+                assert raw is not None
+                result[position] = _digest_raw(*raw)
                 continue
-            key = (data.device, width)
+            key = (plain.device, plain.dtype, width)
             members = joined.get(key)
             if members is None:
                 members = joined[key] = ([], [])
             members[0].append(position)
-            members[1].append(data)
-        for (device, width), (positions, datas) in joined.items():
+            members[1].append(plain)
+        for (device, dtype, width), (positions, plains) in joined.items():
             row_bytes = DIGEST_ROW * width
-            rows = [-(-data.numel() // row_bytes) for data in datas]
-            pads = [count * row_bytes - data.numel() for count, data in zip(rows, datas, strict=True)]
+            itemsize = dtype.itemsize
+            counts = [plain.numel() for plain in plains]
+            rows = [-(-(count * itemsize) // row_bytes) for count in counts]
+            # (a whole number of elements: a row holds whole words, and the bytes of a tensor of this width do too)
+            pads = [(row * row_bytes) // itemsize - count for row, count in zip(rows, counts, strict=True)]
             widest = max(pads)
-            pieces = datas
-            if widest:  # a zero tail after each tensor that does not end on a row (one zeros tensor, sliced)
-                zeros = torch.zeros(widest, dtype=torch.uint8, device=device)
+            pieces = plains
+            if widest:
+                zeros = torch.zeros(widest, dtype=dtype, device=device)
                 pieces = []
-                for data, pad in zip(datas, pads, strict=True):
-                    pieces.append(data)
+                for plain, pad in zip(plains, pads, strict=True):
+                    pieces.append(plain)
                     if pad:
                         pieces.append(zeros[:pad])
-            words, total = _words(torch.cat(pieces), width)
+            flat = torch._C._nn.flatten_dense_tensors(pieces) if len(pieces) > 1 else flat_copy(pieces[0])
+            words, total = _words(flat.view(torch.uint8), width)
             sums = words.view(-1, DIGEST_ROW).sum(1, dtype=total)
             for position, part in zip(positions, torch.split(sums, rows), strict=True):
                 result[position] = part
