@@ -11,7 +11,6 @@
 Collectors observe; they never restore anything.
 """
 
-from graphsafe.collectors._cuda_graph import cuda_graph
 from graphsafe.collectors._classify import (
     UNTRACKABLE_ADVICE,
     Classified,
@@ -21,6 +20,7 @@ from graphsafe.collectors._classify import (
     classify,
     classify_walk,
 )
+from graphsafe.collectors._cuda_graph import cuda_graph
 from graphsafe.collectors._dataflow import Dataflow
 from graphsafe.collectors._kernelscan import (
     GraphNode,
