@@ -306,7 +306,7 @@ def _launch_common(self: ReloadTransaction, work: Rebinds, plan: RestorePlan, ke
 
 
 def _plan_by_rules(self: ReloadTransaction, group: list[LayerSnapshot], plan: RestorePlan) -> Rebinds:
-    """The rule engine's planning and copies of a restore step (every rule of ``_slots``), for any step."""
+    """The rule engine's planning and copies of a restore step (every rule of the snapshot's steps), for any step."""
     auto_restore = self.contract.mode == "migrate"
     work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]] = []
     for snapshot in group:
