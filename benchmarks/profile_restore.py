@@ -29,14 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _models import Shape, make_weights
 from run import Contract, sync
 
-import graphsafe.contract._contract as contract_module
-import graphsafe.contract._slots as slots_module
+import graphsafe.contract._plan as plan_module
+import graphsafe.contract._snapshot as snapshot_module
+import graphsafe.contract._steps as steps_module
+import graphsafe.contract._transaction as transaction_module
 
 PHASES: dict[Any, list[str]] = {
-    slots_module.LayerSnapshot: ["take", "restore", "rebind", "verify", "doubt_foreign_writes"],
-    contract_module: ["judge_noted", "check_freshness"],  # module functions, as the contract module holds them
-    slots_module.RestorePlan: ["protect", "watch", "launch", "check"],
-    contract_module.ReloadTransaction: ["begin", "_finish", "_restore_group", "_doubt_abandoned"],
+    snapshot_module.LayerSnapshot: ["take", "restore", "rebind", "verify", "doubt_foreign_writes"],
+    steps_module: ["judge_noted", "check_freshness"],  # module functions, as the restore steps' module holds them
+    plan_module.RestorePlan: ["protect", "watch", "launch", "check"],
+    transaction_module.ReloadTransaction: ["begin", "_finish", "_restore_group", "_doubt_abandoned"],
 }
 
 
@@ -82,7 +84,7 @@ def _count_ops(method: Contract, weights: Any) -> dict[str, collections.Counter[
             return func(*args, **(kwargs or {}))
 
     found: dict[str, collections.Counter[str]] = {}
-    owner = contract_module.ReloadTransaction
+    owner = transaction_module.ReloadTransaction
     originals = {"begin": owner.begin, "restore": owner._settle}
 
     def counted(name: str) -> Callable[..., Any]:

@@ -36,10 +36,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 #: Test modules that reach into a private module, and why (fault injection or white-box checks of internals).
 PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     # the fast tier's planner, spied on to count the restore steps it planned (the differential needs them taken)
-    "tests/contract/test_fast_tier.py": {"graphsafe.contract._contract"},
-    "tests/fuzz/test_fuzz_fast_tier.py": {"graphsafe.contract._contract"},
+    "tests/contract/test_fast_tier.py": {"graphsafe.contract._steps"},
+    "tests/fuzz/test_fuzz_fast_tier.py": {"graphsafe.contract._steps"},
     # the copies of a step found by address against a pass over all of them
-    "tests/contract/test_copies_by_address.py": {"graphsafe.contract._contract"},
+    "tests/contract/test_copies_by_address.py": {"graphsafe.contract._landing"},
     # the batched digest against the single-tensor one it must equal value for value
     "tests/contract/test_digests.py": {"graphsafe.contract._samples"},
     # the walker's internal table of torch's own Module attributes, checked against a fresh nn.Module; and its
@@ -78,7 +78,7 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     # a copy that raises halfway is injected into the copy batch
     "tests/contract/test_adversarial.py": {"graphsafe.contract._copy"},
     # the snapshot's per-layer steps are wrapped to see that no collection runs inside them
-    "tests/contract/test_contract.py": {"graphsafe.contract._slots"},
+    "tests/contract/test_contract.py": {"graphsafe.contract._snapshot"},
     # the value sample, taken alone or in a batch, against its definition (a reference implementation in the test)
     "tests/contract/test_freshness.py": {"graphsafe.contract._samples"},
     # the hook installer's wrappers and markers, and the pack's attribute, are checked on the real vLLM; the

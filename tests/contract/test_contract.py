@@ -911,7 +911,7 @@ def test_no_collection_runs_inside_the_contracts_own_code_and_the_collector_runs
     """The contract's transient allocations must not trigger collections (they promote those objects, and the
     promotions trigger full collections over the whole heap); the loader, PWAL and listeners run with the
     collector as the caller had it, and it is back on after the reload."""
-    from graphsafe.contract._slots import LayerSnapshot
+    from graphsafe.contract._snapshot import LayerSnapshot
 
     model = tiny.build(0, n_layers=3)
     contract = _contract(model)
@@ -963,7 +963,7 @@ def test_no_collection_runs_inside_the_contracts_own_code_and_the_collector_runs
 def test_a_restore_that_raises_leaves_the_collector_on_and_one_the_caller_disabled_stays_off(
     tiny: Tiny, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from graphsafe.contract._slots import LayerSnapshot
+    from graphsafe.contract._snapshot import LayerSnapshot
 
     model = tiny.build(0)
     contract = _contract(model)

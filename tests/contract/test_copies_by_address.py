@@ -1,4 +1,4 @@
-"""Which copies of a restore step landed on a recorded byte range (``contract._contract._Landing``), and which
+"""Which copies of a restore step landed on a recorded byte range (``contract._landing._Landing``), and which
 recorded bytes no copy covers (``_Covered``): the same
 copies, in the same order, as a pass over every copy, for any ranges (nested, overlapping, empty, touching, on
 several devices). The manifest's per-reload check asks this once per recorded storage."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphsafe.contract._contract import _Covered, _Landing
+from graphsafe.contract._landing import _Covered, _Landing
 
 DEVICES = ("cpu", "cuda:0")
 ranges = st.tuples(st.sampled_from(DEVICES), st.integers(0, 200), st.integers(0, 60)).map(

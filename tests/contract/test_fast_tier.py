@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-import graphsafe.contract._contract as contract_module
+import graphsafe.contract._steps as steps_module
 from graphsafe import FindingKind, GraphContract, Status, register_derived
 from graphsafe.errors import DeclaredDriftError
 
@@ -67,14 +67,14 @@ def reload(contract: GraphContract, model: Model, seed: int) -> Any:
 @pytest.fixture
 def fast_steps(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     taken: list[bool] = []
-    plan_common = contract_module.plan_common
+    plan_common = steps_module.plan_common
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         result = plan_common(*args, **kwargs)
         taken.append(result is not None)
         return result
 
-    monkeypatch.setattr(contract_module, "plan_common", spy)
+    monkeypatch.setattr(steps_module, "plan_common", spy)
     return taken
 
 

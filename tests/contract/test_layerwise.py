@@ -453,7 +453,7 @@ class Lazy(nn.Module):
 def test_tensors_made_under_inference_mode_do_not_crash_the_reload(where: str, layerwise: bool) -> None:
     """Attacker: the engine runs its warm-up forward (which allocates a scratch) or the initial PWAL under
     ``torch.inference_mode()``, as inference engines do; seal() accepts the model. Every reload then dies in the
-    snapshot with torch's "Inference tensors do not track version counter." (``_slots.py`` reads ``._version``),
+    snapshot with torch's "Inference tensors do not track version counter." (the snapshot reads ``._version``),
     whether or not the reload itself runs under inference mode.
 
     Promise: a failure is graphsafe's own, helpful error (at seal, naming the tensor and inference mode) or the reload

@@ -76,7 +76,7 @@ def test_a_recording_that_cannot_see_pwal_does_not_make_a_stale_undeclared_tenso
     Promise 1, and the docs: "an undeclared tensor that the graph reads and that a reload with new weights leaves as
     it was is reported stale"; "ops on other threads are not recorded; a slot they compute has no record and keeps
     the fallback inputs". The same model with PWAL on the calling thread fails closed (stale).
-    Missing rule: ``LayerSnapshot._learn_recorded`` / ``LayerSnapshot.take`` (contract/_slots.py) and
+    Missing rule: ``LayerSnapshot._learn_recorded`` / ``LayerSnapshot.take`` (contract/_snapshot.py) and
     ``GraphContract._learn_initial_inputs``: a walker slot the recording did not see computed is static, even when
     its values changed during the recorded load (the recording was blind, not PWAL idle)."""
     net = nn.Sequential(ScaledLayer())
@@ -158,7 +158,7 @@ def test_a_declared_slot_given_a_tensor_without_storage_is_a_finding_not_a_raw_c
 
     Promise 3: bad input gets a clear graphsafe error naming the layer, the path and what to do (here: a
     ``respecified`` finding, as for any other new tensor no copy can restore, like a ``meta`` tensor already is).
-    Missing rule: ``LayerSnapshot.restore`` (contract/_slots.py) calls ``untyped_storage()`` before checking that
+    Missing rule: ``LayerSnapshot.restore`` (contract/_restore.py) calls ``untyped_storage()`` before checking that
     the new value has a strided storage (``verify`` catches the same error, ``restore`` does not)."""
     net = _flat()
     contract = GraphContract(net, mode).seal()  # type: ignore[arg-type]
@@ -200,7 +200,7 @@ def test_a_layer_name_passed_to_before_or_after_layer_gets_a_clear_error(step: s
     Promise 3: a clear one-line graphsafe error naming what was passed and what to pass. Today:
     ``AttributeError: 'str' object has no attribute 'modules'`` from ``GraphContract._layer_entries``, and the
     ``with`` block turns it into a FAILED reload whose finding says "the reload raised AttributeError(...)".
-    Missing rule: ``ReloadTransaction.before_layer``/``after_layer`` (contract/_contract.py) never check that
+    Missing rule: ``ReloadTransaction.before_layer``/``after_layer`` (contract/_transaction.py) never check that
     ``layer`` is an ``nn.Module`` (``GraphContract.__init__`` and ``register_derived`` do)."""
     net = _flat()
     contract = GraphContract(net, "recapture").seal()
@@ -228,9 +228,9 @@ def test_every_reload_sees_a_layer_added_after_the_seal(mode: str) -> None:
     seal)". Registered modules are reload units the walk never enters, and a module registered after the seal is
     no seal entry either, so nothing looks at it: the reload commits while the graph reads the old ``w_t`` of the new
     layer (strict included). With ``record_capture`` it fails closed (the manifest sees the storage die), so the gap
-    is the walk's. Missing rule: ``GraphContract._seal``/``ReloadTransaction._snapshot`` (contract/_contract.py):
-    modules that are not in ``_units`` (registered after the seal) are neither sealed nor walked; a reload could
-    report them (``vanished``-style "not sealed: reseal") or walk them."""
+    is the walk's. Missing rule: ``GraphContract._seal``/``ReloadTransaction._snapshot`` (contract/_sealing.py,
+    _steps.py): modules that are not in ``_units`` (registered after the seal) are neither sealed nor walked; a
+    reload could report them (``vanished``-style "not sealed: reseal") or walk them."""
     net = _flat()
     contract = GraphContract(net, mode, detect="every-reload").seal()  # type: ignore[arg-type]
     added = nn.Module()
@@ -270,7 +270,7 @@ def test_a_graphless_hook_that_raises_does_not_leave_an_unrestored_model_serving
     ``None``), and every captured address holds the old values. A rank agreement that raises at the same point is
     guarded (``mark_unsafe``); the graphless hook is not.
     Promise 1/3: no reload leaves a model half-restored without saying so. Missing rule: ``ReloadTransaction._settle``
-    (contract/_contract.py) calls ``contract._decide`` (which calls ``graphless()``), and the manifest's
+    (contract/_transaction.py) calls ``contract._decide`` (which calls ``graphless()``), and the manifest's
     ``unread``, outside its ``except BaseException: mark_unsafe`` guard."""
     net = _flat()
     contract = GraphContract(net, mode).seal()  # type: ignore[arg-type]
@@ -340,7 +340,7 @@ def test_a_failed_rebind_after_a_swap_does_not_leave_the_model_on_memory_graphsa
     recapture/migrate report NEEDS_RECAPTURE (strict: a DeclaredDriftError saying recapture and reseal), and the
     recapture reads the swapped values (with the torch adapter its on_recapture callback does so at once and the
     contract reseals serving-safe on them). Without the swap the same failed rebind leaves right values.
-    Missing rule: ``LayerSnapshot.rebind`` (contract/_slots.py): a slot whose rebind fails keeps ``new`` even when
+    Missing rule: ``LayerSnapshot.rebind`` (contract/_rebind.py): a slot whose rebind fails keeps ``new`` even when
     the plan's copies overwrote the memory ``new`` reads (the broken-alias branch binds ``keep`` for that case; this
     one binds nothing, and no finding says the values at the path are wrong)."""
     net = nn.Sequential(PingPong())

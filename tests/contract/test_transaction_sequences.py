@@ -146,7 +146,7 @@ def test_a_reload_that_found_an_undeclared_tensor_stale_does_not_teach_that_it_i
     Promise 1 ("an undeclared tensor that the graph reads and that a reload with new weights leaves as it was is
     reported stale, because nothing says it does not depend on the weights"): a PWAL that skipped a tensor during a
     reload says nothing about whether it depends on the weights (the initial load's recording, ``record_inputs()``,
-    is evidence: a first PWAL runs in full). Missing rule: ``LayerSnapshot._learn_recorded`` (contract/_slots.py)
+    is evidence: a first PWAL runs in full). Missing rule: ``LayerSnapshot._learn_recorded`` (contract/_snapshot.py)
     takes "not computed while its inputs changed" for "a fixed table"."""
     net = nn.Sequential(Scaled())
     layer = net[0]
@@ -237,7 +237,7 @@ def test_a_restore_that_raises_records_a_failed_outcome_tells_the_listeners_and_
     Promise 3 (no reload leaves a model half-restored without saying so); the same lie the transaction refuses for an
     interrupt in the ``with`` body (``test_an_interrupt_in_the_reload_body_records_a_failed_outcome...``), and the
     rule ``begin()`` follows for a refused reload ("take part as FAILED so agreement rounds stay paired").
-    Missing rule: ``ReloadTransaction._finish`` (contract/_contract.py) lets an error of ``_settle`` escape before
+    Missing rule: ``ReloadTransaction._finish`` (contract/_transaction.py) lets an error of ``_settle`` escape before
     the outcome is recorded, agreed and announced."""
     net = _flaky_net()
     contract = GraphContract(net, mode).seal()  # type: ignore[arg-type]
@@ -525,7 +525,7 @@ def test_a_rank_waiting_for_agreement_on_a_reload_it_could_not_restore_is_not_se
     replays graphs that read the old values.
 
     Promise 1 (``serving_safe``: "never while a reload transaction is open: its layers may be half-restored").
-    Missing rule: ``ReloadTransaction._settle``/``_finish`` (contract/_contract.py) mark the contract unsafe only
+    Missing rule: ``ReloadTransaction._settle``/``_finish`` (contract/_transaction.py) mark the contract unsafe only
     after the agreement returns, although this rank's own outcome already says it is not."""
     net = nn.Sequential(Layer(1), Layer(2))
     contract = GraphContract(net, mode).seal()  # type: ignore[arg-type]
@@ -588,7 +588,7 @@ def test_a_tensor_that_appeared_after_the_recording_is_checked_for_freshness(mod
 
     Promise 1, and the docs: a tensor only the walker found "is checked like a declared derived slot until a
     recording shows PWAL does not compute it ... (or it appeared unseen): then ... it stays watched". Missing rule:
-    ``_sealed_slot`` (contract/_contract.py) makes walker slots ``unrecorded=False``: "no recording saw it" reads as
+    ``_sealed_slot`` (contract/_sealing.py) makes walker slots ``unrecorded=False``: "no recording saw it" reads as
     "a recording saw PWAL leave it"."""
     net = nn.Sequential(LazyScale())
     layer = net[0]
@@ -638,7 +638,7 @@ def test_a_reordered_layer_is_still_checked_for_stale_values_before_a_recapture(
     whose ``layers.1.w_t`` was computed from other weights than ``layers.1.weight``.
 
     Promise 1 ("NEEDS_RECAPTURE after which a recapture would read wrong values"). Missing rule:
-    ``ReloadTransaction._snapshot`` (contract/_contract.py) drops a sealed layer that left its qualname even when
+    ``ReloadTransaction._snapshot`` (contract/_steps.py) drops a sealed layer that left its qualname even when
     the same module object is still in the model: a stale value in it can then never be found."""
     net = nn.Module()
     net.layers = nn.ModuleList([Guarded(), Guarded()])
@@ -686,7 +686,8 @@ def test_a_layer_replaced_after_the_seal_is_checked_for_stale_values_before_a_re
     NEEDS_RECAPTURE, and the recapture reads ``w_t`` of the old weights.
 
     Promise 1 ("NEEDS_RECAPTURE after which a recapture would read wrong values"). Missing rule:
-    ``GraphContract._unsealed_modules``/``ReloadTransaction.begin`` (contract/_contract.py) report a module registered
+    ``GraphContract._unsealed_modules``/``ReloadTransaction.begin`` (contract/_sealing.py,
+    _transaction.py) report a module registered
     after the seal but take no freshness baseline of it."""
     net = nn.Module()
     net.layers = nn.ModuleList([Guarded(), Guarded()])

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import graphsafe.contract._contract as contract_module
+import graphsafe.contract._steps as steps_module
 from fuzz import oracle
 from fuzz.harness import run
 from fuzz.models import Scenario
@@ -69,14 +69,14 @@ def whole_model_scenarios(draw: Any) -> Scenario:
 def fast_steps(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Per restore step planned while the fixture is active: whether the fast tier planned it."""
     taken: list[bool] = []
-    plan_common = contract_module.plan_common
+    plan_common = steps_module.plan_common
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         result = plan_common(*args, **kwargs)
         taken.append(result is not None)
         return result
 
-    monkeypatch.setattr(contract_module, "plan_common", spy)
+    monkeypatch.setattr(steps_module, "plan_common", spy)
     return taken
 
 

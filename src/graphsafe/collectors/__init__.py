@@ -11,6 +11,7 @@
 Collectors observe; they never restore anything.
 """
 
+from graphsafe.collectors._capture import kernel_scan_unavailable, record_capture, record_scan
 from graphsafe.collectors._classify import (
     UNTRACKABLE_ADVICE,
     Classified,
@@ -32,15 +33,7 @@ from graphsafe.collectors._kernelscan import (
     record_table,
     scan_graph,
 )
-from graphsafe.collectors._manifest import (
-    CapturedStorage,
-    Holder,
-    Manifest,
-    SealedModel,
-    kernel_scan_unavailable,
-    record_capture,
-    record_scan,
-)
+from graphsafe.collectors._manifest import CapturedStorage, Holder, Manifest, SealedModel
 from graphsafe.collectors._names import module_names
 from graphsafe.collectors.walker import TensorRef, WalkResult, collect, walk
 

@@ -20,7 +20,8 @@ from typing import Any, Literal
 import torch
 
 from graphsafe.collectors import _kernelscan as kscan
-from graphsafe.collectors._manifest import Manifest, SealedModel, kernel_scan_unavailable, record_capture
+from graphsafe.collectors._capture import kernel_scan_unavailable, record_capture
+from graphsafe.collectors._manifest import Manifest, SealedModel
 from graphsafe.errors import GraphSafeError
 
 __all__ = ["cuda_graph"]

@@ -12,8 +12,9 @@ from graphsafe.contract._agreement import (
     KeyValueStore,
     StoreAgreement,
 )
-from graphsafe.contract._contract import DETECT_POLICIES, MODES, Detect, GraphContract, Mode, ReloadTransaction
+from graphsafe.contract._contract import DETECT_POLICIES, MODES, Detect, GraphContract, Mode
 from graphsafe.contract._samples import version_of
+from graphsafe.contract._transaction import ReloadTransaction
 
 __all__ = [
     "DEFAULT_TIMEOUT",

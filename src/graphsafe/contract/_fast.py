@@ -29,18 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsafe.contract._slots import (
-    _STORAGE_USE_COUNT,
-    LayerSnapshot,
-    RestorePlan,
-    SealedLayer,
-    SharedIndex,
-    _hits,
-    _Move,
-    _sorted_ranges,
-    _view,
-    repointed_inference,
-)
+from graphsafe.contract._memory import _STORAGE_USE_COUNT, _hits, _sorted_ranges, repointed_inference
+from graphsafe.contract._plan import RestorePlan, SharedIndex, _Move
+from graphsafe.contract._slots import SealedLayer, _view
+from graphsafe.contract._snapshot import LayerSnapshot
 from graphsafe.outcome import Origin, geometry_key
 
 __all__ = ["Rebinds", "plan_common", "step_conditions"]

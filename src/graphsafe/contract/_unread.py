@@ -37,8 +37,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from graphsafe.contract._memory import _NOTHING
 from graphsafe.contract._samples import version_of
-from graphsafe.contract._slots import _NOTHING, LayerSnapshot, SealedSlot, _is_wrapper, _view
+from graphsafe.contract._slots import SealedSlot, _is_wrapper, _view
+from graphsafe.contract._snapshot import LayerSnapshot
 from graphsafe.contract._tensorref import TensorRef
 from graphsafe.outcome import Origin, SlotRef, fingerprint
 

@@ -1,0 +1,64 @@
+"""The Python attributes a tensor carries (``tensor.__dict__``) across a rebind: a captured tensor kept at a path
+takes the attributes of the tensor the load put there."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from graphsafe.contract._slots import _MISSING
+from graphsafe.outcome import Origin
+
+__all__: list[str] = []
+
+
+_LOADED = (Origin.PARAMETER, Origin.BUFFER)
+
+
+def _would_change(new: torch.Tensor, captured: torch.Tensor, keep: bool) -> bool:
+    """Whether giving ``captured`` the attributes of ``new`` (see :func:`_move_attributes`) changes any."""
+    old = captured.__dict__
+    if keep:
+        return not _same_attributes({name: old.get(name, _MISSING) for name in new.__dict__}, new.__dict__)
+    return not _same_attributes(old, new.__dict__)
+
+
+def _same_attributes(first: Mapping[str, Any], second: Mapping[str, Any]) -> bool:
+    """Whether two attribute dicts hold the same things: the same objects, or equal plain values."""
+    if first.keys() != second.keys():
+        return False
+    for name, value in first.items():
+        other = second[name]
+        if value is other:
+            continue
+        if isinstance(value, torch.Tensor) or isinstance(other, torch.Tensor):
+            return False
+        try:
+            if not bool(value == other):
+                return False
+        except Exception:
+            return False
+    return True
+
+
+def _move_attributes(
+    new: Mapping[str, Any], captured: torch.Tensor, swapped: Mapping[int, torch.Tensor], *, keep: bool
+) -> None:
+    """Give ``captured`` (about to be bound back in place of ``new``) the attributes PWAL left on ``new``: those are
+    the model's state now; the captured object still carries the last load's, which a rebind would bring back.
+
+    A value that is another restored slot's new tensor becomes that slot's captured tensor (the one bound at its
+    path; a slot under it, ``weight.g_idx`` tracked on its own, so ends up with its own captured tensor). ``keep``:
+    a parameter or buffer keeps attributes the new object lacks (a loader's metadata set once, at construction:
+    ``weight_loader``); any other tensor's attributes are the new one's exactly (an attribute PWAL no longer sets
+    is gone). ``new``: the new tensor's attributes, read before any rebind of the step (a swap moves one captured
+    object's attributes before the other reads them).
+    """
+    attributes = {
+        name: swapped.get(id(value), value) if isinstance(value, torch.Tensor) else value for name, value in new.items()
+    }
+    if not keep:
+        captured.__dict__.clear()
+    captured.__dict__.update(attributes)

@@ -1,0 +1,377 @@
+"""Tensors held outside the model's paths during a reload: a captured tensor someone else still holds blocks its
+copy, one the load abandoned is doubted, and the manifest's extra holders are tracked. Functions of a
+:class:`~graphsafe.contract._transaction.ReloadTransaction`, bound there as its methods."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from graphsafe.collectors import walk
+from graphsafe.contract._copy import clone_laid_out
+from graphsafe.contract._memory import address_range, reads_as_captured
+from graphsafe.contract._plan import RestorePlan
+from graphsafe.contract._samples import version_of
+from graphsafe.contract._slots import SealedLayer, SealedSlot
+from graphsafe.contract._snapshot import LayerSnapshot
+from graphsafe.contract._tensorref import TensorRef
+from graphsafe.devices import WalkBudget
+from graphsafe.errors import hide_frames_in_pytest
+from graphsafe.outcome import FindingKind, Origin, fingerprint, geometry_key, memory_tensors
+from graphsafe.paths import SlotPath
+
+#: pytest shows the test's line and graphsafe's message, not this module's frames (``errors.hide_frames_in_pytest``).
+__tracebackhide__ = hide_frames_in_pytest
+
+from graphsafe.contract._landing import _gaps, _overlapping
+
+if TYPE_CHECKING:
+    from graphsafe.contract._transaction import ReloadTransaction
+
+__all__: list[str] = []
+
+
+def _block_foreign_holders(
+    self: ReloadTransaction, work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]], plan: RestorePlan
+) -> list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]]:
+    """Take back the planned copies into captured storage that something besides its slots holds.
+
+    PWAL can hand a slot's captured tensor (or its base, a view of it, its raw storage) to another place (a
+    ping-pong buffer swapped into an undeclared attribute, a storage pool) and give the slot a new one. Copying
+    the slot's new values there would write values the reload never produced for that holder. Such a storage
+    is not written: each slot planned into it keeps its new tensor and is ``alias-broken`` (the graph reads the
+    holder's values there; recapture). Asked only when :func:`held_outside` saw another holder; then every
+    module of the model is walked once. A storage is blocked when the walk finds it at a path the contract does
+    not track, when the walk was cut short, or when its storage object is held (a storage pool). A tensor or
+    view held outside every model path (a dict key, a table outside the model) is not told from a caller's
+    reference to the slot, which the slot's new values rightly reach: that one is let be
+    (docs/fault-matrix.md).
+    """
+    contract = self.contract
+    suspects: dict[int, Any] = {}
+    seen: dict[int, set[str]] = {}  # per storage, what held_outside saw holding it
+    for snapshot, _ in work:
+        for index, held, which in snapshot.suspects:
+            captured = snapshot.captured[index]
+            if captured is None:
+                continue
+            # A wrapper held as a whole (-1): every storage under it is searched for; else one part's, or the
+            # plain tensor's own.
+            holders = memory_tensors(captured) if which is not None else [captured]
+            if which is not None and which >= 0:
+                holders = holders[which : which + 1]
+            for storage in (holder.untyped_storage() for holder in holders):
+                suspects.setdefault(id(storage), storage)
+                seen.setdefault(id(storage), set()).add(held)
+    tracked = {
+        f"{sealed.qualname}.{slot.path.text}" if sealed.qualname else slot.path.text
+        for sealed in contract._layers
+        for slot in sealed.slots
+    }
+    why: dict[int, str] = {}
+    # The same memory can lie under another storage object (a DLPack import): matched by address too.
+    spans = [
+        (str(storage.device), storage.data_ptr(), storage.data_ptr() + storage.nbytes(), key)
+        for key, storage in suspects.items()
+    ]
+    budget = WalkBudget(max_depth=64, max_objects=max(1_000_000, contract.budget.max_objects))
+    for qualname, module in contract.model.named_modules():
+        result = walk(module, budget=budget, devices=contract.devices, units=contract._units)
+        if result.exhausted is not None:
+            for key in suspects:
+                why.setdefault(key, f"the search for other holders was cut short ({result.exhausted})")
+        for ref in result.refs:
+            try:
+                parts = memory_tensors(ref.tensor)  # a wrapper's inner tensors hold its memory
+            except TypeError:
+                continue
+            for part in parts:
+                if part.layout is not torch.strided:
+                    continue
+                key = id(part.untyped_storage())
+                keys = [key] if key in suspects else _overlapping(spans, part)
+                if not keys:
+                    continue
+                path = f"{qualname}.{ref.path}" if qualname else ref.path
+                if path not in tracked:
+                    for found in keys:
+                        why.setdefault(found, f"{path!r}, which the contract does not track, holds it")
+    for key in suspects:
+        if key not in why and "storage-object" in seen[key]:
+            why[key] = "its storage object is held (a storage pool, or a reference outside every model path)"
+    del suspects, seen
+    if not why:
+        return work
+    return self._take_back(
+        work,
+        plan,
+        {
+            (id(m.snapshot), m.index): f"its captured memory is still held elsewhere: {why[m.storage]}"
+            for m in plan.moves
+            if m.storage in why
+        },
+    )
+
+
+def _take_back(
+    self: ReloadTransaction,
+    work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]],
+    plan: RestorePlan,
+    reasons: dict[tuple[int, int], str],
+) -> list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]]:
+    """Take back every planned copy of the slots in ``reasons`` ((id(snapshot), slot index) -> why): nothing is
+    written into their captured memory, each keeps its new tensor and is ``alias-broken``. A slot is restored
+    whole or not at all (a wrapper's inner copies go together)."""
+    blocked = [move for move in plan.moves if (id(move.snapshot), move.index) in reasons]
+    plan.moves = [move for move in plan.moves if (id(move.snapshot), move.index) not in reasons]
+    reported: set[tuple[int, int]] = set()
+    for move in blocked:
+        entry = (id(move.snapshot), move.index)
+        if entry in reported:
+            continue
+        reported.add(entry)
+        snapshot, slot = move.snapshot, move.snapshot.slots[move.index]
+        snapshot.kept.append(move.new)
+        snapshot.findings.append(
+            snapshot.sealed.finding(
+                FindingKind.ALIAS_BROKEN,
+                slot,
+                after=fingerprint(move.new),
+                detail=f"PWAL gave it a new tensor, and {reasons[entry]}. Restoring would write this slot's new "
+                "values where something else reads them, so nothing is copied and the graph reads the old "
+                "values there. Rebuild the holder as a new tensor in PWAL (or declare it); recapture",
+            )
+        )
+    return [
+        (snapshot, [(index, t) for index, t in rebinds if (id(snapshot), index) not in reported])
+        for snapshot, rebinds in work
+    ]
+
+
+def _doubt_abandoned(
+    self: ReloadTransaction, work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]], plan: RestorePlan
+) -> None:
+    """Memory a slot left for a new tensor no copy restored there (respecified, moved and kept, vanished, or
+    read another way) is *abandoned*: the slot's new values are not in it. A path left on it stays on old
+    values, and so would a recapture (``stale``):
+
+    * an alias path (a walker path, or an untracked manifest path, reading a tracked slot's memory) follows
+      its slot, so it is stale whatever its values;
+    * a watched slot (declared derived, or found by the walker) that nothing wrote is stale when its inputs,
+      or the abandoning slot's, changed (a tie to another layer's rebuilt tensor), or when an earlier
+      ``after_layer()`` saw that memory abandoned (PWAL may have written it before this layer's snapshot).
+    """
+    abandoned = self._abandoned
+    copied = sorted((str(m.memory[0]), m.memory[1], m.memory[2]) for m in plan.moves)
+    for snapshot, _ in work:
+        layer = snapshot.layer
+        confirmed = snapshot.confirmed
+        for index, slot in enumerate(snapshot.slots):
+            captured = snapshot.captured[index]
+            if captured is None or slot.watch_only or slot.wrapped:
+                continue
+            if confirmed[index]:
+                continue  # verify just saw the captured object at its path, on its captured memory
+            fp = slot.fp
+            if captured.data_ptr() != fp.data_ptr:  # the captured object itself moved (.data =, set_)
+                abandoned.append((snapshot, index, str(fp.device), fp.data_ptr, fp.data_ptr + fp.nbytes))
+            elif not reads_as_captured(slot.get(layer), captured):
+                device, start, end = address_range(captured)
+                spans = [(first, last) for where, first, last in copied if where == device]
+                if slot.origin is Origin.ALIAS and not _gaps(start, end, spans):
+                    continue  # an alias path that left memory its slot's copy rewrote: nothing is left old
+                abandoned.append((snapshot, index, device, start, end))
+        abandoned.extend((snapshot, *entry) for entry in snapshot.gone)
+    if not abandoned:
+        return
+    for snapshot, _ in work:
+        layer = snapshot.layer
+        for index, slot in enumerate(snapshot.slots):
+            captured = snapshot.captured[index]
+            if captured is None or slot.wrapped or not reads_as_captured(slot.get(layer), captured):
+                continue
+            alias = slot.origin is Origin.ALIAS
+            if not alias and not (slot.tracks_freshness and index in snapshot.freshness):
+                continue
+            device, start, end = address_range(captured)
+            partners = [
+                (owner, at)
+                for owner, at, where, first, last in abandoned
+                if (owner, at) != (snapshot, index)
+                and where == device
+                # an empty span (a tail of nothing) still marks where its slot's memory was
+                and ((first < end and start < last) or (first == last and start <= first <= end))
+            ]
+            if not partners:
+                continue
+            if alias:
+                why = "it does not read that slot's new values, and neither would a recapture"
+            else:
+                # A captured tensor without a version counter (made under torch.inference_mode()) cannot show
+                # that PWAL wrote it: it counts as unwritten, so changed inputs make it stale (fail closed).
+                if index >= len(snapshot.written) or snapshot.written[index]:
+                    continue  # written by PWAL: its own values
+                if not snapshot.left[index]:
+                    continue  # PWAL gave it a new tensor, which the restore copied: its new values
+                changed = snapshot.changed_inputs(index)
+                for owner, at in partners:
+                    changed = changed or owner.changed_inputs(at)
+                if changed:
+                    why = f"nothing wrote it although {', '.join(changed)} changed, and a recapture would read it"
+                elif any(owner.done for owner, _ in partners):
+                    # Abandoned by an earlier after_layer(): PWAL may have written other values there (a swap)
+                    # before this layer's snapshot, which then cannot vouch for its bytes. Fail closed.
+                    why = "an earlier after_layer() saw it abandoned, so nothing here can vouch for its bytes"
+                else:
+                    continue
+            snapshot.findings.append(
+                snapshot.sealed.finding(
+                    FindingKind.STALE,
+                    slot,
+                    detail=f"it reads the captured memory of a slot that now holds a new tensor no copy could "
+                    f"restore there: {why}. Rebuild it in PWAL from that slot's new tensor",
+                )
+            )
+
+
+def _protect_pending(self: ReloadTransaction, plan: RestorePlan, group: list[LayerSnapshot]) -> list[torch.Tensor]:
+    """Layers snapshotted but not restored yet (``before_layer`` ran, ``after_layer`` has not): a new tensor of
+    theirs that reads memory this plan writes is cloned first, so their restore copies the values PWAL left.
+    One no copy can restore (another geometry, class or offset: it stays at its path) is returned, to be kept
+    by the plan as a reader of that memory like this step's own kept tensors. Costs a path lookup per slot of
+    such layers, which a plain ``before_layer``/``after_layer`` pairing has none of."""
+    readers: list[torch.Tensor] = []
+    in_group = {id(snapshot) for snapshot in group}
+    tensor_type = torch.Tensor
+    for snapshot in self._snapshots.values():
+        if snapshot.done or id(snapshot) in in_group:
+            continue
+        layer = snapshot.layer
+        for index, slot in enumerate(snapshot.slots):
+            captured = snapshot.captured[index]
+            if captured is None:
+                continue
+            current = slot.get(layer)
+            if not isinstance(current, tensor_type) or current is captured:
+                continue
+            saved = snapshot.overrides.get(index)
+            if saved is not None and saved[0] is current:
+                continue
+            try:
+                parts = memory_tensors(current)  # a wrapper's memory is its inner tensors'
+            except TypeError:
+                continue  # no tensors to read: its restore says why
+            if any(plan.overlaps_destination(part) for part in parts):
+                snapshot.overrides[index] = (current, tuple(clone_laid_out(part) for part in parts))
+                if (
+                    len(parts) == 1
+                    and parts[0] is current
+                    and (
+                        geometry_key(current) != geometry_key(captured)
+                        or current.storage_offset() != captured.storage_offset()
+                    )
+                ):
+                    # Its restore will leave it at its path (respecified), reading what this plan writes there.
+                    readers.append(current)
+    return readers
+
+
+def _manifest_extras(self: ReloadTransaction, sealed: SealedLayer) -> list[SealedSlot]:
+    """Under ``detect="declared-only"`` or ``"sealed-paths"`` with a capture manifest: the layer's paths the
+    manifest saw holding a captured storage that no sealed slot tracks (a tensor that appeared after the seal,
+    under ``sealed-paths``), as watch-only walker-found slots.
+
+    The graph reads them, so their freshness is judged like the walker's finds (stale when the weights changed
+    and PWAL left them as they were, until a recording shows PWAL never computes them) instead of being
+    trusted as static. They are never restored: where PWAL moved one, the manifest's check reports it. A path
+    whose storage a tracked slot also reads (a view of a declared slot) stays a reader of that slot's memory.
+    """
+    contract = self.contract
+    if contract.manifest is None:
+        return []
+    if self._held is None:  # resolved once, at the first snapshot: before any layer of this reload loads
+        self._held = {}
+        sealed_names = {s.qualname for s in contract._layers}
+        for qualname, path, tensor in contract.manifest.held(contract):
+            if (qualname, path) not in contract._slot_keys:
+                # A module no seal tracks (a child with no weights of its own) is watched from the nearest
+                # sealed module above it, by the longer path.
+                owner, prefix = qualname, ""
+                while owner not in sealed_names and owner:
+                    owner, _, last = owner.rpartition(".")
+                    prefix = f"{last}.{prefix}"
+                if owner in sealed_names:
+                    self._held.setdefault(owner, []).append((prefix + path, tensor))
+                self._held_before[(qualname, path)] = (id(tensor), version_of(tensor), tensor.data_ptr())
+    found = self._held.pop(sealed.qualname, None)  # the snapshot holds them from here
+    if contract.detect == "every-reload":
+        return []  # its walk finds them
+    if not found:
+        return []
+    tracked = {id(part.storage_ref()) for slot in sealed.slots for part in slot.fp.memory()}
+    extras: list[SealedSlot] = []
+    for path, tensor in found:
+        # One that reads a tracked slot's memory follows that slot like an alias path (see
+        # _untracked_holders and _doubt_abandoned); any other is watched like a walker find.
+        origin = Origin.ALIAS if id(tensor.untyped_storage()) in tracked else Origin.WALKER
+        key = (sealed.qualname, path)
+        slot = contract._manifest_slots.get(key)
+        if slot is None or not slot.tensor_ref.holds(tensor) or slot.origin is not origin:
+            slot = SealedSlot(SlotPath(path), fingerprint(tensor), TensorRef.of(tensor), origin)
+            if key in contract._recorded_extras:  # a recording saw PWAL run over this path (before a reseal)
+                slot.inputs = contract._recorded_extras[key]
+            else:
+                slot.unrecorded = True  # no recording saw PWAL over it (see _sealed_slot)
+            slot.watch_only = True
+            # Watched even as an alias path: the copy into its slot's memory (or its slot's own write) changes
+            # its values, so only a path nothing refreshed looks stale; its slot may be empty or gone.
+            slot.tracks_freshness = True
+            contract._manifest_slots[key] = slot
+        extras.append(slot)
+    return extras
+
+
+def _untracked_holders(self: ReloadTransaction, local: list[LayerSnapshot]) -> list[torch.Tensor]:
+    """What the model holds now at the paths the capture-time manifest saw holding captured storage and the
+    contract does not track (``detect="declared-only"`` seals declared slots only): a restore must not
+    overwrite what those paths read (PWAL may have handed them a captured storage, a swap)."""
+    manifest = self.contract.manifest
+    if manifest is None:
+        return []
+    tracked = self.contract._slot_keys
+    extra = {(s.sealed.qualname, slot.path.text) for s in local for slot in s.slots[len(s.sealed.slots) :]}
+    before = self._held_before
+    return [
+        tensor
+        for layer, path, tensor in manifest.held(self.contract)
+        if (layer, path) not in tracked
+        and (layer, path) not in extra
+        # The same tensor, unwritten: a view left on the memory it read follows it, like an alias path
+        # (its old bytes are no values of its own; the cold model reads its partner's new ones there).
+        and before.get((layer, path)) != (id(tensor), version_of(tensor), tensor.data_ptr())
+    ]
+
+
+def _changed_inputs(self: ReloadTransaction, sealed: SealedLayer, position: int) -> list[str]:
+    """The freshness inputs of a slot that this reload changed (its layer's snapshot watched them)."""
+    snapshot = self._snapshots.get(id(sealed))
+    return snapshot.changed_inputs(position) if snapshot is not None else []
+
+
+def _version_of(self: ReloadTransaction, sealed: SealedLayer, position: int) -> int | None:
+    """The captured tensor's version counter when the reload began, where its snapshot kept one."""
+    snapshot = self._snapshots.get(id(sealed))
+    if snapshot is not None and position < len(snapshot.versions):
+        return snapshot.versions[position]
+    return None
+
+
+def _captured_of(self: ReloadTransaction, sealed: SealedLayer, position: int) -> torch.Tensor | None:
+    """The captured tensor of a sealed slot: its snapshot's strong reference, else from the seal."""
+    snapshot = self._snapshots.get(id(sealed))
+    if snapshot is not None and position < len(snapshot.captured):
+        held = snapshot.captured[position]
+        if held is not None:
+            return held
+    return sealed.slots[position].captured()

@@ -1,0 +1,131 @@
+"""The inputs of declared slots, recorded at the first reload (``GraphContract.record_inputs``) and learnt by the
+sealed slots. Functions of a :class:`~graphsafe.contract.GraphContract`, bound there as its methods."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from graphsafe.collectors import Dataflow, walk
+from graphsafe.contract._inputs import ValuesBefore
+from graphsafe.contract._slots import InputRef, SealedSlot
+from graphsafe.errors import GraphSafeError, hide_frames_in_pytest
+from graphsafe.outcome import Origin, SlotRef
+from graphsafe.paths import SlotPath
+from graphsafe.registry import declarations_of
+
+#: pytest shows the test's line and graphsafe's message, not this module's frames (``errors.hide_frames_in_pytest``).
+__tracebackhide__ = hide_frames_in_pytest
+
+if TYPE_CHECKING:
+    from graphsafe.contract._contract import GraphContract
+
+__all__: list[str] = []
+
+
+# -- what PWAL reads -----------------------------------------------------------------------------------------
+@contextmanager
+def record_inputs(self: GraphContract) -> Iterator[None]:
+    """Record what the initial load and PWAL compute each derived slot from: ``with contract.record_inputs():
+    load(); pwal()``, then :meth:`seal`.
+
+    Optional: without it the first reload transaction records the same (once; later reloads do not pay for
+    the recording). Recording the initial load means even that first reload checks each slot against what its
+    PWAL really reads rather than against the whole layer.
+    """
+    if self._sealed:
+        raise GraphSafeError(
+            "record_inputs() records the initial load before seal(); this contract is sealed, and its first "
+            "reload records what PWAL reads by itself"
+        )
+    # What the walk finds now, before the load: a slot the recording does not see computed but whose values
+    # changed was computed where it could not see (another thread, a raw kernel), not left as a fixed table.
+    units = frozenset(id(module) for module in self.model.modules())
+    before = ValuesBefore.take(
+        ref.tensor
+        for module in self.model.modules()
+        for ref in walk(module, budget=self.budget, devices=self.devices, units=units).refs
+    )
+    Dataflow.prepare()  # torch's one-time dispatch set-up, before the caller's load starts
+    dataflow = Dataflow()
+    with dataflow:
+        yield
+    self._pending = (dataflow, before)
+
+
+def recorded_inputs(self: GraphContract) -> dict[SlotRef, tuple[SlotRef, ...]]:
+    """For every declared slot a recording saw PWAL compute: the tensors (as the model holds them) it was
+    computed from. Slots missing here are checked against their ``derived_from``, else the whole layer."""
+    return {
+        SlotRef(sealed.qualname, slot.path.text): tuple(ref.ref for ref in slot.inputs)
+        for sealed in self._layers
+        for slot in sealed.slots
+        if slot.inputs is not None
+    }
+
+
+def _input_index(
+    self: GraphContract, dataflow: Dataflow
+) -> tuple[Callable[[Any], InputRef | None], dict[int, set[int]]]:
+    """Every tensor the model holds, by storage, as the first path found (parameters and buffers, then plain
+    tensor attributes, then the seal's deeper paths); and by module id, the storages of its weights (anything
+    but its declared slots) the recording saw written."""
+    index: dict[int, tuple[Any, InputRef]] = {}
+    updated: dict[int, set[int]] = {}
+    modules = list(self.model.named_modules())
+
+    def add(module: nn.Module, qualname: str, text: str, value: Any, weight: bool) -> None:
+        if not isinstance(value, torch.Tensor) or value.layout is not torch.strided or value.device.type == "meta":
+            return
+        storage = value.untyped_storage()
+        if weight and dataflow.updated(value):
+            updated.setdefault(id(module), set()).add(id(storage))
+        if id(storage) in index:
+            return
+        try:
+            path = SlotPath(text)
+        except GraphSafeError:  # an attribute name outside the path grammar cannot be watched by path
+            return
+        index[id(storage)] = (storage, InputRef(weakref.ref(module), path, SlotRef(qualname, path.text)))
+
+    for qualname, module in modules:
+        for name, value in (*module._parameters.items(), *module._buffers.items()):
+            add(module, qualname, name, value, True)
+    for qualname, module in modules:
+        declared = declarations_of(module)
+        for name, value in list(vars(module).items()):
+            add(module, qualname, name, value, name not in declared)
+    for sealed in self._layers:
+        layer = sealed.layer_ref()
+        if layer is not None:
+            for slot in sealed.slots:
+                add(layer, sealed.qualname, slot.path.text, slot.get(layer), False)
+
+    def held(storage: Any) -> InputRef | None:
+        entry = index.get(id(storage))
+        return entry[1] if entry is not None and entry[0] is storage else None
+
+    return held, updated
+
+
+def _learn_initial_inputs(self: GraphContract, dataflow: Dataflow, before: ValuesBefore) -> None:
+    """Keep what the recorded initial load computed each declared slot from (see :meth:`record_inputs`)."""
+    held, _ = self._input_index(dataflow)
+    unseen: list[tuple[SealedSlot, torch.Tensor]] = []  # walker slots the recording did not see computed
+    for sealed in self._layers:
+        layer = sealed.layer_ref()
+        for slot in sealed.slots:
+            current = slot.get(layer) if slot.tracks_freshness and layer is not None else None
+            if isinstance(current, torch.Tensor) and dataflow.updated(current):
+                slot.inputs = tuple(dataflow.reads(current, held))
+            elif isinstance(current, torch.Tensor) and slot.origin is Origin.WALKER:
+                unseen.append((slot, current))
+    if unseen:
+        for (slot, _), blind in zip(unseen, before.written_unseen([t for _, t in unseen]), strict=True):
+            slot.unrecorded = blind  # a blind recording keeps it watched (the fallback inputs)
+    self._recorded = True

@@ -1,0 +1,288 @@
+"""The per-reload work on one layer: :class:`LayerSnapshot` takes what the layer holds before the load, then
+restores, rebinds and verifies it. This is the only code that mutates a model during reload (copies into captured
+storage, rebinds paths).
+
+The class holds the state and the snapshot itself; its steps live with their rule: restoring a slot in
+:mod:`~graphsafe.contract._restore`, rebinding and verifying in :mod:`~graphsafe.contract._rebind`, the freshness
+of derived slots in :mod:`~graphsafe.contract._freshness` (each a function of the snapshot, bound as a method).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphsafe.contract import _freshness, _rebind, _restore
+from graphsafe.contract._inputs import _Freshness, _Inputs, _strided
+from graphsafe.contract._samples import SLOT_ELEMENTS, Sample, SampleBatch, version_of
+from graphsafe.contract._slots import InputRef, SealedLayer, SealedSlot, _describe_geometry_change, _view
+from graphsafe.outcome import Finding, FindingKind, Origin, SlotRef, fingerprint
+
+__all__ = ["LayerSnapshot"]
+
+
+@dataclass(slots=True)
+class LayerSnapshot:
+    """One layer's state for one reload: strong references to every captured tensor until restore is done."""
+
+    sealed: SealedLayer
+    layer: nn.Module
+    slots: list[SealedSlot]
+    captured: list[torch.Tensor | None]
+    findings: list[Finding] = field(default_factory=list)
+    freshness: dict[int, _Freshness] = field(default_factory=dict)
+    inputs: _Inputs | None = None
+    restored: int = 0
+    bytes_copied: int = 0
+    done: bool = False
+    #: Whether slots may share captured storage (sealed so, or walker extras whose storage is unknown ahead).
+    shared: bool = False
+    #: Slot index -> (the new tensor at its path, a clone of its values): taken when another layer's restore was
+    #: about to write into the memory that tensor reads, before this layer was restored (layerwise reloads).
+    #: A wrapper's are clones of its inner tensors, in flatten order (see :func:`memory_tensors`).
+    overrides: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
+    #: Freshness checks :func:`judge_noted` found due, run by :func:`check_freshness` once the plan's copies landed.
+    fresh_due: list[tuple[int, SealedSlot, torch.Tensor, bool]] = field(default_factory=list)
+    #: Slots :meth:`_note_fresh` found on their captured memory, with their samples, until :func:`judge_noted`.
+    noted: list[tuple[int, SealedSlot, torch.Tensor, bool, Sample]] = field(default_factory=list)
+    #: Slots :func:`judge_noted` found on their captured memory with another value sample than before the load.
+    resampled: set[int] = field(default_factory=set)
+    #: New tensors :meth:`restore` leaves at their paths (findings): the plan must not change what they read.
+    kept: list[torch.Tensor] = field(default_factory=list)
+    #: Slots planned for a copy whose captured tensor, its base or its storage something besides the snapshot still
+    #: holds (see :func:`held_outside`), for the contract to look for who: ``(slot index, what, part)``. ``part`` is
+    #: the position of a wrapper's inner tensor (in flatten order) whose
+    #: storage is held, ``-1`` for every part of a wrapper held as a whole, ``None`` for a plain tensor. (Not the
+    #: storage object itself: a reference to it would make the next slot on that storage look held.)
+    suspects: list[tuple[int, str, int | None]] = field(default_factory=list)
+    #: Slot index -> what an ``alias-broken`` slot keeps instead of its new tensor, whose memory a copy overwrote.
+    keep: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: Each captured tensor's version counter when the snapshot was taken (-1: none, or a view rebuilt from the
+    #: storage, whose counter no write through the model's tensors moves).
+    versions: list[int] = field(default_factory=list)
+    #: Watch-only slots whose path left their captured memory: ``(slot index, device, first address, end)``.
+    gone: list[tuple[int, str, int, int]] = field(default_factory=list)
+    #: Per slot, whether the reload wrote its captured memory before the restore's copies (set at restore).
+    written: list[bool] = field(default_factory=list)
+    #: The transaction's captured objects by id (see :meth:`take`): one more reference of ours to each.
+    originals: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: Per slot, whether PWAL left it reading its captured memory as captured (set at restore, before copies).
+    left: list[bool] = field(default_factory=list)
+    #: Per slot, whether :meth:`verify` found the captured object at its path on its captured memory as sealed.
+    confirmed: list[bool] = field(default_factory=list)
+    #: Slot index -> the new tensor at its path, where it or the captured one carries Python attributes
+    #: (``weight.g_idx`` hung on a parameter, a scale on a derived tensor): :meth:`rebind` gives the captured
+    #: tensor the new one's.
+    attributes: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: Slot index -> the new tensor at its path, for every planned rebind (see :meth:`bound_instead`).
+    swapped: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: Slot index -> the attributes of :attr:`attributes`' tensor, read before any rebind of the step moved one.
+    carried: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: Tensors left in place that carry attributes (which may name a new tensor the step replaces).
+    attributed: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def take(
+        cls,
+        sealed: SealedLayer,
+        layer: nn.Module,
+        extra: Iterable[SealedSlot] = (),
+        *,
+        samples: SampleBatch,
+        recorded: bool = False,
+        outer: Callable[[], list[tuple[str, nn.Module]]] | None = None,
+        scratch: Callable[[torch.Tensor], bool] | None = None,
+        originals: dict[int, torch.Tensor] | None = None,
+    ) -> LayerSnapshot:
+        """Snapshot ``layer`` before its load.
+
+        ``originals``: the captured objects earlier snapshots of this transaction held, by ``id`` (the transaction
+        keeps them alive, so an ``id`` names one object): a captured tensor a path no longer holds (PWAL ran again
+        after its layer's ``after_layer()``) is found there rather than rebuilt as a new view; this snapshot adds
+        its own.
+
+        ``recorded``: a recording of PWAL (the first reload's, or the initial load's under ``record_inputs()``)
+        exists. A tensor only the walker found is then watched for freshness if that recording saw PWAL compute it
+        or classified nothing about it (``unrecorded``); one the initial load's recording saw PWAL leave alone is
+        static (a table, a KV cache). Before any recording nothing says which it is, so it is watched: a weight
+        change that leaves it as it was is ``stale`` (fail closed).
+        ``outer`` lists the modules above the layer (see :attr:`_Inputs.outer`). Value samples are taken through
+        ``samples``, which the caller flushes before the load. ``scratch``: whether a recorded capture wrote a
+        captured tensor's storage (the graph overwrites it at every replay); a walker-found one is not watched.
+        """
+        slots = list(sealed.slots)
+        slots.extend(extra)
+        captured: list[torch.Tensor | None] = []
+        versions: list[int] = []
+        findings: list[Finding] = []
+        freshness: dict[int, _Freshness] = {}
+        inputs: _Inputs | None = None
+        tensor_type = torch.Tensor
+        for index, slot in enumerate(slots):
+            held = slot.get(layer)
+            if not slot.tensor_ref.holds(held) and originals:
+                held = originals.get(slot.tensor_ref.ident, held)
+            if slot.tensor_ref.holds(held):  # the sealed object, on its sealed implementation
+                tensor = held
+                versions.append(version_of(tensor))
+                if originals is not None:
+                    originals[id(tensor)] = tensor
+            else:  # a new view on the captured storage, if it is still alive
+                tensor = slot.captured()
+                versions.append(-1)
+            del held
+            captured.append(tensor)
+            if tensor is None:
+                findings.append(
+                    sealed.finding(
+                        FindingKind.DEAD,
+                        slot,
+                        detail="the captured storage was freed before the reload began; replay reads freed memory",
+                    )
+                )
+                continue
+            if (
+                slot.tracks_freshness
+                and (slot.origin is not Origin.WALKER or not recorded or slot.inputs or slot.unrecorded or slot.owed)
+                and not (slot.origin is Origin.WALKER and scratch is not None and scratch(tensor))
+            ):
+                current = slot.get(layer)
+                if isinstance(current, tensor_type):
+                    if inputs is None:
+                        inputs = _Inputs(layer, sealed.qualname, samples, outer=outer)
+                    sample = samples.take(current, SLOT_ELEMENTS)
+                    freshness[index] = (current, version_of(current), sample, inputs.of(slot))
+        shared = sealed.shares_storage or len(slots) > len(sealed.slots)
+        return cls(
+            sealed,
+            layer,
+            slots,
+            captured,
+            findings,
+            freshness,
+            inputs,
+            shared=shared,
+            versions=versions,
+            originals=originals if originals is not None else {},
+        )
+
+    def learn_inputs(
+        self, reads: Callable[[torch.Tensor], list[InputRef]], updated: Callable[[Any], bool], written: set[int]
+    ) -> list[str]:
+        """After a recorded PWAL, before restore: keep on each derived slot PWAL recomputed what it was computed
+        from (``reads``, the dataflow as the model holds it).
+
+        Returns a note per slot computed only from tensors this reload never wrote (``updated``) while the reload
+        wrote weights of the layer (``written``, storage ids) that no slot read: the signature of a PWAL reading a
+        private copy of earlier weights. A partial reload that leaves some inputs alone stays quiet, and so does a
+        layer where PWAL skipped a slot (what it would read is unknown).
+
+        A slot PWAL did not recompute keeps no record (it keeps the fallback inputs): a skipped rebuild says
+        nothing about what a rebuild reads, and an in-place write that read nothing the model holds
+        (``clamp_(-inf, inf)``) must not teach the contract that the slot has no inputs.
+        """
+        self._learn_recorded(updated)
+        learned: list[tuple[SealedSlot, tuple[InputRef, ...]]] = []
+        for index, (before, _, _, _) in self.freshness.items():
+            slot = self.slots[index]
+            current = slot.get(self.layer)
+            if not isinstance(current, torch.Tensor):
+                continue
+            if not updated(current):
+                continue  # the recording never saw it made or written (another thread, say): it says nothing
+            found = tuple(reads(current))
+            if not found and current.untyped_storage() is before.untyped_storage():
+                continue
+            slot.inputs = found
+            learned.append((slot, found))
+        if len(learned) < len(self.freshness):
+            return []  # a slot PWAL skipped may be the one that reads what the reload wrote
+        read = {id(t.untyped_storage()) for _, found in learned for t in map(InputRef.resolve, found) if _strided(t)}
+        if not written - read:
+            return []
+        notes: list[str] = []
+        for slot, found in learned:
+            if found and not any(updated(ref.resolve()) for ref in found):
+                names = ", ".join(repr(ref.label(self.sealed.qualname)) for ref in found)
+                notes.append(f"{SlotRef(self.sealed.qualname, '')} slot {slot.path.text!r} from {names}")
+        return notes
+
+    def _learn_recorded(self, updated: Callable[[Any], bool]) -> None:
+        """Which walker-found slots this recording tells about (``unrecorded`` cleared): one PWAL computed. One a
+        reload's PWAL left tells nothing, whatever its inputs did: a skip guard that was wrong (this reload judges
+        it ``stale``) looks exactly like a fixed table, and taking it for one would stop watching the very tensor
+        just found stale (a recapture and reseal later, reloads with new weights committed its old values). It stays
+        watched; a fixed table is declared ``static=True``, or seen in the initial load's recording
+        (``record_inputs()``), where PWAL runs in full. Nor does one made or written where the recording could not
+        see (another thread, a raw kernel)."""
+        layer = self.layer
+        for index in self.freshness:
+            slot = self.slots[index]
+            if slot.origin is not Origin.WALKER:
+                continue
+            current = slot.get(layer)
+            slot.unrecorded = not (isinstance(current, torch.Tensor) and updated(current))
+
+    def in_place(self) -> bool:
+        """Whether every slot is its captured tensor on its captured memory: then restore and verify are no-ops.
+
+        The common case for parameters (loaders copy into them) and for PWALs that write in place; one path lookup
+        and a pointer and layout check per slot. Slots with a freshness check, or with findings already, take the
+        full path.
+        """
+        if self.findings or self.freshness:
+            return False
+        layer = self.layer
+        for slot, captured in zip(self.slots, self.captured, strict=True):
+            if (
+                captured is None
+                or slot.wrapped
+                or slot.get(layer) is not captured
+                or captured.data_ptr() != slot.fp.data_ptr
+                or _view(captured) != slot.layout
+                or slot.fp.storage_ref() is None
+            ):
+                return False
+        return True
+
+    def _in_originals(self, tensor: torch.Tensor) -> int:
+        """1 where the transaction's table of captured objects holds ``tensor`` (a reference of ours), else 0."""
+        return int(self.originals.get(id(tensor)) is tensor)
+
+    def _respecified(self, slot: SealedSlot, current: torch.Tensor, prefix: str, suffix: str = "") -> None:
+        """A new tensor at the slot's path that no copy can restore: a finding, and the tensor stays (kept)."""
+        self.kept.append(current)
+        self.findings.append(
+            self.sealed.finding(
+                FindingKind.RESPECIFIED,
+                slot,
+                after=fingerprint(current),
+                detail=prefix + _describe_geometry_change(slot, current) + suffix,
+            )
+        )
+
+    # Restoring the slots after the load (contract._restore).
+    restore = _restore.restore
+    _wrapper_pairs = _restore._wrapper_pairs
+    _note_fresh = _restore._note_fresh
+
+    # Freshness of the derived slots (contract._freshness).
+    doubt_foreign_writes = _freshness.doubt_foreign_writes
+    left_stale = _freshness.left_stale
+    changed_inputs = _freshness.changed_inputs
+    _check_fresh = _freshness._check_fresh
+
+    # Rebinding the captured tensors and verifying the paths (contract._rebind).
+    broken_paths = _rebind.broken_paths
+    bound_instead = _rebind.bound_instead
+    carry_attributes = _rebind.carry_attributes
+    kept_tensors = _rebind.kept_tensors
+    _broken_indices = _rebind._broken_indices
+    remap_attributes = _rebind.remap_attributes
+    conflicting_attributes = _rebind.conflicting_attributes
+    rebind = _rebind.rebind
+    verify = _rebind.verify
