@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+import graphsafe.contract._steps as steps_module
 from graphsafe import graph_visible, stable_empty
 from graphsafe.collectors import RecordedDriver
 from graphsafe.collectors import _kernelscan as kscan
@@ -132,6 +133,26 @@ class Tiny:
             for text, declaration in declarations_of(layer).items():
                 found[(qualname, text)] = declaration.path.resolve(layer)
         return found
+
+
+RESTORE_TIERS = ("fast-tier", "rule-engine")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``both_tiers`` runs once per restore tier: the attack tests hold for both, not only for the
+    tier the default configuration happens to take."""
+    if metafunc.definition.get_closest_marker("both_tiers") is not None:
+        metafunc.parametrize("restore_tier", RESTORE_TIERS, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def restore_tier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The restore tier a ``both_tiers`` test runs under: ``rule-engine`` keeps every restore step from the fast
+    tier (its step conditions never hold), so each step is planned by the rules alone."""
+    tier = getattr(request, "param", "fast-tier")
+    if tier == "rule-engine":
+        monkeypatch.setattr(steps_module, "step_conditions", lambda txn: False)
+    return str(tier)
 
 
 @pytest.fixture

@@ -28,6 +28,8 @@ from graphsafe.contract import _copy
 from graphsafe.errors import GraphSafeError
 from graphsafe.paths import SlotPath
 
+pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+
 MODES = ("strict", "recapture", "migrate")
 KEEP: list[torch.Tensor] = []  # stands for anything else that keeps an old storage alive (a cache, a view)
 

@@ -25,6 +25,8 @@ from torch.utils._pytree import tree_map
 
 from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status
 
+pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+
 
 def reload(contract: GraphContract, body: Any) -> ReloadOutcome:
     with contract.reload():

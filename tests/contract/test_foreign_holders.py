@@ -25,6 +25,8 @@ from torch import nn
 from graphsafe import GraphContract, graph_visible, record_capture
 from graphsafe.errors import ContractViolation
 
+pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+
 DETECTS = ["declared-only", "sealed-paths", "every-reload"]
 
 

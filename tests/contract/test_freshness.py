@@ -1179,3 +1179,26 @@ def test_the_digest_of_a_one_element_tensor_with_any_stride_reads_its_bytes() ->
     assert same is not None and other is not None and torch.equal(same, other)
     changed = digest(torch.tensor([7.0]))
     assert changed is not None and not torch.equal(same, changed)
+
+
+class EmptySlotLinear(nn.Linear):
+    """A layer with a declared derived slot of no elements (a placeholder a kernel may be handed: no bytes to read)."""
+
+    def __init__(self) -> None:
+        super().__init__(IN, OUT)
+        self.placeholder = torch.empty(0)
+        register_derived(self, "placeholder", derived_from="weight")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_slot_with_no_elements_is_never_stale(mode: str) -> None:
+    """A slot without bytes holds no value a change of its inputs could leave old: PWAL leaving it is fresh."""
+    layer = EmptySlotLinear()
+    contract = GraphContract(layer, mode)  # type: ignore[arg-type]
+    contract.seal()
+    with contract.reload():
+        with torch.no_grad():
+            layer.weight.add_(1.0)  # new weights; the placeholder stays as it is
+    outcome = contract.last_outcome
+    assert outcome is not None and outcome.status is Status.COMMITTED, outcome
+    assert not [f for f in outcome.findings if f.kind is FindingKind.STALE]

@@ -24,6 +24,8 @@ from torch.utils._pytree import tree_map
 from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status, register_derived
 from graphsafe.outcome import fingerprint, geometry_key
 
+pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+
 # ----------------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------------

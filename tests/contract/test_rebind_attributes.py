@@ -20,6 +20,8 @@ from _graph_tables import FakeGraph, kernel_row
 from graphsafe import ContractViolation, GraphContract, Status, register_derived
 from graphsafe.collectors import record_capture
 
+pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+
 MODES = ("strict", "recapture", "migrate")
 DETECTS = ("declared-only", "sealed-paths", "every-reload")
 N = 4

@@ -27,6 +27,8 @@ from torch import nn
 
 from graphsafe import FindingKind, GraphContract, ReloadOutcome, SlotPath, Status, register_derived
 
+pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+
 N = 4  # elements of every slot
 
 

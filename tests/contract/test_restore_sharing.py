@@ -30,6 +30,8 @@ from torch.utils._pytree import tree_map
 from graphsafe import GraphContract, Status, graph_visible, register_derived
 from graphsafe.errors import ContractViolation, GraphSafeError
 
+pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+
 MODES = ("strict", "recapture", "migrate")
 DETECTS = ("declared-only", "sealed-paths", "every-reload")
 

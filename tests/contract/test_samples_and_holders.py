@@ -24,6 +24,8 @@ from torch import nn
 from graphsafe import GraphContract, Status, register_derived
 from graphsafe.errors import ContractViolation, GraphSafeError
 
+pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+
 # Documented gaps (docs/fault-matrix.md, "one memory under two storage objects"), strict xfails: each variant named
 # here still lies; the others pass.
 _ARENA_GAP = (

@@ -19,6 +19,8 @@ from torch import nn
 
 from graphsafe import ContractViolation, GraphContract, ReloadOutcome, Status, register_derived
 
+pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+
 MODES = ("strict", "recapture", "migrate")
 
 

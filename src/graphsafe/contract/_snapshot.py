@@ -154,6 +154,7 @@ class LayerSnapshot:
                 and (slot.origin is not walker or not recorded or slot.inputs or slot.unrecorded or slot.owed)
                 and not (slot.origin is walker and scratch is not None and scratch(tensor))
                 and isinstance(at_path, tensor_type)
+                and at_path.numel()  # no elements: no value a change of its inputs could leave old
             ):
                 if inputs is None:
                     inputs = _Inputs(layer, sealed.qualname, samples, outer=outer)
