@@ -1,0 +1,127 @@
+"""The declarations pack on vLLM 0.33's own layers: tensors a layer makes outside weight loading and PWAL.
+
+Each test builds the real vLLM layer on CPU, runs the method that makes the tensor (as the engine does once the
+model is loaded), seals a ``strict`` contract, reloads DIFFERENT weights in place (as vLLM's reload copies them
+back into the captured storage) and requires COMMITTED with the pack applied; without the pack's entry the same
+reload must fail strict naming the tensor (the red check). docs/vllm.md ("What the pack audited") lists every
+pattern found, with what the pack declares for it or why it declares nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from math import prod
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.config", reason="vLLM is not installed (these tests run in .venv-vllm)")
+
+import torch
+from test_vllm_adapter import vllm_config  # the adapter suite's harness (a fixture; no tests imported)
+from torch import nn
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.utils.torch_utils import get_dtype_size
+
+from graphsafe import GraphContract, Status
+from graphsafe.adapters.vllm import PACK, PackEntry
+from graphsafe.adapters.vllm._hooks import HookSet
+from graphsafe.adapters.vllm._pack import apply_pack
+from graphsafe.errors import ContractViolation
+from graphsafe.registry import declarations_of
+
+__all__ = ["vllm_config"]  # a fixture used by name below
+
+MAMBA_BASE = "vllm.model_executor.layers.mamba.abstract:MambaBase"
+
+
+def entry(target: str, method: str) -> PackEntry:
+    (found,) = [e for e in PACK if e.target == target and e.method == method]
+    return found
+
+
+@pytest.fixture
+def pack() -> Iterator[Callable[[PackEntry], None]]:
+    """``pack(entry)`` applies one of the pack's entries to the installed vLLM; undone after the test."""
+    hooks = HookSet()
+
+    def apply(chosen: PackEntry) -> None:
+        result = apply_pack([chosen], hooks.patch)
+        assert result.applied == [chosen], result.stale
+
+    yield apply
+    hooks.uninstall()
+
+
+def refill(model: nn.Module, seed: int) -> None:
+    """New weights copied into every parameter in place: vLLM's reload restores into the captured storage."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=g))
+
+
+def reload_outcome(model: nn.Module, seed: int) -> Any:
+    """A strict contract sealed now, then one reload of new weights; the outcome (FAILED when strict raised)."""
+    contract = GraphContract(model, "strict", detect="every-reload").seal()
+    try:
+        with contract.reload():
+            refill(model, seed)
+    except ContractViolation:
+        pass
+    return contract.last_outcome
+
+
+# -- Mamba-like layers: the state cache bound in bind_kv_cache ------------------------------------------------------
+def short_conv(config: VllmConfig, prefix: str) -> nn.Module:
+    """vLLM's ShortConv (LFM2's conv layer), the smallest real MambaBase, loaded with random weights."""
+    from vllm.model_executor.layers.mamba.short_conv import ShortConv
+
+    with set_current_vllm_config(config):
+        layer = ShortConv(
+            SimpleNamespace(conv_L_cache=3, conv_bias=False),
+            layer_idx=0,
+            dim=16,
+            model_config=config.model_config,
+            cache_config=config.cache_config,
+            prefix=prefix,
+        )
+    refill(layer, seed=0)
+    return layer
+
+
+def bind_state(layer: Any, blocks: int = 4) -> None:
+    """What vLLM's runner does once the KV cache is allocated: one raw int8 page per block, bound to the layer
+    (``bind_kv_cache`` slices it into the layer's state views); then a forward pass writes the states."""
+    with set_current_vllm_config(layer.vllm_config_for_test):
+        shapes, dtypes = layer.get_state_shape(), layer.get_state_dtype()
+    page = sum(prod(shape) * get_dtype_size(dtype) for shape, dtype in zip(shapes, dtypes, strict=True))
+    layer.bind_kv_cache(torch.zeros(blocks, 1, 1, page, dtype=torch.int8))
+    for state in layer.kv_cache:
+        state.fill_(0.5)  # serving state a forward pass wrote
+
+
+@pytest.fixture
+def mamba_layer(vllm_config: VllmConfig, request: pytest.FixtureRequest) -> nn.Module:
+    layer = short_conv(vllm_config, prefix=f"graphsafe.{request.node.name}")
+    layer.vllm_config_for_test = vllm_config
+    return layer
+
+
+def test_the_pack_declares_a_mamba_layers_state_static_where_it_is_bound(
+    mamba_layer: Any, pack: Callable[[PackEntry], None]
+) -> None:
+    pack(entry(MAMBA_BASE, "bind_kv_cache"))
+    bind_state(mamba_layer)
+    declared = {name: d.static for name, d in declarations_of(mamba_layer).items()}
+    assert declared == {"kv_cache[0]": True}, declared  # ShortConv has one state (conv)
+    outcome = reload_outcome(mamba_layer, seed=1)
+    assert outcome is not None and outcome.status is Status.COMMITTED, outcome.summary()
+
+
+def test_without_the_pack_a_mamba_layers_state_fails_strict(mamba_layer: Any) -> None:
+    bind_state(mamba_layer)
+    outcome = reload_outcome(mamba_layer, seed=1)
+    assert outcome is not None and outcome.status is Status.FAILED
+    assert any(f.path == "kv_cache[0]" for f in outcome.findings), outcome.summary()
