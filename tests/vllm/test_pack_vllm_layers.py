@@ -27,7 +27,7 @@ from vllm.utils.torch_utils import get_dtype_size
 from graphsafe import GraphContract, Status
 from graphsafe.adapters.vllm import PACK, PackEntry
 from graphsafe.adapters.vllm._hooks import HookSet
-from graphsafe.adapters.vllm._pack import apply_pack
+from graphsafe.adapters.vllm._pack import apply_pack, declare_loaded
 from graphsafe.errors import ContractViolation
 from graphsafe.registry import declarations_of
 
@@ -125,3 +125,90 @@ def test_without_the_pack_a_mamba_layers_state_fails_strict(mamba_layer: Any) ->
     outcome = reload_outcome(mamba_layer, seed=1)
     assert outcome is not None and outcome.status is Status.FAILED
     assert any(f.path == "kv_cache[0]" for f in outcome.findings), outcome.summary()
+
+
+# -- attention-like layers: the KV cache bound in bind_kv_cache -----------------------------------------------------
+ATTENTION_BASE = "vllm.model_executor.layers.attention_layer_base:AttentionLayerBase"
+
+
+def with_weights(layer: nn.Module) -> nn.Module:
+    """A model around a cache layer, with a weight a reload changes (a cache layer holds none of its own)."""
+    model = nn.Module()
+    model.proj = nn.Linear(4, 4)
+    model.cache = layer
+    return model
+
+
+def cache_layer() -> nn.Module:
+    """An attention-like layer on vLLM's own ``AttentionLayerBase.bind_kv_cache`` (as vLLM's cache-only and
+    Step5 cache layers are): a module that holds nothing but the cache vLLM binds."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    class CacheLayer(nn.Module, AttentionLayerBase):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kv_cache = torch.tensor([])
+
+        def get_attn_backend(self) -> Any:
+            raise NotImplementedError
+
+        def get_kv_cache_spec(self, vllm_config: VllmConfig) -> Any:
+            raise NotImplementedError
+
+    return CacheLayer()
+
+
+def indexer_cache(config: VllmConfig, prefix: str) -> nn.Module:
+    """DeepSeek V3.2's indexer cache (vLLM's DeepseekV32IndexerCache), which overrides bind_kv_cache."""
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
+
+    with set_current_vllm_config(config):
+        return DeepseekV32IndexerCache(8, torch.float32, prefix, config.cache_config)
+
+
+def test_the_pack_declares_a_kv_cache_static_where_the_base_class_binds_it(
+    pack: Callable[[PackEntry], None],
+) -> None:
+    pack(entry(ATTENTION_BASE, "bind_kv_cache"))
+    model = with_weights(cache_layer())
+    model.cache.bind_kv_cache(torch.full((4, 16, 2, 8), 0.5))  # what the runner binds; forward passes write it
+    assert {n: d.static for n, d in declarations_of(model.cache).items()} == {"kv_cache": True}
+    outcome = reload_outcome(model, seed=1)
+    assert outcome is not None and outcome.status is Status.COMMITTED, outcome.summary()
+
+
+def test_an_override_of_bind_kv_cache_is_declared_when_its_contract_seals(
+    vllm_config: VllmConfig, request: pytest.FixtureRequest
+) -> None:
+    """DeepseekV32IndexerCache binds its cache in its own bind_kv_cache, which no entry wraps: the pack's
+    instance rule (``declare_loaded``, run by the plugin before it seals a model) declares it, and the reseal
+    after the capture seals the bound cache."""
+    hooks = HookSet()
+    try:
+        result = apply_pack([entry(ATTENTION_BASE, "bind_kv_cache")], hooks.patch)
+        model = with_weights(indexer_cache(vllm_config, f"graphsafe.{request.node.name}"))
+        declare_loaded(result, model)  # the plugin's ensure_contract, at the load
+        contract = GraphContract(model, "strict", detect="every-reload").seal()
+        model.cache.bind_kv_cache(torch.zeros(4, 1, 16, 8))  # the KV cache is allocated after the load
+        model.cache.kv_cache.fill_(0.5)
+        contract.note_capture()
+        contract.reseal()  # what the plugin does after vLLM captured its graphs
+        assert {n: d.static for n, d in declarations_of(model.cache).items()} == {"kv_cache": True}
+        with contract.reload():
+            refill(model, seed=1)
+        outcome = contract.last_outcome
+        assert outcome is not None and outcome.status is Status.COMMITTED, outcome.summary()
+    finally:
+        hooks.uninstall()
+
+
+@pytest.mark.parametrize("layer", ["base", "override"])
+def test_without_the_pack_an_attention_like_layers_kv_cache_fails_strict(
+    vllm_config: VllmConfig, layer: str, request: pytest.FixtureRequest
+) -> None:
+    made = cache_layer() if layer == "base" else indexer_cache(vllm_config, f"graphsafe.{request.node.name}")
+    model = with_weights(made)
+    model.cache.bind_kv_cache(torch.full((4, 1, 16, 8), 0.5))
+    outcome = reload_outcome(model, seed=1)
+    assert outcome is not None and outcome.status is Status.FAILED
+    assert any(f.path == "kv_cache" for f in outcome.findings), outcome.summary()

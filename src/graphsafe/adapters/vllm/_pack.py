@@ -246,6 +246,16 @@ PACK: tuple[PackEntry, ...] = (
         static=("_kv_scratch",),
     ),
     PackEntry(
+        "vllm.model_executor.layers.attention_layer_base:AttentionLayerBase",
+        ("kv_cache",),
+        "every attention-like layer holds its KV cache (or indexer / compressor cache) at kv_cache, bound in "
+        "bind_kv_cache: serving state. Declared where the base class binds it, and, through the instance rule of "
+        "declare_loaded, on every subclass when its contract seals (the subclasses that override bind_kv_cache, "
+        "DeepSeek V3.2's indexer cache among them, start with an empty tensor there)",
+        method="bind_kv_cache",
+        static=("kv_cache",),
+    ),
+    PackEntry(
         "vllm.model_executor.layers.mamba.abstract:MambaBase",
         _MAMBA_STATES,
         "every Mamba-like layer (Mamba1/2, short conv, gated delta net, KDA, linear attention) binds its state cache "
