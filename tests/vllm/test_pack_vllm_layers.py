@@ -212,3 +212,61 @@ def test_without_the_pack_an_attention_like_layers_kv_cache_fails_strict(
     outcome = reload_outcome(model, seed=1)
     assert outcome is not None and outcome.status is Status.FAILED
     assert any(f.path == "kv_cache" for f in outcome.findings), outcome.summary()
+
+
+# -- static sink attention: the sink key handed over by the model after every load ----------------------------------
+SINK = "vllm.model_executor.layers.attention.static_sink_attention:StaticSinkAttention"
+
+
+class PanguAttentionLike(nn.Module):
+    """openPangu's attention as far as its sinks go: sink parameters, a k norm, and vLLM's StaticSinkAttention,
+    handed the sink key and value by ``post_weight_load`` after every ``load_weights``."""
+
+    def __init__(self) -> None:
+        from vllm.model_executor.layers.attention.static_sink_attention import StaticSinkAttention
+
+        super().__init__()
+        self.param_sink_key = nn.Parameter(torch.randn(4, 2, 8), requires_grad=False)
+        self.param_sink_value = nn.Parameter(torch.randn(4, 2, 8), requires_grad=False)
+        self.k_layernorm = nn.LayerNorm(8)
+        attn = object.__new__(StaticSinkAttention)  # vLLM's class (no attention backend here to build one with)
+        nn.Module.__init__(attn)
+        self.attn = attn
+
+    def post_weight_load(self) -> None:  # openPangu's body
+        self.attn.update_sink_kv(self.k_layernorm(self.param_sink_key), self.param_sink_value)
+
+
+def reload_sinks(model: PanguAttentionLike, seed: int) -> Any:
+    contract = GraphContract(model, "strict", detect="every-reload").seal()
+    try:
+        with contract.reload():
+            refill(model, seed)  # load_weights copies the new weights in ...
+            with torch.no_grad():
+                model.post_weight_load()  # ... and then hands the sinks over again
+    except ContractViolation:
+        pass
+    return contract.last_outcome
+
+
+def test_the_pack_declares_the_sink_key_static_sink_attention_is_handed(pack: Callable[[PackEntry], None]) -> None:
+    pack(entry(SINK, "update_sink_kv"))
+    model = PanguAttentionLike()
+    with torch.no_grad():
+        model.post_weight_load()  # the first load
+    assert set(declarations_of(model.attn)) == {"sink_key", "sink_value"}
+    captured = model.attn.sink_key.data_ptr()
+    outcome = reload_sinks(model, seed=1)
+    assert outcome is not None and outcome.status is Status.COMMITTED, outcome.summary()
+    expected = torch.nn.functional.layer_norm(model.param_sink_key, (8,), model.k_layernorm.weight)
+    assert model.attn.sink_key.data_ptr() == captured, "restored into the captured storage"
+    assert torch.allclose(model.attn.sink_key, expected + model.k_layernorm.bias), "with the new sink key's values"
+
+
+def test_without_the_pack_a_rebuilt_sink_key_fails_strict() -> None:
+    model = PanguAttentionLike()
+    with torch.no_grad():
+        model.post_weight_load()
+    outcome = reload_sinks(model, seed=1)
+    assert outcome is not None and outcome.status is Status.FAILED
+    assert any(f.path == "sink_key" for f in outcome.findings), outcome.summary()

@@ -265,6 +265,14 @@ PACK: tuple[PackEntry, ...] = (
         static=_MAMBA_STATES,
     ),
     PackEntry(
+        "vllm.model_executor.layers.attention.static_sink_attention:StaticSinkAttention",
+        ("sink_key", "sink_value"),
+        "openPangu's static sink attention: the model's post_weight_load (run by every load_weights, so by every "
+        "reload) hands update_sink_kv the sink key (a new tensor, the k_layernorm of the sink parameter) and the "
+        "sink value parameter; the sink key is derived from the weights, declared where it is handed over",
+        method="update_sink_kv",
+    ),
+    PackEntry(
         "vllm.model_executor.layers.attention.attention:Attention",
         ("kv_cache",),
         "the KV cache bound to the layer is serving state written by forward passes, not computed from the "
