@@ -67,6 +67,9 @@ _FLASHINFER_CONSTANTS = tuple(
     )
 )
 _MOE_PATHS = _CUTLASS_STRIDES + _FLASHINFER_CONSTANTS
+#: A Mamba-like layer's state views, ``kv_cache[i]`` (vLLM 0.33 binds at most five: conv, ssm and the ReplaySSM
+#: ring's x, dt and B caches); a path past a layer's count does not resolve and is only counted.
+_MAMBA_STATES = tuple(f"kv_cache[{i}]" for i in range(8))
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +244,33 @@ PACK: tuple[PackEntry, ...] = (
         "declared static when it is made",
         method="_kv_write_scratch",
         static=("_kv_scratch",),
+    ),
+    PackEntry(
+        "vllm.model_executor.layers.attention_layer_base:AttentionLayerBase",
+        ("kv_cache",),
+        "every attention-like layer holds its KV cache (or indexer / compressor cache) at kv_cache, bound in "
+        "bind_kv_cache: serving state. Declared where the base class binds it, and, through the instance rule of "
+        "declare_loaded, on every subclass when its contract seals (the subclasses that override bind_kv_cache, "
+        "DeepSeek V3.2's indexer cache among them, start with an empty tensor there)",
+        method="bind_kv_cache",
+        static=("kv_cache",),
+    ),
+    PackEntry(
+        "vllm.model_executor.layers.mamba.abstract:MambaBase",
+        _MAMBA_STATES,
+        "every Mamba-like layer (Mamba1/2, short conv, gated delta net, KDA, linear attention) binds its state cache "
+        "as a tuple of views (conv, ssm, and ReplaySSM's ring) in bind_kv_cache: serving state written by forward "
+        "passes, not computed from the weights; declared static when it is bound",
+        method="bind_kv_cache",
+        static=_MAMBA_STATES,
+    ),
+    PackEntry(
+        "vllm.model_executor.layers.attention.static_sink_attention:StaticSinkAttention",
+        ("sink_key", "sink_value"),
+        "openPangu's static sink attention: the model's post_weight_load (run by every load_weights, so by every "
+        "reload) hands update_sink_kv the sink key (a new tensor, the k_layernorm of the sink parameter) and the "
+        "sink value parameter; the sink key is derived from the weights, declared where it is handed over",
+        method="update_sink_kv",
     ),
     PackEntry(
         "vllm.model_executor.layers.attention.attention:Attention",
