@@ -185,3 +185,29 @@ def test_a_table_vouched_for_after_a_reload_takes_effect_at_the_next(vouch: bool
         manifest.vouch_fixed(_FIXED)
     outcome = reload(model, contract)
     assert (outcome.status is Status.COMMITTED) is vouch, outcome.summary()
+
+
+class Redirecting(Model):
+    """``side`` reads as another child (a wrapper forwarding attribute access): ``get_submodule("side")`` is
+    ``other``, not ``_modules["side"]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = Inner()
+
+    def __getattr__(self, name: str) -> object:
+        if name == "side" and self._redirect:
+            return self._modules["other"]
+        return super().__getattr__(name)
+
+
+def test_a_holders_layer_is_resolved_as_get_submodule_resolves_it() -> None:
+    model = Redirecting()
+    model._redirect = False
+    contract = GraphContract(model, "recapture", detect="declared-only").seal()
+    capture(model, contract)
+    committed(model, contract)
+    model._redirect = True  # now "side" names the other child, whose table the graph never read
+    assert model.get_submodule("side") is model.other
+    outcome = reload(model, contract)
+    assert kinds(outcome).get("side:table") is FindingKind.ORPHANED, outcome.summary()

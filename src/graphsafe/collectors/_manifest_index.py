@@ -16,12 +16,14 @@ getter, and each storage's identity and address are compared again by the check.
 from __future__ import annotations
 
 import functools
+import operator
+import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from torch import nn
 
-from graphsafe.paths import Getter, SlotPath, compile_getter
+from graphsafe.paths import Getter, SlotPath, compile_getter, plain_child
 
 if TYPE_CHECKING:
     from graphsafe.collectors._manifest import CapturedStorage, Holder
@@ -38,10 +40,13 @@ def _getter(path: SlotPath) -> Getter:
 def _child(module: nn.Module, atom: str) -> nn.Module | None:
     """One step of :meth:`torch.nn.Module.get_submodule`: the module at ``atom``, ``None`` where it raises
     ``AttributeError`` (no such attribute, or not a module)."""
+    child = plain_child(module, atom)  # straight from ``_modules`` where provably the same
+    if child is not None:
+        return child
     if not hasattr(module, atom):
         return None
-    child = getattr(module, atom)
-    return child if isinstance(child, nn.Module) else None
+    found = getattr(module, atom)
+    return found if isinstance(found, nn.Module) else None
 
 
 class _LayerTree:
@@ -71,6 +76,9 @@ class _LayerTree:
         return modules
 
 
+_HOLDERS: Final = operator.attrgetter("holders")
+_CALL: Final = weakref.ReferenceType.__call__
+
 #: One holder as a call reads it: the holder, its layer's node in the tree, its path's getter.
 Compiled = tuple["Holder", int, Getter]
 
@@ -78,12 +86,26 @@ Compiled = tuple["Holder", int, Getter]
 class ReloadIndex:
     """What the manifest's reload checks read of the recorded storages, for one generation and liveness."""
 
-    __slots__ = ("_entries", "byte_ranges", "generation", "held", "layers", "rows", "storages")
+    __slots__ = (
+        "_dead",
+        "_entries",
+        "_holders",
+        "_refs",
+        "byte_ranges",
+        "generation",
+        "held",
+        "layers",
+        "rows",
+        "storages",
+    )
 
     def __init__(self, generation: int, entries: Sequence[CapturedStorage], storages: list[CapturedStorage]) -> None:
         self.generation = generation
-        # Every entry with the holders and liveness it was indexed with (what fits() compares).
-        self._entries = [(entry, entry.holders, entry.storage_ref() is not None) for entry in entries]
+        # Every entry, with the holders and the storage references it was indexed with (what fits() compares).
+        self._entries = list(entries)
+        self._holders = [entry.holders for entry in self._entries]
+        self._refs = [entry.storage_ref for entry in self._entries]
+        self._dead = [ref() for ref in self._refs].count(None)
         #: One entry per distinct storage (``Manifest.storages``).
         self.storages = storages
         self.layers = _LayerTree()
@@ -112,13 +134,13 @@ class ReloadIndex:
 
     def fits(self, generation: int) -> bool:
         """Whether this index still describes the manifest: the same generation, every entry with the holders it
-        was indexed with, and none freed (or brought back) since. O(entries), no path resolved."""
+        was indexed with, and no storage freed since (a freed one never comes back, so the same count of freed
+        references is the same set). O(entries) in C loops, no path resolved."""
         if generation != self.generation:
             return False
-        for entry, holders, alive in self._entries:
-            if entry.holders is not holders or (entry.storage_ref() is not None) is not alive:
-                return False
-        return True
+        if not all(map(operator.is_, map(_HOLDERS, self._entries), self._holders)):
+            return False
+        return list(map(_CALL, self._refs)).count(None) == self._dead
 
     def resolve(self, model: nn.Module) -> list[nn.Module | None]:
         """The holders' layers as the model holds them now, by node (see :class:`_LayerTree`)."""

@@ -100,6 +100,8 @@ class _Covered:
 def _fills_span(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s elements occupy every byte of its address span (a broadcast dimension repeats bytes
     and leaves none out): dense once dimensions of size 1 or stride 0 are set aside."""
+    if tensor.is_contiguous() and tensor.numel() and not tensor.is_nested:
+        return True  # row-major dense: every dimension's stride the product of the sizes after it (one call)
     dims = sorted(
         (stride, size) for size, stride in zip(tensor.shape, tensor.stride(), strict=True) if size > 1 and stride
     )
