@@ -584,9 +584,14 @@ def _holds_now(layer: nn.Module | None, get: Callable[[Any], Any], storage: Any)
     if layer is None:
         return False
     value = get(layer)
+    if type(value) in _OWN_STORAGE:  # a plain tensor or parameter: its own storage, no wrapper to open
+        return value.layout is torch.strided and value.untyped_storage() is storage
     if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
         return False
     return any(part.untyped_storage() is storage for part in _memory(value))
+
+
+_OWN_STORAGE = (torch.Tensor, nn.Parameter)
 
 
 def _left_finding(
