@@ -163,11 +163,12 @@ def _doubt_abandoned(
       ``after_layer()`` saw that memory abandoned (PWAL may have written it before this layer's snapshot).
     """
     abandoned = self._abandoned
-    copied = sorted((str(m.memory[0]), m.memory[1], m.memory[2]) for m in plan.moves)
+    copied: list[tuple[str, int, int]] | None = None  # the copies by address, sorted once where first asked
     for snapshot, _ in work:
         layer = snapshot.layer
         confirmed = snapshot.confirmed
-        for index, slot in enumerate(snapshot.slots):
+        # (all confirmed: verify saw every slot's captured object at its path, on its captured memory)
+        for index, slot in enumerate(snapshot.slots if not all(confirmed) else ()):
             captured = snapshot.captured[index]
             if captured is None or slot.watch_only or slot.wrapped:
                 continue
@@ -178,11 +179,14 @@ def _doubt_abandoned(
                 abandoned.append((snapshot, index, str(fp.device), fp.data_ptr, fp.data_ptr + fp.nbytes))
             elif not reads_as_captured(slot.get(layer), captured):
                 device, start, end = address_range(captured)
+                if copied is None:
+                    copied = sorted((str(m.memory[0]), m.memory[1], m.memory[2]) for m in plan.moves)
                 spans = [(first, last) for where, first, last in copied if where == device]
                 if slot.origin is Origin.ALIAS and not _gaps(start, end, spans):
                     continue  # an alias path that left memory its slot's copy rewrote: nothing is left old
                 abandoned.append((snapshot, index, device, start, end))
-        abandoned.extend((snapshot, *entry) for entry in snapshot.gone)
+        if snapshot.gone:
+            abandoned.extend((snapshot, *entry) for entry in snapshot.gone)
     if not abandoned:
         return
     for snapshot, _ in work:

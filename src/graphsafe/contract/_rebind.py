@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphsafe.contract._attributes import _LOADED, _move_attributes, _same_attributes, _would_change
-from graphsafe.contract._slots import _describe_geometry_change, _view
+from graphsafe.contract._slots import SealedSlot, _describe_geometry_change, _view
 from graphsafe.outcome import FindingKind, fingerprint
 
 if TYPE_CHECKING:
@@ -162,12 +162,7 @@ def verify(self: LayerSnapshot) -> None:
         if not isinstance(current, tensor_type):
             self.findings.append(self.sealed.finding(FindingKind.VANISHED, slot, detail="the path no longer resolves"))
             continue
-        if (
-            current is captured[index]
-            and not slot.wrapped
-            and current.data_ptr() == slot.fp.data_ptr
-            and _view(current) == slot.layout
-        ):
+        if current is captured[index] and not slot.wrapped and _as_sealed(current, slot):
             # The captured object on its captured memory (``.data =``, ``set_`` or a storage ``resize_`` can
             # move the same object elsewhere).
             confirmed[index] = True
@@ -185,3 +180,23 @@ def verify(self: LayerSnapshot) -> None:
                 # The captured memory, now read another way (a quantized tensor's scale changed in place).
                 detail = f"its captured memory is now read another way ({_describe_geometry_change(slot, current)})"
             self.findings.append(self.sealed.finding(FindingKind.MOVED, slot, after=after, detail=detail))
+
+
+def _as_sealed(tensor: torch.Tensor, slot: SealedSlot) -> bool:
+    """Whether ``tensor`` lies at the slot's captured address, laid out as sealed (:func:`_view` against
+    :attr:`SealedSlot.layout`, compared field by field where the sealed tensor was plain: a tensor of its dtype is
+    then neither quantized nor read through other parameters)."""
+    if tensor.data_ptr() != slot.fp.data_ptr:
+        return False
+    shape, stride, dtype, device, conj, neg, kind, params = slot.layout
+    if params is not None or tensor.is_nested:
+        return _view(tensor) == slot.layout
+    return (
+        tensor.dtype is dtype
+        and type(tensor) is kind
+        and tensor.shape == shape
+        and tensor.stride() == stride
+        and tensor.device == device
+        and tensor.is_conj() is conj
+        and tensor.is_neg() is neg
+    )

@@ -122,19 +122,23 @@ class LayerSnapshot:
         freshness: dict[int, _Freshness] = {}
         inputs: _Inputs | None = None
         tensor_type = torch.Tensor
+        walker = Origin.WALKER
         for index, slot in enumerate(slots):
-            held = slot.get(layer)
-            if not slot.tensor_ref.holds(held) and originals:
-                held = originals.get(slot.tensor_ref.ident, held)
-            if slot.tensor_ref.holds(held):  # the sealed object, on its sealed implementation
-                tensor = held
+            at_path = slot.get(layer)  # what the path holds now (the freshness check's tensor before the load)
+            ref = slot.tensor_ref
+            if ref.holds(at_path):  # the sealed object, on its sealed implementation
+                tensor = at_path
+            else:
+                held = originals.get(ref.ident) if originals else None
+                tensor = held if held is not None and ref.holds(held) else None
+                del held
+            if tensor is not None:
                 versions.append(version_of(tensor))
                 if originals is not None:
                     originals[id(tensor)] = tensor
             else:  # a new view on the captured storage, if it is still alive
                 tensor = slot.captured()
                 versions.append(-1)
-            del held
             captured.append(tensor)
             if tensor is None:
                 findings.append(
@@ -147,15 +151,14 @@ class LayerSnapshot:
                 continue
             if (
                 slot.tracks_freshness
-                and (slot.origin is not Origin.WALKER or not recorded or slot.inputs or slot.unrecorded or slot.owed)
-                and not (slot.origin is Origin.WALKER and scratch is not None and scratch(tensor))
+                and (slot.origin is not walker or not recorded or slot.inputs or slot.unrecorded or slot.owed)
+                and not (slot.origin is walker and scratch is not None and scratch(tensor))
+                and isinstance(at_path, tensor_type)
             ):
-                current = slot.get(layer)
-                if isinstance(current, tensor_type):
-                    if inputs is None:
-                        inputs = _Inputs(layer, sealed.qualname, samples, outer=outer)
-                    sample = samples.take(current, SLOT_ELEMENTS)
-                    freshness[index] = (current, version_of(current), sample, inputs.of(slot))
+                if inputs is None:
+                    inputs = _Inputs(layer, sealed.qualname, samples, outer=outer)
+                sample = samples.take(at_path, SLOT_ELEMENTS)
+                freshness[index] = (at_path, version_of(at_path), sample, inputs.of(slot))
         shared = sealed.shares_storage or len(slots) > len(sealed.slots)
         return cls(
             sealed,

@@ -457,7 +457,10 @@ class ReloadTransaction:
                 stale = {(f.layer, f.path) for f in self._findings if f.kind is FindingKind.STALE}
                 for sealed in contract._layers:
                     for slot in sealed.slots:
-                        slot.owed = slot.tracks_freshness and (sealed.qualname, slot.path.text) in stale
+                        if stale:
+                            slot.owed = slot.tracks_freshness and (sealed.qualname, slot.path.text) in stale
+                        elif slot.owed:  # (nothing stale: only what was owed changes)
+                            slot.owed = False
             else:
                 for snapshot in self._snapshots.values():
                     try:
