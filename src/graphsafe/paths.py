@@ -50,6 +50,7 @@ __all__ = [
     "compile_getter",
     "compile_setter",
     "format_path",
+    "plain_child",
     "format_token",
     "is_path_key",
     "parse_path",
@@ -553,6 +554,43 @@ def _compile_tokens(tokens: tuple[Token, ...]) -> Getter:
 def compile_getter(path: SlotPath) -> Getter:
     """``root -> path.resolve_or(root, MISSING)``, without re-dispatching on token types per call."""
     return _compile_tokens(path.tokens)
+
+
+_CLASS_NAMES: dict[int, tuple[type, frozenset[str]]] = {}  # by id(cls): every name the class (MRO) defines
+_MODULE_GETATTR: Final[Any] = nn.Module.__getattr__
+_OBJECT_GETATTRIBUTE: Final[Any] = object.__getattribute__
+
+
+def _class_names(cls: type) -> frozenset[str]:
+    cached = _CLASS_NAMES.get(id(cls))
+    if cached is not None and cached[0] is cls:
+        return cached[1]
+    names = frozenset(name for klass in cls.__mro__ for name in vars(klass))
+    if len(_CLASS_NAMES) > 10_000:
+        _CLASS_NAMES.clear()
+    _CLASS_NAMES[id(cls)] = (cls, names)
+    return names
+
+
+def plain_child(module: Any, atom: str) -> nn.Module | None:
+    """``getattr(module, atom)`` read straight from the module's ``_modules``, where that is provably what attribute
+    access returns: no override of attribute access, and no instance, class, parameter or buffer entry of the same
+    name shadowing the child. ``None`` when unsure, or when ``_modules`` has no module of that name."""
+    cls = type(module)
+    if cls.__getattr__ is not _MODULE_GETATTR or cls.__getattribute__ is not _OBJECT_GETATTRIBUTE:
+        return None
+    state = module.__dict__
+    children = state.get("_modules")
+    child = children.get(atom) if children is not None else None
+    if (
+        child is None
+        or atom in state
+        or atom in state.get("_parameters", ())
+        or atom in state.get("_buffers", ())
+        or atom in _class_names(cls)
+    ):
+        return None
+    return child  # type: ignore[no-any-return]
 
 
 _PLAIN_MODULE_CLASSES: dict[int, tuple[type, bool]] = {}  # by id(cls); the class is kept so its id stays unique

@@ -30,6 +30,7 @@ from torch import nn
 
 from graphsafe.collectors import _kernelscan as kscan
 from graphsafe.collectors._classify import classify
+from graphsafe.collectors._manifest_index import ReloadIndex
 from graphsafe.collectors._names import module_names
 from graphsafe.outcome import (
     Finding,
@@ -253,6 +254,21 @@ class Manifest:
         self._fixed: dict[int, weakref.ReferenceType[Any]] = {}
         # Dispatch-recorded captures that recorded no op at all.
         self._empty: set[str] = set()
+        # What the reload checks read that no reload changes (see _manifest_index), rebuilt when stale; the
+        # generation moves at every capture, discard, reindex and vouch.
+        self._generation = 0
+        self._reload_index: ReloadIndex | None = None
+
+    def _changed(self) -> None:
+        self._generation += 1
+        self._reload_index = None
+
+    def _indexed(self) -> ReloadIndex:
+        """The reload index, rebuilt where the captures, their holders or their storages' liveness changed."""
+        index = self._reload_index
+        if index is None or not index.fits(self._generation):
+            index = self._reload_index = ReloadIndex(self._generation, self.entries(), self.storages())
+        return index
 
     # -- contents ----------------------------------------------------------------------------------------------
     @property
@@ -296,6 +312,7 @@ class Manifest:
             for part in _memory(tensor):
                 storage = part.untyped_storage()
                 self._fixed[id(storage)] = weakref.ref(storage)
+        self._changed()
 
     def _vouched(self, storage: Any) -> bool:
         ref = self._fixed.get(id(storage)) if storage is not None else None
@@ -306,10 +323,12 @@ class Manifest:
         self._scans.pop(capture, None)
         self._blind.pop(capture, None)
         self._empty.discard(capture)
+        self._changed()
         return self._captures.pop(capture, None) is not None
 
     def _install(self, capture: str, entries: list[CapturedStorage], *, scanned: bool = False) -> None:
         self._captures[capture] = entries
+        self._changed()
         self._blind.pop(capture, None)  # a recapture says again what it could not see
         self._empty.discard(capture)
         if not scanned:
@@ -355,12 +374,8 @@ class Manifest:
 
     def byte_ranges(self) -> list[CapturedStorage]:
         """The live recorded storages whose bytes read or written the recorder knows exactly (``[lo, hi)``: the
-        dispatch recorder; a kernel scan knows only where reading began)."""
-        return [
-            entry
-            for entry in self.storages()
-            if entry.backend == "dispatch" and entry.hi > entry.lo and entry.storage_ref() is not None
-        ]
+        dispatch recorder; a kernel scan knows only where reading began). Built once per capture or index."""
+        return list(self._indexed().byte_ranges)
 
     def reads(self, start: int, end: int) -> bool:
         """Whether a kernel-scanned graph reads any byte of ``[start, end)`` (an address range): a node's word, or a
@@ -482,6 +497,7 @@ class Manifest:
             holders = index.holders(storage)
             if holders:
                 entry.holders = tuple(holders)
+        self._changed()
 
     # -- reload check ------------------------------------------------------------------------------------------
     def held(self, contract: SealedModel) -> Iterator[tuple[str, str, torch.Tensor]]:
@@ -491,21 +507,16 @@ class Manifest:
         tensor ``detect="declared-only"`` never seals) may now hold one of the captured storages with values the
         reload produced for that path, which a copy must not overwrite. O(recorded storages x their holders).
         """
-        model = contract.model
-        layers: dict[str, nn.Module | None] = {}
-        seen: set[tuple[str, str]] = set()
-        for entry in self.storages():
-            if entry.storage_ref() is None:
+        index = self._indexed()  # the paths and their getters, built once per capture or index
+        modules = index.resolve(contract.model)  # the layers, resolved now
+        tensor_type, strided = torch.Tensor, torch.strided
+        for holder, node, get in index.held:
+            layer = modules[node]
+            if layer is None:
                 continue
-            for holder in entry.holders:
-                key = (holder.layer, holder.path)
-                if key in seen:
-                    continue
-                seen.add(key)
-                layer = _layer(model, layers, holder.layer)
-                value = holder.slot_path.resolve_or(layer, None) if layer is not None else None
-                if isinstance(value, torch.Tensor) and value.layout is torch.strided:
-                    yield holder.layer, holder.path, value
+            value = get(layer)
+            if isinstance(value, tensor_type) and value.layout is strided:
+                yield holder.layer, holder.path, value
 
     def check(self, contract: SealedModel) -> list[Finding]:
         """``dead`` and ``orphaned`` findings for the recorded storages, after a reload's restore.
@@ -513,10 +524,12 @@ class Manifest:
         Only the recorded paths are re-resolved (no walk): O(recorded storages x their holders).
         """
         model = contract.model
-        layers: dict[str, nn.Module | None] = {}
+        layers: dict[str, nn.Module | None] = {}  # for the findings' own lookups
         findings: list[Finding] = []
         tracked = self._tracked
-        for entry in self.storages():
+        index = self._indexed()  # the storages, their paths and getters, built once per capture or index
+        modules = index.resolve(model)  # the layers, resolved now
+        for entry, compiled in index.rows:
             storage = entry.storage_ref()
             if storage is None:
                 findings.append(_finding(FindingKind.DEAD, entry, model, None))
@@ -534,7 +547,7 @@ class Manifest:
                 if entry.read and not self._vouched(storage):
                     findings.append(_finding(FindingKind.ORPHANED, entry, model, None, what=_UNOWNED_ALIVE))
                 continue
-            left = [holder for holder in entry.holders if not _holds(model, layers, holder, storage)]
+            left = [holder for holder, node, get in compiled if not _holds_now(modules[node], get, storage)]
             if len(left) < len(entry.holders):
                 # Still held. A path the contract does not track that left it (PWAL rebuilt an undeclared base
                 # of a declared view) had its new values put elsewhere: the graph reads its old ones here. A
@@ -566,14 +579,19 @@ def _layer(model: nn.Module, cache: dict[str, nn.Module | None], qualname: str) 
     return cache[qualname]
 
 
-def _holds(model: nn.Module, cache: dict[str, nn.Module | None], holder: Holder, storage: Any) -> bool:
-    layer = _layer(model, cache, holder.layer)
+def _holds_now(layer: nn.Module | None, get: Callable[[Any], Any], storage: Any) -> bool:
+    """Whether the path ``get`` reads on ``layer`` holds ``storage`` now (a wrapper: one of its inner tensors)."""
     if layer is None:
         return False
-    value = holder.slot_path.resolve_or(layer, None)
+    value = get(layer)
+    if type(value) in _OWN_STORAGE:  # a plain tensor or parameter: its own storage, no wrapper to open
+        return value.layout is torch.strided and value.untyped_storage() is storage
     if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
         return False
     return any(part.untyped_storage() is storage for part in _memory(value))
+
+
+_OWN_STORAGE = (torch.Tensor, nn.Parameter)
 
 
 def _left_finding(

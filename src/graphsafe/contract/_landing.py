@@ -97,9 +97,20 @@ class _Covered:
         return _gaps(at, end, self.spans[below:]) if at < end else []
 
 
+def _covered_on(covered: Iterable[tuple[str, int, int]]) -> dict[str, _Covered]:
+    """Per device, the address spans ``(device, first, end)`` as a :class:`_Covered` (empty spans left out)."""
+    spans_on: dict[str, list[tuple[int, int]]] = {}
+    for where, start, stop in covered:
+        if stop > start:
+            spans_on.setdefault(where, []).append((start, stop))
+    return {device: _Covered(spans) for device, spans in spans_on.items()}
+
+
 def _fills_span(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s elements occupy every byte of its address span (a broadcast dimension repeats bytes
     and leaves none out): dense once dimensions of size 1 or stride 0 are set aside."""
+    if tensor.is_contiguous() and tensor.numel() and not tensor.is_nested:
+        return True  # row-major dense: every dimension's stride the product of the sizes after it (one call)
     dims = sorted(
         (stride, size) for size, stride in zip(tensor.shape, tensor.stride(), strict=True) if size > 1 and stride
     )

@@ -87,8 +87,14 @@ def storage_covers(tensor: torch.Tensor, storage: Any = None) -> bool:
 
 def address_range(tensor: torch.Tensor) -> tuple[str, int, int]:
     """``(device, first byte address, end address)`` of the memory a plain strided tensor spans."""
-    shape, stride = shape_and_stride(tensor) if tensor.is_nested else (tensor.shape, tensor.stride())
-    extent = sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) + 1 if tensor.numel() else 0
+    if tensor.is_nested:
+        shape, stride = shape_and_stride(tensor)
+        extent = sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) + 1 if tensor.numel() else 0
+    elif tensor.is_contiguous():
+        extent = tensor.numel()  # the sum below, for row-major strides (one call)
+    else:
+        shape, stride = tensor.shape, tensor.stride()
+        extent = sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) + 1 if tensor.numel() else 0
     # From the storage: an empty tensor's data_ptr() is 0, but it still marks a place in its storage.
     start = tensor.untyped_storage().data_ptr() + int(tensor.storage_offset()) * tensor.element_size()
     return str(tensor.device), start, start + int(extent) * tensor.element_size()

@@ -28,7 +28,7 @@ from graphsafe.outcome import Finding, FindingKind, memory_tensors
 #: pytest shows the test's line and graphsafe's message, not this module's frames (``errors.hide_frames_in_pytest``).
 __tracebackhide__ = hide_frames_in_pytest
 
-from graphsafe.contract._landing import _Covered, _fills_span, _Landing, _same_as_new
+from graphsafe.contract._landing import _Covered, _covered_on, _fills_span, _Landing, _same_as_new
 
 if TYPE_CHECKING:
     from graphsafe.contract._transaction import ReloadTransaction
@@ -62,6 +62,16 @@ def _reads_no_copy_reached(self: ReloadTransaction, plan: RestorePlan) -> list[F
     # Only a tensor whose elements fill its address span covers that span: a strided view (``packed[:, ::2]``)
     # leaves the bytes between its elements as they were (the copy wrote only its elements).
     covered = [(device, start, end) for device, start, end, move in written if _fills_span(move.dst)]
+    nothing = _Covered(())
+    # Bytes the copies alone cover need no model path: only storages with bytes left over ask the held ones.
+    by_copies = _covered_on(covered)
+    entries = [
+        (entry, sources)
+        for entry, sources in entries
+        if by_copies.get(str(entry.device), nothing).gaps(entry.data_ptr + entry.lo, entry.data_ptr + entry.hi)
+    ]
+    if not entries:
+        return []
     for _, _, tensor in manifest.held(self.contract):
         try:
             # a wrapper: its inner ones
@@ -69,12 +79,7 @@ def _reads_no_copy_reached(self: ReloadTransaction, plan: RestorePlan) -> list[F
         except (TypeError, RuntimeError):
             continue  # no memory of its own to cover anything
     findings: list[Finding] = []
-    spans_on: dict[str, list[tuple[int, int]]] = {}  # per device, the covered spans
-    for where, start, stop in covered:
-        if stop > start:
-            spans_on.setdefault(where, []).append((start, stop))
-    covered_on = {device: _Covered(spans) for device, spans in spans_on.items()}
-    nothing = _Covered(())
+    covered_on = _covered_on(covered)
     for entry, sources in entries:
         device, base = str(entry.device), entry.data_ptr
         gaps = [
