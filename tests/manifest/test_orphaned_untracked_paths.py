@@ -1,16 +1,14 @@
 """A captured storage the model no longer holds at an untracked path is ``orphaned`` by the manifest's check, and the
 reload must not commit while the graph reads it.
 
-Known gap, a strict xfail (docs/fault-matrix.md, "captured storage no path holds"): under ``declared-only`` the
-path is also watched as a watch-only slot; when that slot's own finding is ``stale`` for the new tensor at the path
-(PWAL left it unwritten), the transaction reports each (layer, path) once and drops the manifest's ``orphaned``,
-then excuses the ``stale`` as ``unread-drift`` (the new tensor is read by no graph): the reload commits while replay
-reads a storage no model path holds any more.
+Under ``declared-only`` the path is also watched as a watch-only slot; when that slot's own finding is ``stale``
+for the new tensor at the path (PWAL left it unwritten) and graph truth excuses it as ``unread-drift`` (no graph
+reads the new tensor), the manifest's ``orphaned`` for the storage the graph does read there must still be
+reported: the transaction reports each (layer, path) once only where the contract's own finding stays a problem.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
@@ -53,10 +51,6 @@ def _reload(contract: GraphContract, layer: Layer, write: bool) -> ReloadOutcome
     return outcome
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the watch-only slot's stale finding, later excused as unread drift, hides the manifest's orphaned",
-)
 def test_a_storage_left_by_an_untracked_path_between_reloads_is_not_committed() -> None:
     model = Model()
     layer = model.layers[0]

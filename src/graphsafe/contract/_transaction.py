@@ -447,12 +447,16 @@ class ReloadTransaction:
                     self._findings.extend(check_closed(self._closed.values(), self._still_in_model))
                     self._closed.clear()
                 if contract.manifest is not None:
-                    # The walker and the manifest can see the same slot: report each (layer, path) once.
-                    flagged = {(f.layer, f.path) for f in self._findings if f.kind.is_problem and f.path}
-                    self._findings.extend(
+                    # The walker and the manifest can see the same slot: report each (layer, path) once, where the
+                    # contract's own finding stays a problem. One graph truth excuses (drift of a tensor no graph
+                    # reads) must not hide the manifest's finding about the memory the graph does read there (a
+                    # storage the path left, orphaned).
+                    own = excuse_unread_drift(self._findings, contract.manifest)
+                    flagged = {(f.layer, f.path) for f in own if f.kind.is_problem and f.path}
+                    extra = [
                         f for f in contract.manifest.check(contract) if not f.path or (f.layer, f.path) not in flagged
-                    )
-                    self._findings = excuse_unread_drift(self._findings, contract.manifest)
+                    ]
+                    self._findings = own + excuse_unread_drift(extra, contract.manifest)
                 # What a reseal must not take for fresh: the slots this reload found stale (SealedSlot.owed).
                 stale = {(f.layer, f.path) for f in self._findings if f.kind is FindingKind.STALE}
                 for sealed in contract._layers:
