@@ -1182,7 +1182,7 @@ def test_the_digest_of_a_one_element_tensor_with_any_stride_reads_its_bytes() ->
 
 
 class EmptySlotLinear(nn.Linear):
-    """A layer with a declared derived slot of no elements (a placeholder a kernel may be handed: no bytes to read)."""
+    """A layer with a declared derived slot on an empty storage (a placeholder, as an unbound cache: no bytes)."""
 
     def __init__(self) -> None:
         super().__init__(IN, OUT)
@@ -1191,7 +1191,7 @@ class EmptySlotLinear(nn.Linear):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_slot_with_no_elements_is_never_stale(mode: str) -> None:
+def test_a_slot_with_no_memory_is_never_stale(mode: str) -> None:
     """A slot without bytes holds no value a change of its inputs could leave old: PWAL leaving it is fresh."""
     layer = EmptySlotLinear()
     contract = GraphContract(layer, mode)  # type: ignore[arg-type]

@@ -154,7 +154,7 @@ class LayerSnapshot:
                 and (slot.origin is not walker or not recorded or slot.inputs or slot.unrecorded or slot.owed)
                 and not (slot.origin is walker and scratch is not None and scratch(tensor))
                 and isinstance(at_path, tensor_type)
-                and at_path.numel()  # no elements: no value a change of its inputs could leave old
+                and not _no_memory(at_path)
             ):
                 if inputs is None:
                     inputs = _Inputs(layer, sealed.qualname, samples, outer=outer)
@@ -290,3 +290,17 @@ class LayerSnapshot:
     conflicting_attributes = _rebind.conflicting_attributes
     rebind = _rebind.rebind
     verify = _rebind.verify
+
+
+def _no_memory(tensor: torch.Tensor) -> bool:
+    """Whether a plain tensor has no memory at all (its storage holds no byte: a placeholder such as an unbound
+    cache): no value there for a change of its inputs to leave old. An empty view into a storage with bytes is not
+    such a tensor: a kernel handed it gets a pointer into that storage, and it may be the only watched witness of
+    the memory around it."""
+    return (
+        type(tensor) in (torch.Tensor, nn.Parameter)
+        and tensor.layout is torch.strided
+        and not tensor.is_nested
+        and tensor.device.type != "meta"
+        and tensor.untyped_storage().nbytes() == 0
+    )
