@@ -1196,9 +1196,8 @@ def test_a_slot_with_no_memory_is_never_stale(mode: str) -> None:
     layer = EmptySlotLinear()
     contract = GraphContract(layer, mode)  # type: ignore[arg-type]
     contract.seal()
-    with contract.reload():
-        with torch.no_grad():
-            layer.weight.add_(1.0)  # new weights; the placeholder stays as it is
+    with contract.reload(), torch.no_grad():
+        layer.weight.add_(1.0)  # new weights; the placeholder stays as it is
     outcome = contract.last_outcome
     assert outcome is not None and outcome.status is Status.COMMITTED, outcome
     assert not [f for f in outcome.findings if f.kind is FindingKind.STALE]
