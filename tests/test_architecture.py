@@ -38,8 +38,6 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     # the fast tier's planner, spied on to count the restore steps it planned (the differential needs them taken)
     "tests/contract/test_fast_tier.py": {"graphsafe.contract._steps"},
     "tests/fuzz/test_fuzz_fast_tier.py": {"graphsafe.contract._steps"},
-    # the fast tier's step conditions, held false so that the attack tests run on the rule engine alone too
-    "tests/conftest.py": {"graphsafe.contract._steps"},
     # the copies of a step found by address against a pass over all of them
     "tests/contract/test_copies_by_address.py": {"graphsafe.contract._landing"},
     # the batched digest against the single-tensor one it must equal value for value
@@ -67,8 +65,9 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
         "graphsafe.contract._slots",
         "graphsafe.contract._tensorref",
     },
-    # the shared fake_cuda fixture: the kernel scan's driver, allocator view and live tensors from recorded tables
-    "tests/conftest.py": {"graphsafe.collectors._kernelscan"},
+    # the shared fake_cuda fixture: the kernel scan's driver, allocator view and live tensors from recorded tables;
+    # and the fast tier's step conditions, held false so that the attack tests run on the rule engine alone too
+    "tests/conftest.py": {"graphsafe.collectors._kernelscan", "graphsafe.contract._steps"},
     # the kernel scan's driver, allocator view and live-tensor source are replaced by recorded tables (no GPU)
     # (and the vLLM hook's recording step runs on a fake runner, without vLLM)
     "tests/collectors/test_kernelscan.py": {"graphsafe.collectors._kernelscan", "graphsafe.adapters.vllm._hooks"},
