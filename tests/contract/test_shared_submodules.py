@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status
+from graphsafe import FindingKind, GraphContract, GraphSafeError, ReloadOutcome, Status, register_derived
 from graphsafe.collectors import record_capture
 
 
@@ -76,3 +76,27 @@ def test_the_manifest_ties_a_shared_module_storage_to_both_paths() -> None:
         model(x)
     (entry,) = [e for e in manifest.storages() if e.storage_ref() is model.a.weight.untyped_storage()]
     assert {h.where for h in entry.holders} >= {"a:weight", "b:weight"}
+
+
+@pytest.mark.parametrize("path", ["a", "b"])
+def test_a_stale_slot_of_a_shared_submodule_replaced_at_one_path_fails_rather_than_recapture(path: str) -> None:
+    """The shared layer's derived slot is not rebuilt although its weight changed, then another module is bound at
+    one of its two paths. The captured layer is still held at the other path, stale: a recapture would read its old
+    values there, so the reload fails (``stale``), it does not ask for a recapture (found by the fuzzer's ``shared``
+    class: the replaced layer was only reported ``vanished``, never checked)."""
+    model = Twice()
+    model.a.w_t = model.a.weight.detach().t().contiguous()
+    register_derived(model.a, "w_t")
+    contract = GraphContract(model, "recapture").seal()
+
+    def body() -> None:
+        with torch.no_grad():
+            model.a.weight.copy_(torch.randn(4, 4))  # PWAL's guard skips w_t: stale
+        setattr(model, path, nn.Linear(4, 4))
+
+    with pytest.raises(GraphSafeError):
+        reload(contract, body)
+    outcome = contract.last_outcome
+    assert outcome is not None
+    assert outcome.status is Status.FAILED, outcome.summary()
+    assert {f.kind for f in outcome.problems} >= {FindingKind.STALE, FindingKind.VANISHED}
