@@ -100,3 +100,28 @@ def test_a_stale_slot_of_a_shared_submodule_replaced_at_one_path_fails_rather_th
     assert outcome is not None
     assert outcome.status is Status.FAILED, outcome.summary()
     assert {f.kind for f in outcome.problems} >= {FindingKind.STALE, FindingKind.VANISHED}
+
+
+@pytest.mark.parametrize("path", ["a", "b"])
+def test_a_shared_submodule_written_after_its_after_layer_and_replaced_at_one_path_fails(path: str) -> None:
+    """Layerwise: the shared layer is restored by its after_layer(), then its weight is written again (other values,
+    no PWAL after it: ``w_t`` stale) and another module is bound at one of its paths. The end-of-reload check of
+    the closed layer must still run where the model holds it (it reported only ``vanished``, so a recapture read
+    the stale ``w_t``)."""
+    model = Twice()
+    model.a.w_t = model.a.weight.detach().t().contiguous()
+    register_derived(model.a, "w_t")
+    contract = GraphContract(model, "recapture").seal()
+    with pytest.raises(GraphSafeError), contract.reload(layerwise=True) as txn:
+        txn.before_layer(model.a)
+        with torch.no_grad():
+            model.a.weight.copy_(torch.randn(4, 4))
+        model.a.w_t = model.a.weight.detach().t().contiguous()
+        txn.after_layer(model.a)
+        with torch.no_grad():
+            model.a.weight.copy_(torch.randn(4, 4))  # a late shard, and no PWAL after it
+        setattr(model, path, nn.Linear(4, 4))
+    outcome = contract.last_outcome
+    assert outcome is not None
+    assert outcome.status is Status.FAILED, outcome.summary()
+    assert {f.kind for f in outcome.problems} >= {FindingKind.STALE, FindingKind.VANISHED}
