@@ -16,7 +16,7 @@ import os
 
 from hypothesis import HealthCheck, Phase, settings
 
-CI_EXAMPLES = 1600
+CI_EXAMPLES = 2400
 LONG_EXAMPLES = 50_000
 
 _common = {
