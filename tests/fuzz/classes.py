@@ -9,7 +9,7 @@ what the reload does to it and on which layer).
                           entry (the old one kept alive by a rollback list, or dropped), writes in place or skips; or
                           a fixed table vouched for at capture (``Manifest.vouch_fixed``)
 ``lazy``                  an ``nn.LazyLinear`` sealed before its first forward (or after a warm-up); the loader copies,
-                          binds new Parameters, ``load_state_dict`` s it or leaves it
+                          binds new Parameters or ``load_state_dict`` s it (its weights derive from the layer's)
 ``shared``                the last layer also held at ``model.twin``; the reload leaves it shared, or binds a new
                           layer (other weights) at the second or at the first path
 ``call_order``            a layerwise reload whose touched layer gets ``before_layer`` late (after its load, or after
@@ -83,7 +83,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 FAULTS: dict[str, tuple[str, ...]] = {
     "contextvar": ("new_var", "set", "inplace"),
     "external_cache": ("replace_keep", "replace", "inplace"),
-    "lazy": ("copy", "rebind", "lsd", "keep"),
+    "lazy": ("copy", "rebind", "lsd"),
     "shared": ("inplace", "replace_twin", "replace_first"),
     "call_order": ("late_before", "late_before_pwal", "no_before", "no_after", "neither"),
     "input_shares": ("rebuild", "inplace", "skip"),
@@ -205,8 +205,6 @@ class Lazy(Feature):
         if not reload and self.scenario.variant == "before" and not self.cold:
             return  # sealed unmaterialised
         uninitialised = isinstance(lazy.weight, nn.parameter.UninitializedParameter)
-        if how == "keep":
-            return
         if how == "lsd" or uninitialised:
             lazy.load_state_dict(values)
         elif how == "copy":

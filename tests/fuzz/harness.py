@@ -408,13 +408,30 @@ def evidence(
 #: What a reload came to, per class: the oracle's silent and crash verdicts, a false alarm, and among the honest rest
 #: a commit or a correct refusal (a recapture, a failure or a refused seal where the oracle agrees a graph left alone
 #: would read wrong memory).
-OUTCOMES = ("silent", "crash", "false-alarm", "refusal", "commit")
+OUTCOMES = ("silent", "crash", "false-alarm", "inherited", "refusal", "commit")
 
 
 def outcome_of(result: Result) -> str:
+    """The result's outcome; a false alarm of a class whose base scenario alone (the class's feature taken away) is
+    a false alarm too is ``inherited``: the base class's (its known kinds are in docs/fault-matrix.md)."""
+    if result.verdict == oracle.FALSE_ALARM and result.scenario.klass != "base" and _base_false_alarm(result):
+        return "inherited"
     if result.verdict != oracle.OK:
         return result.verdict
     return "commit" if result.status == "COMMITTED" else "refusal"
+
+
+def _base_false_alarm(result: Result) -> bool:
+    from dataclasses import replace
+
+    from fuzz.classes import second
+
+    scenario = result.scenario
+    if scenario.klass == "contracts" and "second contract" in result.reason:
+        base = second(scenario)
+    else:
+        base = replace(scenario, klass="base", variant="", fault="", at=0)
+    return run(base).verdict == oracle.FALSE_ALARM
 
 
 @dataclass
@@ -455,13 +472,14 @@ class Tally:
             out[klass] = {
                 **{o: counts[o] for o in OUTCOMES},
                 "reloads": runs,
+                # the class's own false alarms (not those its base scenario has alone)
                 "false_alarm_rate": counts["false-alarm"] / runs if runs else 0.0,
             }
         return out
 
     def class_table(self) -> str:
         """The per-class table (markdown)."""
-        head = "| class | reloads | " + " | ".join(OUTCOMES) + " | false-alarm rate |"
+        head = "| class | reloads | " + " | ".join(OUTCOMES) + " | own false-alarm rate |"
         lines = [head, "|" + "---|" * (len(OUTCOMES) + 3)]
         for klass, row in self.classes().items():
             cells = " | ".join(str(int(row[o])) for o in OUTCOMES)
