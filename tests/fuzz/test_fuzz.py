@@ -2,9 +2,12 @@
 
 ``test_the_contract_never_lies_to_the_differential_fuzzer`` draws random scenarios (:mod:`fuzz.strategies`), runs
 each under a ``GraphContract`` (:mod:`fuzz.harness`) and counts the independent oracle's verdicts
-(:mod:`fuzz.oracle`). It fails if any reload was a silent success or a crash, with the counts by verdict and by
-mutation kind and the first scenarios of each distinct failure in the message. ``make fuzz`` runs the long profile
-and prints the same table (see ``tests/fuzz/conftest.py`` and ``docs/fault-matrix.md``).
+(:mod:`fuzz.oracle`). Scenarios are of one class each (:mod:`fuzz.classes`): the base one, or a base scenario
+with one extra kind of state or call. It fails if any reload of any class was a silent success or a crash (the
+counts by verdict, by class and by mutation kind and the first scenarios of each distinct failure in the message),
+or if a class was drawn fewer than :data:`MIN_PER_CLASS` times. ``make fuzz`` runs the long profile and prints the
+same tables; ``GRAPHSAFE_FUZZ_REPORT`` names a file for the per-class counts as JSON (see
+``tests/fuzz/conftest.py`` and ``docs/fault-matrix.md``).
 """
 
 from __future__ import annotations
