@@ -125,3 +125,28 @@ def test_a_shared_submodule_written_after_its_after_layer_and_replaced_at_one_pa
     assert outcome is not None
     assert outcome.status is Status.FAILED, outcome.summary()
     assert {f.kind for f in outcome.problems} >= {FindingKind.STALE, FindingKind.VANISHED}
+
+
+@pytest.mark.parametrize("detect", ["every-reload", "sealed-paths", "declared-only"])
+def test_a_shared_submodule_written_in_place_under_a_capture_manifest_commits(detect: str) -> None:
+    """The capture manifest ties the shared layer's storages to both its names; the second name's holder is the
+    same slot, not an untracked path another tensor wrote: an in-place reload commits (it failed ``stale``, "the
+    reload wrote that memory through another path's new tensor"; found by the fuzzer's ``shared`` class)."""
+    model = Twice()
+    model.a.w_t = model.a.weight.detach().t().contiguous()
+    register_derived(model.a, "w_t")
+    contract = GraphContract(model, "strict", detect=detect).seal()  # type: ignore[arg-type]
+    x = torch.randn(2, 4)
+    with record_capture(contract, ignore=[x], backend="dispatch"):
+        model(x)
+        model.b.w_t.clone()
+    new = torch.randn(4, 4)
+
+    def body() -> None:
+        with torch.no_grad():
+            model.b.weight.copy_(new)
+        model.a.w_t.copy_(new.t())  # PWAL writes its derived tensor in place
+
+    outcome = reload(contract, body)
+    assert outcome.status is Status.COMMITTED, outcome.summary()
+    assert torch.equal(model.b.w_t, new.t())
