@@ -44,6 +44,7 @@ def one_rank_mesh() -> Iterator[None]:
         close_mesh()
 
 
+@pytest.mark.timeout(900)  # the CI slice takes about a minute and a half on one core; a loaded runner is slower
 @pytest.mark.usefixtures("one_rank_mesh")
 def test_the_contract_never_lies_to_the_differential_fuzzer() -> None:
     tally = Tally()
