@@ -114,10 +114,12 @@ test-core: venv
 	$(BIN)/python benchmarks/budget.py
 
 # The differential fuzzer's long run (tests/fuzz): random scenarios, a new seed each run, counts printed at the end
-# (silent successes, crashes, false alarms, by mutation kind). `make test` runs its fixed-seed slice.
+# (silent successes, crashes, false alarms, by class of scenario and by mutation kind). `make test` runs its
+# fixed-seed slice.
 #   GRAPHSAFE_FUZZ_EXAMPLES  how many reloads (default 50000, about an hour on one core)
 #   GRAPHSAFE_FUZZ_SEED      replay one run's seed (hypothesis prints it)
 #   GRAPHSAFE_FUZZ_SHRINK=1  stop at the first silent success or crash and shrink it to a minimal scenario
+#   GRAPHSAFE_FUZZ_REPORT    write the counts per class of scenario (tests/fuzz/classes.py) as JSON to this path
 GRAPHSAFE_FUZZ_EXAMPLES ?= 50000
 
 fuzz: venv

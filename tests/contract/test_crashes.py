@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status
+from graphsafe.collectors import record_capture
 
 pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
 
@@ -156,6 +157,34 @@ def test_a_dtensor_bound_with_another_placement_is_respecified(mesh: Any) -> Non
     outcome = reload(contract, lambda: setattr(layer, "weight", new))
     assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
     assert {(f.path, f.kind) for f in outcome.problems} == {("weight", FindingKind.RESPECIFIED)}
+
+
+@pytest.mark.parametrize("pwal", ["delete", "rebuild"])
+def test_an_undeclared_view_of_a_dtensor_parameter_pwal_lets_go_of_is_a_finding_not_a_crash(
+    mesh: Any, pwal: str
+) -> None:
+    """Under ``declared-only`` an undeclared tensor is only watched: one PWAL lets go of leaves its captured memory
+    abandoned. A view of a DTensor parameter owns no storage (its local shard does): letting go of it raised
+    ``RuntimeError: Attempted to access the data pointer on an invalid python storage`` (found by the fuzzer's
+    ``dtensor`` class)."""
+    layer = _dlayer(mesh)
+    layer.w_t = layer.weight.data.t()  # undeclared: a DTensor view of the weight's local shard
+    contract = GraphContract(layer, "recapture", detect="declared-only").seal()
+    x = torch.ones(1)
+    with record_capture(contract, ignore=[x]):
+        layer.weight.clone()
+        layer.w_t.clone()
+
+    def load() -> None:
+        with torch.no_grad():
+            layer.weight.copy_(_dtensor(mesh, torch.randn(4, 4)))
+        if pwal == "delete":
+            del layer.w_t
+        else:
+            layer.w_t = _dtensor(mesh, torch.randn(4, 4)).t()  # another DTensor, other memory
+
+    outcome = reload(contract, load)
+    assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status
+from graphsafe import FindingKind, GraphContract, GraphSafeError, ReloadOutcome, Status, register_derived
 from graphsafe.collectors import record_capture
 
 
@@ -76,3 +76,77 @@ def test_the_manifest_ties_a_shared_module_storage_to_both_paths() -> None:
         model(x)
     (entry,) = [e for e in manifest.storages() if e.storage_ref() is model.a.weight.untyped_storage()]
     assert {h.where for h in entry.holders} >= {"a:weight", "b:weight"}
+
+
+@pytest.mark.parametrize("path", ["a", "b"])
+def test_a_stale_slot_of_a_shared_submodule_replaced_at_one_path_fails_rather_than_recapture(path: str) -> None:
+    """The shared layer's derived slot is not rebuilt although its weight changed, then another module is bound at
+    one of its two paths. The captured layer is still held at the other path, stale: a recapture would read its old
+    values there, so the reload fails (``stale``), it does not ask for a recapture (found by the fuzzer's ``shared``
+    class: the replaced layer was only reported ``vanished``, never checked)."""
+    model = Twice()
+    model.a.w_t = model.a.weight.detach().t().contiguous()
+    register_derived(model.a, "w_t")
+    contract = GraphContract(model, "recapture").seal()
+
+    def body() -> None:
+        with torch.no_grad():
+            model.a.weight.copy_(torch.randn(4, 4))  # PWAL's guard skips w_t: stale
+        setattr(model, path, nn.Linear(4, 4))
+
+    with pytest.raises(GraphSafeError):
+        reload(contract, body)
+    outcome = contract.last_outcome
+    assert outcome is not None
+    assert outcome.status is Status.FAILED, outcome.summary()
+    assert {f.kind for f in outcome.problems} >= {FindingKind.STALE, FindingKind.VANISHED}
+
+
+@pytest.mark.parametrize("path", ["a", "b"])
+def test_a_shared_submodule_written_after_its_after_layer_and_replaced_at_one_path_fails(path: str) -> None:
+    """Layerwise: the shared layer is restored by its after_layer(), then its weight is written again (other values,
+    no PWAL after it: ``w_t`` stale) and another module is bound at one of its paths. The end-of-reload check of
+    the closed layer must still run where the model holds it (it reported only ``vanished``, so a recapture read
+    the stale ``w_t``)."""
+    model = Twice()
+    model.a.w_t = model.a.weight.detach().t().contiguous()
+    register_derived(model.a, "w_t")
+    contract = GraphContract(model, "recapture").seal()
+    with pytest.raises(GraphSafeError), contract.reload(layerwise=True) as txn:
+        txn.before_layer(model.a)
+        with torch.no_grad():
+            model.a.weight.copy_(torch.randn(4, 4))
+        model.a.w_t = model.a.weight.detach().t().contiguous()
+        txn.after_layer(model.a)
+        with torch.no_grad():
+            model.a.weight.copy_(torch.randn(4, 4))  # a late shard, and no PWAL after it
+        setattr(model, path, nn.Linear(4, 4))
+    outcome = contract.last_outcome
+    assert outcome is not None
+    assert outcome.status is Status.FAILED, outcome.summary()
+    assert {f.kind for f in outcome.problems} >= {FindingKind.STALE, FindingKind.VANISHED}
+
+
+@pytest.mark.parametrize("detect", ["every-reload", "sealed-paths", "declared-only"])
+def test_a_shared_submodule_written_in_place_under_a_capture_manifest_commits(detect: str) -> None:
+    """The capture manifest ties the shared layer's storages to both its names; the second name's holder is the
+    same slot, not an untracked path another tensor wrote: an in-place reload commits (it failed ``stale``, "the
+    reload wrote that memory through another path's new tensor"; found by the fuzzer's ``shared`` class)."""
+    model = Twice()
+    model.a.w_t = model.a.weight.detach().t().contiguous()
+    register_derived(model.a, "w_t")
+    contract = GraphContract(model, "strict", detect=detect).seal()  # type: ignore[arg-type]
+    x = torch.randn(2, 4)
+    with record_capture(contract, ignore=[x], backend="dispatch"):
+        model(x)
+        model.b.w_t.clone()
+    new = torch.randn(4, 4)
+
+    def body() -> None:
+        with torch.no_grad():
+            model.b.weight.copy_(new)
+        model.a.w_t.copy_(new.t())  # PWAL writes its derived tensor in place
+
+    outcome = reload(contract, body)
+    assert outcome.status is Status.COMMITTED, outcome.summary()
+    assert torch.equal(model.b.w_t, new.t())

@@ -13,13 +13,16 @@ and calls ``note(label)`` before each read, so the oracle can tell reads apart b
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from fuzz import oracle
 from graphsafe import GraphSafeError, graph_visible, register_derived
 
 # --------------------------------------------------------------------------------------------------------------
@@ -72,6 +75,7 @@ MUTATIONS = (
     "skip",  # PWAL's "already processed" guard: the slot is left as it was
     "noop",  # static contents: left alone (correct: they do not depend on the weights)
     "noop_write",  # static contents: the same values written in place
+    "swap",  # ``torch.utils.swap_tensors(old, new)``: the old object now holds the new memory (the swap class only)
 )
 #: Mutations a dependent slot (alias, tail, weight view, tie) can have: it follows its referent or not.
 DEPENDENT_MUTATIONS = ("rebind", "skip", "free")
@@ -188,9 +192,18 @@ class Scenario:
     layerwise: str = "none"  # see LAYERWISE
     touch: int = 0  # the layer a layerwise touch acts on
     inference: str = "none"  # see INFERENCE
+    #: The class of scenario (``fuzz.classes.CLASSES``): ``base``, or one extra feature on layer ``at`` of the
+    #: model (a ContextVar-held tensor, a module-level cache, a lazy module, ...), built as ``variant`` says and
+    #: changed by the reload as ``fault`` says.
+    klass: str = "base"
+    variant: str = ""
+    fault: str = ""
+    at: int = 0
 
     def describe(self) -> str:
         head = f"mode={self.mode} detect={self.detect}" + (" manifest" if self.manifest else "")
+        if self.klass != "base":
+            head = f"class={self.klass}:{self.variant}:{self.fault}@{self.at} " + head
         if self.layerwise != "none":
             head += f" layerwise:{self.layerwise}" + (f"@{self.touch}" if self.layerwise != "plain" else "")
         if self.inference != "none":
@@ -248,6 +261,68 @@ def _closure() -> Callable[[], Any]:
 
 class FuzzerBug(Exception):
     """The fuzzer's own PWAL or forward failed: a bug in the generator, never counted against graphsafe."""
+
+
+class SwapRefused(RuntimeError):
+    """``torch.utils.swap_tensors`` refused a slot's tensor the fuzzer holds no view of (a foreign exception)."""
+
+
+class Feature:
+    """A class of scenario's extra state (``fuzz.classes``): made with the model, loaded, processed by PWAL and
+    read by the forward with it. Kept off the model (:data:`FEATURES`), so no walk reaches it through the model."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.at = scenario.at
+        self.cold = False  # the feature of a model built cold (the oracle's truth), not of the model under test
+
+    def construct(self, model: FuzzModel) -> None:
+        """After the model's layers are made, before the first load."""
+
+    def finish(self, model: FuzzModel) -> None:
+        """At the end of the build (a cold model's feature makes the state a reload leaves)."""
+
+    def warm(self, model: FuzzModel) -> None:
+        """The warm-up forward after the seal, before the capture (a lazy module materialises)."""
+
+    def vouch(self, manifest: Any) -> None:
+        """At capture: vouch for the fixed tables the class keeps outside the model."""
+
+    def late(self, model: FuzzModel) -> bool:
+        """The reload's last step, after every layer's PWAL (inside the transaction); whether it did anything."""
+        return False
+
+    def param(self, values: torch.Tensor) -> torch.Tensor:
+        """The tensor a loader binds or copies for a layer-``at`` weight of ``values`` (a wrapper, a DTensor)."""
+        return values
+
+    def load(self, layer: FuzzLayer, reload: bool) -> None:
+        """The class's own loading of layer ``at`` (after its weight is in place)."""
+
+    def pwal(self, model: FuzzModel, layer: FuzzLayer, reload: bool) -> None:
+        """The class's own PWAL of layer ``at`` (after the layer's slots)."""
+
+    def read(self, model: FuzzModel, reader: Reader, layer: FuzzLayer, label: str) -> None:
+        """Read what the class holds for layer ``at`` (``label``: the layer's label prefix)."""
+
+    def release(self, model: FuzzModel) -> None:
+        """Drop what the class keeps outside the model (a module-level cache's entries)."""
+
+
+#: The feature of each model and of each of its layers (weak: a model's feature goes with it).
+FEATURES: weakref.WeakKeyDictionary[nn.Module, Feature] = weakref.WeakKeyDictionary()
+#: ``klass`` -> the feature a scenario of that class builds (filled by ``fuzz.classes``).
+MAKERS: dict[str, Callable[[Scenario], Feature]] = {}
+
+
+def feature_of(module: nn.Module) -> Feature | None:
+    return FEATURES.get(module)
+
+
+def plain_weight(layer: FuzzLayer) -> torch.Tensor:
+    """The layer's weight as a plain tensor (a wrapper's or a DTensor's inner tensor), detached."""
+    weight = layer.weight.detach()
+    return next(oracle.kernel_tensors(weight)) if is_traceable_wrapper_subclass(weight) else weight
 
 
 MISSING: Any = object()
@@ -343,21 +418,27 @@ def weights(scenario: Scenario, seeds: tuple[int, ...]) -> list[dict[str, torch.
     return out
 
 
-def load_layer(layer: FuzzLayer, values: dict[str, torch.Tensor], how: str) -> None:
+def load_layer(layer: FuzzLayer, values: dict[str, torch.Tensor], how: str, *, reload: bool = True) -> None:
     """Put one layer's ``values`` in place the way ``how`` (a loader kind) says, with its loader metadata."""
     if how == "keep":
         return
+    feature = feature_of(layer)
+    param = feature.param if feature is not None and feature.at == layer.fuzz_index else (lambda t: t)
     if how == "stash":
         layer.old_weight = layer.weight.detach().clone()
     with torch.no_grad():
         if how == "rebind":
-            layer.weight = nn.Parameter(values["weight"].clone(), requires_grad=False)
+            layer.weight = nn.Parameter(param(values["weight"].clone()), requires_grad=False)
         elif how == "data_copy":
-            layer.weight.data.copy_(values["weight"])
+            layer.weight.data.copy_(param(values["weight"]))
+        elif how in SWAP_LOADERS:
+            _swap_load(layer, param(values["weight"].clone()), how)
         else:
-            layer.weight.copy_(values["weight"])
+            layer.weight.copy_(param(values["weight"]))
         if "bias" in values:
             layer.bias.copy_(values["bias"])
+    if feature is not None and feature.at == layer.fuzz_index:
+        feature.load(layer, reload)
     meta = layer.fuzz_spec.meta
     if meta == "load":
         setattr(layer.weight, "fz_loaded", round(float(values["weight"].sum()), 4))  # noqa: B010
@@ -365,11 +446,31 @@ def load_layer(layer: FuzzLayer, values: dict[str, torch.Tensor], how: str) -> N
         setattr(layer.weight, "fz_scale", values["weight"].abs().amax(dim=1) * 0.5)  # noqa: B010
 
 
+#: Loaders of the ``swap`` class: ``torch.utils.swap_tensors`` of the weight with a new Parameter; ``load_state_dict``
+#: with ``torch.__future__.set_swap_module_params_on_conversion(True)`` (it swaps instead of copying); plain
+#: ``load_state_dict`` (a copy); ``load_state_dict(assign=True)`` (binds the loaded tensors).
+SWAP_LOADERS = ("swap", "lsd_swap", "lsd", "lsd_assign")
+
+
+def _swap_load(layer: FuzzLayer, value: torch.Tensor, how: str) -> None:
+    if how == "swap":
+        torch.utils.swap_tensors(layer.weight, nn.Parameter(value, requires_grad=False))
+        return
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(how == "lsd_swap")
+    try:
+        layer.load_state_dict({"weight": value}, strict=False, assign=how == "lsd_assign")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    if how == "lsd_assign":
+        layer.weight.requires_grad_(False)
+
+
 def load(model: FuzzModel, new: list[dict[str, torch.Tensor]], *, loaders: bool) -> None:
     """Put ``new`` into the model: in place (upstream) or, with ``loaders``, the way each layer's spec says."""
     for layer, values in zip(model.layers, new, strict=True):
         assert isinstance(layer, FuzzLayer)
-        load_layer(layer, values, layer.fuzz_spec.loader if loaders else "copy")
+        load_layer(layer, values, layer.fuzz_spec.loader if loaders else "copy", reload=loaders)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -381,7 +482,7 @@ def _value(layer: FuzzLayer, slot: SlotSpec, model: FuzzModel) -> torch.Tensor |
     ``None`` when the referent was freed)."""
     spec = layer.fuzz_spec
     if slot.kind == "derived":
-        value = SOURCES[slot.source](layer.weight.detach() * slot.factor)
+        value = SOURCES[slot.source](plain_weight(layer) * slot.factor)
         return value.as_subclass(Marked) if slot.subclass else value
     if slot.kind == "weight_view":
         return layer.weight.data.t()
@@ -477,6 +578,11 @@ def _mutate_plain(
         old.data = value.as_subclass(torch.Tensor).clone()
     elif mutation == "data_inplace":
         old.data.copy_(value)
+    elif mutation == "swap":  # the slot's tensor object takes the new tensor's memory (``torch.utils.swap_tensors``)
+        try:
+            torch.utils.swap_tensors(old, value)
+        except Exception as exc:  # the fuzzer swaps no tensor a view of the model holds: a refusal is graphsafe's
+            raise SwapRefused(f"torch.utils.swap_tensors on {slot.name} raised {exc!r}") from exc
     elif mutation in ("stash", "stash_ref"):
         setattr(layer, f"stash_{slot.name}", old.detach().clone() if mutation == "stash" else old)
         set_slot(layer, slot, index, value)
@@ -486,7 +592,7 @@ def _mutate_plain(
 
 def _attr_value(layer: FuzzLayer, slot: SlotSpec, reload: bool) -> Any:
     """What PWAL hangs at ``slot``'s ``fz_attr`` now: a value, ``None`` to delete it, MISSING to leave it."""
-    w = layer.weight.detach()
+    w = plain_weight(layer)
     if slot.attr_when == "first" and reload:
         return MISSING
     if slot.attr_when == "cond" and not bool((w * slot.factor).sum() > 0.5):
@@ -546,6 +652,9 @@ def _pwal_layer_plain(layer: FuzzLayer, model: FuzzModel, reload: bool) -> None:
         if slot.declare == "register_derived" and get_slot(layer, slot, index) is not MISSING:
             register_derived(layer, slot.path(index), static=slot.source in STATIC_SOURCES and slot.kind == "derived")
     _pwal_attributes(layer, reload)
+    feature = feature_of(layer)
+    if feature is not None and feature.at == layer.fuzz_index:
+        feature.pwal(model, layer, reload)
 
 
 def _declared(spec: LayerSpec, static: bool) -> tuple[str, ...]:
@@ -560,7 +669,7 @@ def _pwal_function(spec: LayerSpec) -> Callable[[FuzzLayer, FuzzModel, bool], No
     def pwal(layer: FuzzLayer, model: FuzzModel, reload: bool) -> None:
         try:
             _pwal_layer(layer, model, reload)
-        except GraphSafeError:
+        except (GraphSafeError, SwapRefused):
             raise
         except Exception as exc:
             raise FuzzerBug(f"the fuzzer's PWAL raised {exc!r}") from exc
@@ -585,12 +694,60 @@ def pwal(model: FuzzModel, *, reload: bool) -> None:
         pwal_layer(model, layer, reload=reload)
 
 
-def build(scenario: Scenario, new: list[dict[str, torch.Tensor]]) -> FuzzModel:
+def build(scenario: Scenario, new: list[dict[str, torch.Tensor]], *, cold: bool = False) -> FuzzModel:
     """A model built cold: construction, load, the build-time PWAL (no mutation)."""
     model = FuzzModel(scenario)
+    if scenario.klass != "base":
+        feature = MAKERS[scenario.klass](scenario)
+        FEATURES[model] = feature
+        for layer in model.layers:
+            FEATURES[layer] = feature
+        feature.cold = cold
+        feature.construct(model)
     load(model, new, loaders=False)
     pwal(model, reload=False)
+    feature = feature_of(model)
+    if feature is not None:
+        feature.finish(model)
     return model
+
+
+def build_cold(scenario: Scenario, new: list[dict[str, torch.Tensor]]) -> FuzzModel:
+    """The oracle's truth: a model built cold on the weights a reload leaves, in the state the reload leaves."""
+    return build(scenario, new, cold=True)
+
+
+def warm(model: FuzzModel) -> None:
+    """The warm-up forward a capture runs first (its class's)."""
+    feature = feature_of(model)
+    if feature is not None:
+        feature.warm(model)
+
+
+def after_reload(model: FuzzModel) -> bool:
+    """The class's last step of a reload (inside the transaction); whether it did anything."""
+    feature = feature_of(model)
+    return feature is not None and feature.late(model)
+
+
+def static_input(model: FuzzModel) -> torch.Tensor | None:
+    """The static input the class carves out of the model's memory, if any."""
+    feature = feature_of(model)
+    x = getattr(feature, "x", None)
+    return x if isinstance(x, torch.Tensor) else None
+
+
+def vouch(model: FuzzModel, manifest: Any) -> None:
+    feature = feature_of(model)
+    if feature is not None:
+        feature.vouch(manifest)
+
+
+def release(model: FuzzModel) -> None:
+    """Drop what the model's class keeps outside it."""
+    feature = feature_of(model)
+    if feature is not None:
+        feature.release(model)
 
 
 def reload(model: FuzzModel, new: list[dict[str, torch.Tensor]]) -> None:
@@ -613,6 +770,10 @@ class Reader:
         self.note(label)
         return tensor.clone()
 
+    def saw(self, label: str, tensor: torch.Tensor) -> None:
+        """A read no dispatched op shows (a custom op reading a table it is not passed), told to the oracle."""
+        oracle.saw(label, tensor)
+
 
 def forward(
     model: FuzzModel, x: torch.Tensor, note: Callable[[str], None] = lambda label: None, only: int | None = None
@@ -623,27 +784,35 @@ def forward(
     reader = Reader(note)
     try:
         out = x.clone()
+        feature = feature_of(model)
         for li, layer in enumerate(model.layers):
             assert isinstance(layer, FuzzLayer)
             if only is not None and li != only:
                 continue
-            out = out + reader.read(f"layers.{li}:weight", layer.weight).sum()
-            scale = layer.weight.__dict__.get("fz_scale")
-            if isinstance(scale, torch.Tensor):
-                reader.read(f"layers.{li}:weight.fz_scale", scale)
-            if layer.fuzz_spec.buffer:
-                out = out + reader.read(f"layers.{li}:bias", layer.bias).sum()
-            for index, slot in enumerate(layer.fuzz_spec.slots):
-                tensor = get_slot(layer, slot, index)
-                if isinstance(tensor, torch.Tensor):
-                    reader.read(f"layers.{li}:{slot.name}", tensor)
-                    if slot.kind == "derived":
-                        attr = tensor.__dict__.get(ATTR)
-                        if isinstance(attr, torch.Tensor):
-                            reader.read(f"layers.{li}:{slot.name}.{ATTR}", attr)
+            read_layer(reader, f"layers.{li}", layer)
+            if feature is not None and feature.at == li:
+                feature.read(model, reader, layer, f"layers.{li}")
         return out
     except Exception as exc:
         raise FuzzerBug(f"the fuzzer's forward raised {exc!r}") from exc
+
+
+def read_layer(reader: Reader, label: str, layer: FuzzLayer) -> None:
+    """Read one layer's weight, buffer, slots and tensor attributes (``label``: its label prefix)."""
+    reader.read(f"{label}:weight", layer.weight)
+    scale = layer.weight.__dict__.get("fz_scale")
+    if isinstance(scale, torch.Tensor):
+        reader.read(f"{label}:weight.fz_scale", scale)
+    if layer.fuzz_spec.buffer:
+        reader.read(f"{label}:bias", layer.bias)
+    for index, slot in enumerate(layer.fuzz_spec.slots):
+        tensor = get_slot(layer, slot, index)
+        if isinstance(tensor, torch.Tensor):
+            reader.read(f"{label}:{slot.name}", tensor)
+            if slot.kind == "derived":
+                attr = tensor.__dict__.get(ATTR)
+                if isinstance(attr, torch.Tensor):
+                    reader.read(f"{label}:{slot.name}.{ATTR}", attr)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ left every captured read at its captured address with the right values) or ``ok`
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 Key = tuple[str, int]
@@ -61,6 +62,29 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
             return False
         a = a.to(b.dtype)
     return torch.equal(_bytes(a.reshape(b.shape)), _bytes(b))
+
+
+def kernel_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors a kernel reads for ``tensor``: itself, or a wrapper subclass's inner tensors (a torchao-style
+    wrapper, a DTensor's local shard), flattened through ``__tensor_flatten__``."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+        for name in names:
+            inner = getattr(tensor, name)
+            if isinstance(inner, torch.Tensor):  # a DTensor's flatten names its device mesh too
+                yield from kernel_tensors(inner)
+    else:
+        yield tensor
+
+
+def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage ``tensor`` spans (``(start, start)`` when empty)."""
+    size = tensor.element_size()
+    start = tensor.storage_offset() * size
+    if tensor.numel() == 0:
+        return start, start
+    extent = sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True)) + 1
+    return start, start + extent * size
 
 
 def _significant(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
@@ -104,7 +128,8 @@ class ReadRecorder(TorchDispatchMode):
         self.label = "?"
         self._counts: dict[str, int] = {}
         self._values = values
-        self._ignore = {id(t.untyped_storage()) for t in ignore}
+        # The ignored inputs by their own bytes: a model tensor in the same storage is still model state.
+        self._ignore = {(id(t.untyped_storage()), *_byte_range(t)) for t in ignore}
         self._made: list[Any] = []  # storages allocated inside the block (strong: their ids stay unique)
         self._made_ids: set[int] = set()
         self._keep = [t.untyped_storage() for t in ignore]
@@ -112,43 +137,72 @@ class ReadRecorder(TorchDispatchMode):
     def note(self, label: str) -> None:
         self.label = label
 
+    def _ignored(self, tensor: torch.Tensor, storage: Any) -> bool:
+        start, end = _byte_range(tensor)
+        return any(key == id(storage) and lo <= start and end <= hi for key, lo, hi in self._ignore)
+
+    def saw(self, label: str, tensor: torch.Tensor) -> None:
+        """A read no dispatched op shows (a custom op reading a table it is not passed): the forward says so."""
+        self.note(label)
+        for plain in kernel_tensors(tensor):
+            self._record(plain)
+
+    def _record(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if id(storage) in self._made_ids or self._ignored(tensor, storage):
+            return
+        n = self._counts.get(self.label, 0)
+        self._counts[self.label] = n + 1
+        self.reads[(self.label, n)] = Read(
+            weakref.ref(storage),
+            tensor.data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+            tensor.is_conj() or tensor.is_neg(),
+            _raw(tensor) if self._values else None,
+            _logical(tensor) if self._values else None,
+        )
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for tensor in tree_leaves((args, kwargs)):
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            storage = tensor.untyped_storage()
-            if id(storage) in self._ignore or id(storage) in self._made_ids:
-                continue
-            n = self._counts.get(self.label, 0)
-            self._counts[self.label] = n + 1
-            self.reads[(self.label, n)] = Read(
-                weakref.ref(storage),
-                tensor.data_ptr(),
-                tensor.storage_offset(),
-                tuple(tensor.shape),
-                tuple(tensor.stride()),
-                tensor.dtype,
-                tensor.is_conj() or tensor.is_neg(),
-                _raw(tensor) if self._values else None,
-                _logical(tensor) if self._values else None,
-            )
+        plain = [p for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for p in kernel_tensors(t)]
+        inputs = {id(t.untyped_storage()) for t in plain}
+        for tensor in plain:
+            self._record(tensor)
         out = func(*args, **kwargs)
         for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            for made in kernel_tensors(tensor):
+                storage = made.untyped_storage()
                 if id(storage) not in inputs:  # a view shares its input's storage: not allocated here
                     self._made.append(storage)
                     self._made_ids.add(id(storage))
         return out
 
 
+_active = threading.local()
+
+
+def saw(label: str, tensor: torch.Tensor) -> None:
+    """Tell the innermost recorder of this thread (if any) of a read its dispatch mode cannot see."""
+    stack = getattr(_active, "stack", ())
+    if stack:
+        stack[-1].saw(label, tensor)
+
+
 @contextmanager
 def recording(ignore: tuple[torch.Tensor, ...] = (), values: bool = True) -> Iterator[ReadRecorder]:
     recorder = ReadRecorder(ignore, values)
-    with recorder:
-        yield recorder
+    stack = _active.__dict__.setdefault("stack", [])
+    stack.append(recorder)
+    try:
+        with recorder:
+            yield recorder
+    finally:
+        stack.pop()
     recorder._made.clear()
     recorder._keep.clear()
 

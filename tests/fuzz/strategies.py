@@ -11,6 +11,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from fuzz.classes import CLASSES, FAULTS, VARIANTS, VOUCHED_FAULTS
 from fuzz.models import (
     ATTR_WHENS,
     ATTRS,
@@ -24,6 +25,7 @@ from fuzz.models import (
     METAS,
     MODES,
     STATIC_SOURCES,
+    SWAP_LOADERS,
     LayerSpec,
     Scenario,
     SlotSpec,
@@ -136,8 +138,100 @@ def layers(draw: Any, index: int, layer0: LayerSpec | None) -> LayerSpec:
     )
 
 
+#: How often the base class is drawn against each other class (``scenarios()``): two thirds of the reloads are the
+#: base fuzzer's, the rest spread evenly over the classes.
+BASE_WEIGHT = 2 * (len(CLASSES) - 1)
+
+
 @st.composite
-def scenarios(draw: Any) -> Scenario:
+def scenarios(draw: Any, classes: tuple[str, ...] = CLASSES) -> Scenario:
+    """A random scenario of one of ``classes`` (the base class weighted by :data:`BASE_WEIGHT` where it is one)."""
+    pool = tuple(("base",) * (BASE_WEIGHT - 1) if "base" in classes else ()) + classes
+    klass = draw(st.sampled_from(pool))
+    scenario = draw(base_scenarios())
+    return scenario if klass == "base" else draw(with_class(scenario, klass))
+
+
+@st.composite
+def with_class(draw: Any, scenario: Scenario, klass: str) -> Scenario:
+    """``scenario`` with the feature of ``klass`` on one of its layers (``fuzz.classes``)."""
+    n = len(scenario.layers)
+    variant = draw(st.sampled_from(VARIANTS[klass]))
+    faults = VOUCHED_FAULTS if (klass, variant) == ("external_cache", "vouched") else FAULTS[klass]
+    fault = draw(st.sampled_from(faults))
+    at = draw(st.integers(0, n - 1))
+    # The classes run without inference mode: a tensor made under it takes in-place writes only there.
+    out = replace(scenario, klass=klass, variant=variant, fault=fault, at=at, inference="none")
+    if draw(st.booleans()):
+        out = tamed(out)
+    layers = list(out.layers)
+    if klass == "external_cache":
+        # Only a capture sees a read no model path feeds: without one the cache is a documented gap
+        # (docs/fault-matrix.md, "module-level cache").
+        out = replace(out, manifest=True)
+    elif klass == "shared":
+        out = replace(out, at=n - 1)  # no later layer ties to it, so a layer bound at one path reads consistently
+    elif klass == "custom_op" and out.detect == "declared-only" and variant == "hidden":
+        # An undeclared tensor only a custom op reads, not passed to it: declared-only watches declarations and what
+        # the capture recorded, and the dispatch recorder cannot see that read (docs/manifest.md, blind spots).
+        out = replace(out, variant="hidden_declared")
+    elif klass == "call_order":
+        out = replace(out, layerwise=fault, touch=at)
+    elif klass in ("wrapper", "dtensor"):
+        # The layer's weight is a wrapper: no attribute names it (the oracle's attribute view reads plain tensors).
+        spec = layers[at]
+        slots = tuple(replace(s, attr="none", attr_of=-1, attr_when="always") for s in spec.slots)
+        loader = spec.loader if spec.loader != "stash" else "copy"
+        layers[at] = replace(spec, slots=slots, meta="none", loader=loader)
+    elif klass == "swap":
+        # torch refuses to swap a tensor a view is taken of: no swap of a weight a weight_view slot views, nor of a
+        # derived tensor a tail slot views (the model's own views; one graphsafe took would be graphsafe's crash).
+        for index, spec in enumerate(layers):
+            viewed = {s.of for s in spec.slots if s.kind == "tail"}
+            weight_viewed = any(s.kind == "weight_view" for s in spec.slots)
+            loader = draw(st.sampled_from(("lsd", "lsd_assign", "keep") if weight_viewed else (*SWAP_LOADERS, "keep")))
+            slots = tuple(
+                replace(s, mutation="swap")
+                if s.kind == "derived" and i not in spec.cycle and i not in viewed and draw(st.booleans())
+                else s
+                for i, s in enumerate(spec.slots)
+            )
+            layers[index] = replace(spec, loader=loader, slots=slots)
+    elif klass == "contracts":
+        out = replace(out, at=draw(st.integers(0, 3)), layerwise="none", touch=0)
+    return replace(out, layers=tuple(layers))
+
+
+def tamed(scenario: Scenario) -> Scenario:
+    """``scenario`` with every base fault taken out (slots written in place, weights copied in place, no
+    permutation, attribute, loader metadata or layerwise touch): what the class adds decides the reload, so its
+    false alarms show (half of each class's draws)."""
+    layers = []
+    for layer in scenario.layers:
+        slots = tuple(
+            replace(
+                s,
+                # (a static slot is declared static and left alone: one undeclared or rewritten while the weight
+                # changed is the base class's known false alarm, see docs/fault-matrix.md)
+                mutation=("rebind" if s.kind != "derived" else "noop" if s.source in STATIC_SOURCES else "inplace"),
+                declare=(
+                    "register_derived"
+                    if s.kind == "derived" and s.source in STATIC_SOURCES and s.declare == "none"
+                    else s.declare
+                ),
+                attr="none",
+                attr_of=-1,
+                attr_when="always",
+            )
+            for s in layer.slots
+        )
+        layers.append(replace(layer, slots=slots, loader="copy", cycle=(), meta="none"))
+    layerwise = "plain" if scenario.layerwise != "none" else "none"
+    return replace(scenario, layers=tuple(layers), layerwise=layerwise, touch=0)
+
+
+@st.composite
+def base_scenarios(draw: Any) -> Scenario:
     n = draw(st.integers(1, 3))
     specs: list[LayerSpec] = []
     for index in range(n):

@@ -2,44 +2,83 @@
 
 ``test_the_contract_never_lies_to_the_differential_fuzzer`` draws random scenarios (:mod:`fuzz.strategies`), runs
 each under a ``GraphContract`` (:mod:`fuzz.harness`) and counts the independent oracle's verdicts
-(:mod:`fuzz.oracle`). It fails if any reload was a silent success or a crash, with the counts by verdict and by
-mutation kind and the first scenarios of each distinct failure in the message. ``make fuzz`` runs the long profile
-and prints the same table (see ``tests/fuzz/conftest.py`` and ``docs/fault-matrix.md``).
+(:mod:`fuzz.oracle`). Scenarios are of one class each (:mod:`fuzz.classes`): the base one, or a base scenario
+with one extra kind of state or call. It fails if any reload of any class was a silent success or a crash (the
+counts by verdict, by class and by mutation kind and the first scenarios of each distinct failure in the message),
+or if a class was drawn fewer than :data:`MIN_PER_CLASS` times. ``make fuzz`` runs the long profile and prints the
+same tables; ``GRAPHSAFE_FUZZ_REPORT`` names a file for the per-class counts as JSON (see
+``tests/fuzz/conftest.py`` and ``docs/fault-matrix.md``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import given, seed, settings
 
 from fuzz import oracle
-from fuzz.harness import Result, Tally, run
+from fuzz.classes import CLASSES, close_mesh
+from fuzz.harness import Result, Tally, run, run_all
 from fuzz.models import FuzzLayer, FuzzModel, LayerSpec, Scenario, SlotSpec, forward, get_slot
 from fuzz.strategies import scenarios
 
 PROFILE = os.environ.get("GRAPHSAFE_FUZZ_PROFILE", "graphsafe-fuzz-ci")
+#: Where the long run writes its per-class counts as JSON (``make fuzz GRAPHSAFE_FUZZ_REPORT=path``).
+REPORT = os.environ.get("GRAPHSAFE_FUZZ_REPORT")
+#: The fewest reloads each class must get in a run (the CI slice included), so none goes untried unnoticed.
+MIN_PER_CLASS = 20
 
 
+@pytest.fixture
+def one_rank_mesh() -> Iterator[None]:
+    """The ``dtensor`` class's one-rank process group is made on first use; destroyed when the test ends."""
+    try:
+        yield
+    finally:
+        close_mesh()
+
+
+@pytest.mark.timeout(900)  # the CI slice takes about a minute and a half on one core; a loaded runner is slower
+@pytest.mark.usefixtures("one_rank_mesh")
 def test_the_contract_never_lies_to_the_differential_fuzzer() -> None:
     tally = Tally()
     shrink = bool(os.environ.get("GRAPHSAFE_FUZZ_SHRINK"))
+    started = time.monotonic()
 
     @settings(settings.get_profile(PROFILE))
     @given(scenarios())
     def one(scenario: Scenario) -> None:
-        result = run(scenario)
-        tally.add(result)
-        if shrink and result.verdict in (oracle.SILENT, oracle.CRASH):
-            raise AssertionError(f"{result.verdict}: {result.reason} {result.detail}\n{scenario.describe()}")
+        for result in run_all(scenario):
+            tally.add(result)
+            if shrink and result.verdict in (oracle.SILENT, oracle.CRASH):
+                raise AssertionError(f"{result.verdict}: {result.reason} {result.detail}\n{scenario.describe()}")
 
     if os.environ.get("GRAPHSAFE_FUZZ_SEED"):
         one = seed(int(os.environ["GRAPHSAFE_FUZZ_SEED"]))(one)
     one()
     print("\n" + tally.report())  # shown by `make fuzz` (pytest -s)
+    if REPORT:
+        Path(REPORT).write_text(
+            json.dumps(
+                {
+                    "reloads": tally.runs,
+                    "seconds": round(time.monotonic() - started, 1),
+                    "verdicts": dict(tally.verdicts),
+                    "classes": tally.classes(),
+                },
+                indent=2,
+            )
+        )
     assert tally.runs > 0
-    assert tally.failures == 0, tally.report()
+    assert tally.failures == 0, tally.report()  # no silent success, no foreign exception, in any class
+    untried = [k for k in CLASSES if sum(tally.by_class.get(k, {}).values()) < MIN_PER_CLASS]
+    assert not untried, f"classes drawn fewer than {MIN_PER_CLASS} times: {untried}\n{tally.class_table()}"
 
 
 # ----------------------------------------------------------------------------------------------------

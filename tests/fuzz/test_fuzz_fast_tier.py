@@ -21,7 +21,7 @@ import graphsafe.contract._steps as steps_module
 from fuzz import oracle
 from fuzz.harness import run
 from fuzz.models import Scenario
-from fuzz.strategies import scenarios
+from fuzz.strategies import base_scenarios
 from graphsafe import Status
 
 PROFILE = os.environ.get("GRAPHSAFE_FUZZ_PROFILE", "graphsafe-fuzz-ci")
@@ -41,7 +41,7 @@ def whole_model_scenarios(draw: Any) -> Scenario:
     rest are tamed toward the common reload (declared slots, PWAL rebuilding or rewriting them, no cycles or
     attributes) with a few of the drawn faults left in, so that both tiers see many steps the
     fast tier plans and many near misses it must hand over."""
-    scenario = replace(draw(scenarios()), layerwise="none", touch=0)
+    scenario = replace(draw(base_scenarios()), layerwise="none", touch=0)
     if draw(st.integers(0, 2)) == 0:
         return scenario
     # Without a manifest, declared-only trusts the declarations alone (docs/design.md): every slot declared.

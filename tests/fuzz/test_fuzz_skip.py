@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from fuzz import oracle
 from fuzz.harness import Tally, run
 from fuzz.models import FuzzModel, Scenario, forward
-from fuzz.strategies import scenarios
+from fuzz.strategies import base_scenarios
 from graphsafe import GraphContract, record_capture
 from graphsafe.collectors import RecordedDriver
 from graphsafe.collectors import _kernelscan as kscan
@@ -95,7 +95,7 @@ def test_the_skip_adds_no_lie_to_the_differential_fuzzer() -> None:
     skipped = [0]
 
     @settings(settings.get_profile("graphsafe-fuzz-ci"), max_examples=EXAMPLES)
-    @given(scenarios())
+    @given(base_scenarios())
     def one(scenario: Scenario) -> None:
         before = run(scenario, unread="restore", capture=_capture)
         after = run(scenario, unread="skip", capture=_capture)

@@ -113,15 +113,21 @@ class ClosedLayer:
         return findings
 
 
-def check_closed(closed: Iterable[ClosedLayer], in_model: Callable[[SealedLayer, nn.Module], bool]) -> list[Finding]:
+def check_closed(
+    closed: Iterable[ClosedLayer],
+    in_model: Callable[[SealedLayer, nn.Module], bool],
+    held: Callable[[nn.Module], bool] = lambda layer: False,
+) -> list[Finding]:
     """Check every closed layer at the end of the reload; the inputs of all compared in one batch. A layer no longer
-    in the model (``in_model``) was replaced after its restore: every slot of it ``vanished``."""
+    at every name it had (``in_model``) was replaced after its restore: every slot of it ``vanished``; one the model
+    still holds at another name (``held``: a shared submodule) is checked there too."""
     findings: list[Finding] = []
     kept: list[ClosedLayer] = []
     for record in closed:
         snapshot = record.snapshot
-        if in_model(snapshot.sealed, snapshot.layer):
+        if in_model(snapshot.sealed, snapshot.layer) or held(snapshot.layer):
             kept.append(record)
+        if in_model(snapshot.sealed, snapshot.layer):
             continue
         findings.extend(
             snapshot.sealed.finding(

@@ -297,7 +297,8 @@ def _manifest_extras(self: ReloadTransaction, sealed: SealedLayer) -> list[Seale
     if self._held is None:  # resolved once, at the first snapshot: before any layer of this reload loads
         self._held = {}
         sealed_names = {s.qualname for s in contract._layers}
-        for qualname, path, tensor in contract.manifest.held(contract):
+        for name, path, tensor in contract.manifest.held(contract):
+            qualname = self._sealed_name(name)
             if (qualname, path) not in contract._slot_keys:
                 # A module no seal tracks (a child with no weights of its own) is watched from the nearest
                 # sealed module above it, by the longer path.
@@ -336,6 +337,22 @@ def _manifest_extras(self: ReloadTransaction, sealed: SealedLayer) -> list[Seale
     return extras
 
 
+def _sealed_name(self: ReloadTransaction, qualname: str) -> str:
+    """``qualname`` as its module was sealed: a shared submodule's other name (``twin`` for ``layers.0``, and what
+    lies under it) is the name it is sealed under, so the manifest's holders there are its slots' paths."""
+    if self._aliases is None:
+        self._aliases = {
+            ".".join(atoms): sealed.qualname
+            for sealed in self.contract._layers
+            if (layer := sealed.layer_ref()) is not None
+            for atoms in self.contract._also.get(id(layer), ())
+        }
+    for alias, primary in self._aliases.items():
+        if qualname == alias or qualname.startswith(alias + "."):
+            return primary + qualname[len(alias) :]
+    return qualname
+
+
 def _untracked_holders(self: ReloadTransaction, local: list[LayerSnapshot]) -> list[torch.Tensor]:
     """What the model holds now at the paths the capture-time manifest saw holding captured storage and the
     contract does not track (``detect="declared-only"`` seals declared slots only): a restore must not
@@ -346,9 +363,10 @@ def _untracked_holders(self: ReloadTransaction, local: list[LayerSnapshot]) -> l
     tracked = self.contract._slot_keys
     extra = {(s.sealed.qualname, slot.path.text) for s in local for slot in s.slots[len(s.sealed.slots) :]}
     before = self._held_before
+    held = [(self._sealed_name(name), path, tensor) for name, path, tensor in manifest.held(self.contract)]
     return [
         tensor
-        for layer, path, tensor in manifest.held(self.contract)
+        for layer, path, tensor in held
         if (layer, path) not in tracked
         and (layer, path) not in extra
         # The same tensor, unwritten: a view left on the memory it read follows it, like an alias path

@@ -81,7 +81,17 @@ def restore(self: LayerSnapshot, *, auto_restore: bool, plan: RestorePlan) -> li
                 self.attributed.append(current)  # its attributes may name tensors the step rebinds
             continue  # in place
         if slot.watch_only:
-            if (
+            if slot.wrapped or _is_wrapper(current):
+                # A wrapper owns no storage: its inner tensors' memory is what the graph reads.
+                problem = self._wrapper_pairs(slot, captured, current) if isinstance(current, tensor_type) else []
+                if not problem and isinstance(current, tensor_type):
+                    if index in freshness:
+                        self._note_fresh(index, slot, current)
+                    continue  # every inner tensor in place
+                if isinstance(problem, Finding):
+                    self.findings.append(problem)
+                    continue
+            elif (
                 isinstance(current, tensor_type)
                 and current.untyped_storage() is captured.untyped_storage()
                 and current.data_ptr() == captured.data_ptr()
@@ -93,7 +103,11 @@ def restore(self: LayerSnapshot, *, auto_restore: bool, plan: RestorePlan) -> li
                 elif index in freshness:
                     self._note_fresh(index, slot, current)
                 continue
-            if isinstance(current, tensor_type) and current.untyped_storage() is captured.untyped_storage():
+            if (
+                isinstance(current, tensor_type)
+                and not (slot.wrapped or _is_wrapper(current))
+                and current.untyped_storage() is captured.untyped_storage()
+            ):
                 # Moved within its captured storage (an arena's other half): the storage is still held, so the
                 # manifest's check (storage identity) is satisfied, while the graph reads the bytes it left.
                 self._respecified(slot, current, "moved within its captured storage: ")
@@ -102,7 +116,7 @@ def restore(self: LayerSnapshot, *, auto_restore: bool, plan: RestorePlan) -> li
                 self.kept.append(current)  # its new values: no copy may overwrite what it reads
             # Moved or gone: its memory is abandoned (see the contract's _doubt_abandoned). Let go of the
             # captured tensor: where nothing else holds it, the manifest must see it freed.
-            self.gone.append((index, *address_range(captured)))
+            self.gone.extend((index, *address_range(part)) for part in memory_tensors(captured))
             if self._in_originals(captured):
                 del self.originals[id(captured)]
             captured_list[index] = None

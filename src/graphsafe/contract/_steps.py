@@ -196,6 +196,11 @@ def _still_in_model(self: ReloadTransaction, sealed: SealedLayer, layer: nn.Modu
     return all(self._holds_at(atoms, layer) for atoms in (sealed.atoms, *also))
 
 
+def _held_anywhere(self: ReloadTransaction, layer: nn.Module) -> bool:
+    """Whether the model holds ``layer`` at any path (one of a shared submodule's names may be left)."""
+    return any(module is layer for module in self.contract.model.modules())
+
+
 def _holds_at(self: ReloadTransaction, atoms: tuple[str, ...], layer: nn.Module) -> bool:
     known = submodule_is(self.contract.model, atoms, layer)
     if known is not None:
@@ -321,7 +326,11 @@ def _plan_by_rules(self: ReloadTransaction, group: list[LayerSnapshot], plan: Re
                 snapshot.sealed.finding(FindingKind.VANISHED, slot, detail="the layer was replaced during the reload")
                 for slot in snapshot.slots
             )
-        elif not snapshot.in_place():
+            if not self._held_anywhere(snapshot.layer):
+                continue
+            # Still held at another of its names (a shared submodule replaced at one): checked like a moved
+            # layer, so that a stale value there is found before a recapture would read it.
+        if not snapshot.in_place():
             work.append((snapshot, snapshot.restore(auto_restore=auto_restore, plan=plan)))
         else:  # in_place() saw what verify() would confirm: every slot its captured object, as sealed
             snapshot.confirmed = [True] * len(snapshot.slots)

@@ -56,6 +56,7 @@ class ReloadTransaction:
         self._abandoned: list[tuple[LayerSnapshot, int, str, int, int]] = []
         # (layer, path) -> (id, version counter, data_ptr) of what each untracked manifest path held at the start
         self._held_before: dict[tuple[str, str], tuple[int, int, int]] = {}
+        self._aliases: dict[str, str] | None = None  # see _holders._sealed_name
         # id -> the captured objects this transaction's snapshots held (see LayerSnapshot.take's ``originals``)
         self._originals: dict[int, torch.Tensor] = {}
         self._gone: set[int] = set()  # sealed layers already reported as replaced or removed
@@ -444,7 +445,8 @@ class ReloadTransaction:
                         group.append(snapshot)
                 self._restore_group(group)
                 if self._closed:  # layers after_layer() restored: still in the model, and as it left them?
-                    self._findings.extend(check_closed(self._closed.values(), self._still_in_model))
+                    closed = check_closed(self._closed.values(), self._still_in_model, self._held_anywhere)
+                    self._findings.extend(closed)
                     self._closed.clear()
                 if contract.manifest is not None:
                     # The walker and the manifest can see the same slot: report each (layer, path) once, where the
@@ -526,6 +528,7 @@ class ReloadTransaction:
     _graph_writes = _steps._graph_writes
     _still_in_model = _steps._still_in_model
     _holds_at = _steps._holds_at
+    _held_anywhere = _steps._held_anywhere
     _quarantine = _steps._quarantine
     _quarantine_all = _steps._quarantine_all
     _restore_group = _steps._restore_group
@@ -540,6 +543,7 @@ class ReloadTransaction:
     _protect_pending = _holders._protect_pending
     _manifest_extras = _holders._manifest_extras
     _untracked_holders = _holders._untracked_holders
+    _sealed_name = _holders._sealed_name
     _changed_inputs = _holders._changed_inputs
     _version_of = _holders._version_of
     _captured_of = _holders._captured_of
