@@ -7,10 +7,10 @@ an undeclared spare) makes the captured storage another path's tensor; copying t
 write into that path. Covered: nested layers, whole-model and layerwise, holders deep in objects or in a module kept
 in a plain list, a raw ``UntypedStorage`` spare, a holder of the captured view's base.
 
-Known gaps, strict xfails (documented in docs/fault-matrix.md): a holder the model walk cannot reach (a dict key, a
-table outside the model) is not told from a caller's own reference to the slot; a tracked pool tied to the captured
-view is written (not committed) under the walking policies; a slot setter that disables the collector inside the
-restore sees it enabled again.
+A tracked pool tied to the captured view is an alias PWAL wrote (contract._owned). Known gaps, strict xfails
+(documented in docs/fault-matrix.md): a holder the model walk cannot reach (a dict key, a table outside the model) is
+not told from a caller's own reference to the slot; a slot setter that disables the collector inside the restore
+sees it enabled again.
 """
 
 from __future__ import annotations
@@ -194,7 +194,9 @@ class _RootPingPong(nn.Module):
 _UNREACHABLE = pytest.mark.xfail(
     strict=True,
     reason="known gap: a holder no model walk reaches (a dict key, a table outside the model) is not told from a "
-    "caller's reference to the slot, which the slot's new values rightly reach",
+    "caller's reference to the slot, which the slot's new values rightly reach; its write to the captured memory "
+    "during the reload is no tell either (a loader that writes a slot in place before PWAL replaces it, with a "
+    "caller's reference, leaves the same evidence: test_random_permutations_never_commit_wrong_memory)",
 )
 
 
@@ -215,6 +217,31 @@ def test_pingpong_holder_the_walk_misses_is_never_written(where: str) -> None:
         pp.weight.copy_(torch.full((4,), 5.0))
         pp.process_weights_after_loading()
     _assert_promise(contract, pp, captured_cur)  # type: ignore[arg-type]
+
+
+class _Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4), requires_grad=False)
+
+    @graph_visible("cur")
+    def process_weights_after_loading(self) -> None:
+        self.cur = self.weight * 2  # a new tensor every time
+
+
+def test_a_callers_reference_to_the_captured_slot_does_not_block_the_copy() -> None:
+    """The legitimate twin of the unreachable holder (why that one stays a gap): the caller keeps the captured
+    tensor, PWAL gives the slot a new tensor; the restore copies, the caller's reference reads the new values, and
+    it commits."""
+    layer = _Plain()
+    contract = _seal_and_capture(layer, layer, "declared-only")  # type: ignore[arg-type]
+    kept = {"ref": layer.cur}  # a caller's own table, outside the model
+    with contract.reload(), torch.no_grad():
+        layer.weight.copy_(torch.full((4,), 5.0))
+        layer.process_weights_after_loading()
+    outcome = contract.last_outcome
+    assert outcome is not None and outcome.committed, outcome
+    assert layer.cur is kept["ref"] and torch.equal(kept["ref"], torch.full((4,), 10.0))
 
 
 # -- 3. a tracked holder tied at seal is written (not committed, but a write the reload did not produce) -------------
@@ -246,13 +273,10 @@ class _PoolPingPong(nn.Module):
         self.cur.copy_(self.weight * 2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (on fba0957 too): the tracked pool tied to the captured view is written; the reload is not "
-    "committed",
-)
 @pytest.mark.parametrize("detect", ["sealed-paths", "every-reload"])
 def test_captured_view_whose_base_a_tracked_pool_holds_is_never_written(detect: str) -> None:
+    """The pool is the captured view's alias and PWAL wrote it in place: the copy is taken back
+    (``contract._owned``), ``cur`` keeps PWAL's tensor, ``alias-broken``."""
     pp = _PoolPingPong()
     contract = _seal_and_capture(pp, pp, detect)  # type: ignore[arg-type]
     captured_cur = pp.cur
@@ -264,6 +288,8 @@ def test_captured_view_whose_base_a_tracked_pool_holds_is_never_written(detect: 
     assert torch.equal(other, torch.full((4,), 15.0)), f"graphsafe wrote {other.tolist()} into pools[{1 - pp.turn}]"
     outcome = contract.last_outcome
     assert outcome is not None and not outcome.committed
+    assert any(f.kind.value == "alias-broken" and f.path == "cur" for f in outcome.problems), outcome.summary()
+    assert torch.equal(pp.cur, torch.full((4,), 10.0))
 
 
 # -- 4. a ping-pong that keeps the spare as a raw UntypedStorage -------------------------------------------------

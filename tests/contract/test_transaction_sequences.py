@@ -672,12 +672,6 @@ def test_a_reordered_layer_is_still_checked_for_stale_values_before_a_recapture(
 # 10. The same for a layer replaced by a new module after the seal: no seal entry, no snapshot, no freshness check.
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a module registered after the seal has no snapshot, so its freshness is never judged: the reload reports "
-    "it untrackable (recapture) and the recapture reads a stale slot of it. Needs a freshness-only snapshot of "
-    "unsealed modules at begin() (docs/fault-matrix.md, 'not serving-safe' notes)",
-)
 @pytest.mark.parametrize("mode", ["recapture", "migrate"])
 def test_a_layer_replaced_after_the_seal_is_checked_for_stale_values_before_a_recapture(mode: str) -> None:
     """Attacker: the engine replaces ``layers.1`` by a new module (same class, built from the same weights) between
@@ -685,10 +679,9 @@ def test_a_layer_replaced_after_the_seal_is_checked_for_stale_values_before_a_re
     ``vanished``, the new one ``untrackable`` ("registered after the seal ... recapture the graphs, then reseal()"):
     NEEDS_RECAPTURE, and the recapture reads ``w_t`` of the old weights.
 
-    Promise 1 ("NEEDS_RECAPTURE after which a recapture would read wrong values"). Missing rule:
-    ``GraphContract._unsealed_modules``/``ReloadTransaction.begin`` (contract/_sealing.py,
-    _transaction.py) report a module registered
-    after the seal but take no freshness baseline of it."""
+    Promise 1 ("NEEDS_RECAPTURE after which a recapture would read wrong values"). ``begin()`` now notes the new
+    module's weights and derived tensors (``contract._late``): ``w_t`` left unwritten while its weight changed is
+    ``stale``, FAILED."""
     net = nn.Module()
     net.layers = nn.ModuleList([Guarded(), Guarded()])
     contract = GraphContract(net, mode).seal()  # type: ignore[arg-type]
@@ -706,7 +699,30 @@ def test_a_layer_replaced_after_the_seal_is_checked_for_stale_values_before_a_re
     status = _status(contract, reload)
     stale = net.layers[1].w_t
     assert not torch.equal(stale, w(11) * 2.0 + 1.0)
+    assert status == "ReloadFailedError" and contract.last_outcome is not None, status
+    assert contract.last_outcome.status is Status.FAILED
+    assert any(
+        f.kind.value == "stale" and (f.layer, f.path) == ("layers.1", "w_t") for f in contract.last_outcome.problems
+    ), contract.last_outcome.summary()
     assert status is not Status.NEEDS_RECAPTURE and not recaptured, (
         f"{status}: the recapture reads layers.1.w_t={stale.tolist()}, a cold model computes "
         f"{(w(11) * 2.0 + 1.0).tolist()}"
     )
+
+
+@pytest.mark.parametrize("mode", ["recapture", "migrate"])
+def test_a_layer_replaced_after_the_seal_whose_pwal_rebuilds_is_recaptured(mode: str) -> None:
+    """The legitimate twin: the new module's PWAL rebuilds ``w_t``: ``untrackable``, NEEDS_RECAPTURE (a recapture
+    reads the rebuilt tensor), no ``stale``."""
+    net = nn.Module()
+    net.layers = nn.ModuleList([Guarded(), Guarded()])
+    contract = GraphContract(net, mode).seal()  # type: ignore[arg-type]
+    contract.on_recapture(lambda outcome: None)
+    net.layers[1] = Guarded()
+    with contract.reload(), torch.no_grad():
+        for index, layer in enumerate(net.layers):
+            layer.weight.copy_(w(10 + index))
+            layer.process_weights_after_loading()
+    outcome = contract.last_outcome
+    assert outcome is not None and outcome.status is Status.NEEDS_RECAPTURE, outcome
+    assert "stale" not in {f.kind.value for f in outcome.problems}, outcome.summary()

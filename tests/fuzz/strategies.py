@@ -242,11 +242,6 @@ def base_scenarios(draw: Any) -> Scenario:
     # Half the reloads layerwise (one of the touches), the rest all at once as before.
     layerwise = draw(st.sampled_from(LAYERWISE[1:])) if draw(st.booleans()) else "none"
     touch = draw(st.integers(0, n - 1)) if layerwise not in ("none", "plain") else 0
-    if layerwise in ("repwal", "rewrite_new_repwal") and specs[touch].cycle:
-        # PWAL run again after after_layer() on a layer whose PWAL permutes its captured tensors: a documented gap
-        # (docs/fault-matrix.md, "changed after after_layer()"; strict xfail in
-        # tests/fuzz/test_regressions_attributes.py).
-        layerwise = "plain"
     inference = draw(st.sampled_from(INFERENCE[1:])) if draw(st.booleans()) else "none"
     return Scenario(
         layers=tuple(specs),

@@ -213,13 +213,8 @@ def test_an_attribute_naming_the_rebound_weight_follows_it_to_the_captured_param
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Documented gaps (docs/fault-matrix.md, "attributes on a tensor" and "changed after after_layer()"): the generator
-# leaves these out; each shrunk case stays here as a strict xfail.
-
-_REPWAL_PERMUTED_GAP = (
-    "documented gap: PWAL run again after after_layer() on a layer whose PWAL permutes its captured tensors: the "
-    "second permutation writes the captured memory in place"
-)
+# Shapes the generator once left out (docs/fault-matrix.md, "attributes on a tensor" and "changed after
+# after_layer()"), each shrunk case kept here.
 
 
 def test_a_swapped_slot_carrying_an_attribute_that_names_its_partner() -> None:
@@ -234,10 +229,11 @@ def test_a_swapped_slot_carrying_an_attribute_that_names_its_partner() -> None:
     _assert_honest(Scenario(layers=(layer,), mode="strict", detect="every-reload", manifest=False))
 
 
-@pytest.mark.xfail(strict=True, reason=_REPWAL_PERMUTED_GAP)
 def test_pwal_run_again_after_after_layer_on_a_layer_that_rotates_its_tensors() -> None:
     """Layerwise, layers.1 rotates d0, d1, d2 and its PWAL runs once more after its after_layer() (shrunk from the
-    grown fuzzer): the reload asks for a recapture the model's values cannot give."""
+    grown fuzzer): the reload asked for a recapture the model's values could not give. A slot of a layer closed by
+    ``after_layer()`` that holds, when the reload finishes, what another of its slots held at the close (a second
+    PWAL permuted them) is now ``stale``: FAILED, not a recapture."""
     layer0 = LayerSpec(rows=1, cols=1, slots=(SlotSpec("d0", source="t", factor=1, declare="graph_visible"),))
     slots = (
         SlotSpec("d0", source="t", factor=1, declare="graph_visible"),

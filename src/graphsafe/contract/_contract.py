@@ -17,6 +17,7 @@ from torch import nn
 from graphsafe.collectors import Dataflow
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._inputs import ValuesBefore
+from graphsafe.contract._owned import OwnedMemory
 from graphsafe.contract._plan import SharedIndex
 from graphsafe.contract._slots import InputRef, SealedLayer, SealedSlot
 from graphsafe.contract._unread import UNREAD_POLICIES
@@ -138,6 +139,7 @@ class GraphContract:
         self._shared: SharedIndex = {}  # captured storage id -> every (sealed layer, slot position) reading it
         #: (id(sealed layer), slot position) of slots whose captured memory also lies under another storage object.
         self._cross: set[tuple[int, int]] = set()
+        self._owned: OwnedMemory | None = None  # contract._owned: memory an unseen owner may use
         self._slot_keys: set[tuple[str, str]] = set()  # (layer, path) of every sealed slot
         #: Whether a whole-model restore step may go through the fast tier (``contract._fast``) where no rule of the
         #: engine can act. Off, every step runs through the rule engine: the verdict and the bytes written are the

@@ -322,6 +322,12 @@ def step_conditions(txn: Any) -> bool:
     earlier steps, layers still pending) have nothing to act on. (Byte ranges a manifest recorded are checked after
     the copies, by the same rule, either way.)"""
     contract = txn.contract
-    if not contract.fast_tier or txn.layerwise or contract.unread == "skip" or contract._cross:
+    if (
+        not contract.fast_tier
+        or txn.layerwise
+        or contract.unread == "skip"
+        or contract._cross
+        or contract._owned is not None
+    ):
         return False
     return not (txn._kept or txn._abandoned or txn._moved or txn._closed)

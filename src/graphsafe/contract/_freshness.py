@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from graphsafe.contract._carved import inside_detail, permuted_after_close
 from graphsafe.contract._inputs import (
     _CHANGED,
     _MAYBE,
@@ -49,6 +50,10 @@ class ClosedLayer:
     #: Slot index -> the keys of its inputs: the ones its restore was judged by, and the ones a recording of this
     #: PWAL saw it read (a weight of another layer, loaded later).
     keys: dict[int, tuple[Any, ...]]
+    #: id() of the object at each slot's path when the layer closed -> that slot's index (the objects are held in
+    #: ``at_close_held`` so the ids stay theirs): a slot holding another's at the end was permuted by a second PWAL.
+    at_close: dict[int, int] = field(default_factory=dict)
+    at_close_held: list[Any] = field(default_factory=list)
 
     @classmethod
     def of(cls, snapshot: LayerSnapshot, samples: SampleBatch) -> ClosedLayer:
@@ -69,7 +74,9 @@ class ClosedLayer:
                 keys[index] = tuple(dict.fromkeys((*entry[3], *learned)))
             for key in {key for found in keys.values() for key in found}:
                 inputs[key] = _input_before(watched.inputs[key][1](), samples)
-        return cls(snapshot, confirmed, inputs, keys)
+        held = [slot.get(snapshot.layer) for slot in snapshot.slots]
+        at_close = {id(value): index for index, value in enumerate(held) if isinstance(value, torch.Tensor)}
+        return cls(snapshot, confirmed, inputs, keys, at_close, held)
 
     def check(self, changes: Mapping[Any, int]) -> list[Finding]:
         """Findings for what changed since the layer was closed; ``changes`` says how each input changed."""
@@ -77,12 +84,16 @@ class ClosedLayer:
         sealed, layer = snapshot.sealed, snapshot.layer
         findings: list[Finding] = []
         flagged: set[int] = set()
+        others = self.at_close
         for index, captured in self.confirmed:
             slot = snapshot.slots[index]
             current = slot.get(layer)
             if current is captured and captured.data_ptr() == slot.fp.data_ptr and _view(captured) == slot.layout:
                 continue
             flagged.add(index)
+            if others.get(id(current), index) != index:  # what another slot held at the close: a permutation
+                findings.append(permuted_after_close(sealed, slot))
+                continue
             findings.append(
                 sealed.finding(
                     FindingKind.MOVED,
@@ -171,6 +182,10 @@ def judge_noted(snapshots: Sequence[LayerSnapshot]) -> None:
             snapshot.fresh_due.append(entry[:4])
         else:
             snapshot.resampled.add(entry[0])
+            if entry[1].inside is not None and not entry[3]:
+                # Inside a loaded arena, changed by no write through the slot's own tensor (its version counter, not
+                # the arena's, stayed): the loader's write, or one PWAL hid (``.data``). Judged by its inputs.
+                snapshot.fresh_due.append((entry[0], entry[1], entry[2], False))
 
 
 def check_freshness(snapshots: Sequence[LayerSnapshot]) -> None:
@@ -299,6 +314,14 @@ def _check_fresh(
     fresh = worst == _UNCHANGED or (worst == _MAYBE and rewritten)
     if fresh and not slot.owed:
         return  # a partial reload that did not touch this slot's inputs, or the same values written again
+    if index in self.resampled:  # a carve of a loaded arena whose bytes changed (judge_noted)
+        if not fresh:
+            self.findings.append(
+                self.sealed.finding(
+                    FindingKind.STALE, slot, after=fingerprint(current), detail=inside_detail(slot, changed)
+                )
+            )
+        return
     what = "kept the old values through an in-place write" if rewritten else "neither rebuilt it nor wrote it"
     cause = (
         "an earlier reload left it stale (or raised before PWAL refreshed it), a reseal kept it so,"

@@ -97,6 +97,21 @@ def _block_foreign_holders(
                 if path not in tracked:
                     for found in keys:
                         why.setdefault(found, f"{path!r}, which the contract does not track, holds it")
+        for where, pool in result.storages:  # a raw storage (a pool), also one made over the bytes by an import
+            key = id(pool)
+            first = pool.data_ptr()
+            keys = (
+                [key]
+                if key in suspects
+                else [
+                    k
+                    for device, start, end, k in spans
+                    if device == str(pool.device) and start < first + pool.nbytes() and first < end
+                ]
+            )
+            path = f"{qualname}.{where}" if qualname else where
+            for found in keys:
+                why.setdefault(found, f"{path!r} holds it as a raw storage (a storage pool)")
     for key in suspects:
         if key not in why and "storage-object" in seen[key]:
             why[key] = "its storage object is held (a storage pool, or a reference outside every model path)"

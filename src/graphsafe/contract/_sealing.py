@@ -13,7 +13,10 @@ import torch
 from torch import nn
 
 from graphsafe.collectors import Classified, classify, classify_walk, module_names, walk
+from graphsafe.contract._carved import mark_inside_loaded
 from graphsafe.contract._copy import overlapping_pairs
+from graphsafe.contract._late import LateModule, note_late
+from graphsafe.contract._owned import owned_memory
 from graphsafe.contract._slots import SealedLayer, SealedSlot
 from graphsafe.contract._tensorref import TensorRef
 from graphsafe.contract._unmaterialised import refuse_unmaterialised
@@ -219,6 +222,7 @@ def _index_layers(self: GraphContract) -> None:
                 sealed.shared_across_layers = True
     self._by_layer = by_layer
     self._shared = shared
+    mark_inside_loaded(self._layers)
     # Two storage objects on one memory, each read by a slot the contract restores from PWAL's tensors (not
     # loaded state: an arena buffer a tensor is carved from holds that tensor's values): a tie no restore can
     # check, since every check of shared memory goes by storage identity.
@@ -227,9 +231,11 @@ def _index_layers(self: GraphContract) -> None:
         for key, entries in readers.items()
         if any(sealed.slots[index].origin not in _LOADED for sealed, index in entries)
     }
+    sharing = _storages_sharing_memory(storages)
+    self._owned = owned_memory(readers, storages, sharing)
     self._cross = {
         (id(sealed), index)
-        for pair in _storages_sharing_memory(storages)
+        for pair in sharing
         if derived.issuperset(pair)
         for key in pair
         for sealed, index in readers[key]
@@ -340,7 +346,7 @@ def _walker_extras(
     return extras, result.exhausted, result.notes
 
 
-def _unsealed_modules(self: GraphContract) -> list[Finding]:
+def _unsealed_modules(self: GraphContract, notes: list[LateModule] | None = None) -> list[Finding]:
     """Modules registered after the seal (a layer appended to a ``ModuleList``, an adapter) that hold tensors a
     seal would track: no seal entry knows them and the walk never enters a module, so a graph captured since may
     read them at addresses no reload keeps. Reported, not sealed now: the contract cannot tell what a graph
@@ -352,11 +358,17 @@ def _unsealed_modules(self: GraphContract) -> list[Finding]:
     replaced = {sealed.qualname for sealed in self._layers}  # their own findings say so (vanished)
     findings: list[Finding] = []
     for qualname, module in late:
-        if qualname in replaced:
+        if qualname in replaced and notes is None:
             continue
         classified = classify(
             module, walk_layer=self.detect != "declared-only", budget=self.budget, devices=self.devices, units=units
         )
+        if notes is not None:  # their freshness, from the state when the reload began (contract._late)
+            note = note_late(qualname, module, classified)
+            if note is not None:
+                notes.append(note)
+        if qualname in replaced:
+            continue
         if classified.tensors or classified.unresolved or classified.notes or classified.exhausted:
             findings.append(
                 Finding(

@@ -84,6 +84,9 @@ class SealedSlot:
     #: reload rebuilds it or changes its values, leaving it as it is is ``stale``, whether its inputs change or not
     #: (a same-weights retry must not take it for fresh).
     owed: bool = False
+    #: A freshness-tracked slot inside a parameter's or buffer's captured memory: that one's ``layer:path`` (set at
+    #: seal by :func:`~graphsafe.contract._carved.mark_inside_loaded`); a change of its bytes is no proof of PWAL.
+    inside: str | None = None
     key: tuple[Any, ...] = field(init=False)
     # The compiled plan (derived from the fields above at construction):
     get: Getter = field(init=False, repr=False)

@@ -17,6 +17,7 @@ from graphsafe.contract._fast import Rebinds, plan_common, step_conditions
 from graphsafe.contract._freshness import ClosedLayer, check_freshness, judge_noted
 from graphsafe.contract._memory import address_range
 from graphsafe.contract._order import stamp
+from graphsafe.contract._owned import take_back_reasons
 from graphsafe.contract._plan import RestorePlan
 from graphsafe.contract._samples import version_of
 from graphsafe.contract._slots import SealedLayer
@@ -345,6 +346,9 @@ def _plan_by_rules(self: ReloadTransaction, group: list[LayerSnapshot], plan: Re
         )
         crossed = [m for m in plan.moves if (id(m.snapshot.sealed), m.index) in cross]
         work = self._take_back(work, plan, {(id(m.snapshot), m.index): shared for m in crossed})
+    owned = self.contract._owned
+    if owned is not None and plan.moves:  # memory an import's owner, or an arena tracked as an alias, may use
+        work = self._take_back(work, plan, take_back_reasons(owned, plan.moves, self._captured_of, self._version_of))
     crossing = plan.crossing()  # the same, for memory two copies write (ties made after the seal too)
     if crossing:
         both = (

@@ -20,7 +20,9 @@ from graphsafe.collectors import Dataflow
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._freshness import ClosedLayer, check_closed
 from graphsafe.contract._gcpause import collections_paused
+from graphsafe.contract._late import LateModule, late_stale
 from graphsafe.contract._order import Stamp, stamp
+from graphsafe.contract._repeat import Repeat, late_loads, note_repeat
 from graphsafe.contract._samples import SampleBatch
 from graphsafe.contract._slots import InputRef, SealedLayer
 from graphsafe.contract._snapshot import LayerSnapshot
@@ -61,6 +63,9 @@ class ReloadTransaction:
         self._originals: dict[int, torch.Tensor] = {}
         self._gone: set[int] = set()  # sealed layers already reported as replaced or removed
         self._stamps: dict[int, Stamp] = {}  # layerwise: id(sealed layer) -> its stamp at begin (see _order)
+        self._repeats: dict[int, Repeat] = {}  # id(sealed layer) -> its latest repeated before_layer (_repeat)
+        self._called: set[int] = set()  # id(sealed layer) of every layer before_layer() was called for
+        self._late: list[LateModule] = []  # modules registered after the seal, as at begin() (contract._late)
         self._moved: set[int] = set()  # of those, the ones still in the model elsewhere when snapshotted
         self._findings: list[Finding] = []
         #: New tensors earlier restore steps left at their paths (findings): later steps treat them as readers.
@@ -146,7 +151,7 @@ class ReloadTransaction:
                         self._snapshot(sealed, flush=False)
                     self._samples.flush()  # every layer's value samples in one copy per dtype, before the load
                 self._seconds += time.perf_counter() - start
-            self._findings.extend(contract._unsealed_modules())
+            self._findings.extend(contract._unsealed_modules(self._late))
         except BaseException as exc:
             # Nothing was loaded yet: leave the contract as it was, not stuck with an open transaction.
             self._snapshots.clear()
@@ -277,7 +282,13 @@ class ReloadTransaction:
                     if pending is not None and not pending.done:
                         # Snapshotted and not restored yet (a second before_layer for the layer, or its parent's
                         # after the child was loaded): a snapshot now would take the loaded state for the old one.
+                        if id(sealed) in self._called:  # a repeat: a load after it needs PWAL after it (_repeat)
+                            repeat = note_repeat(pending)
+                            if repeat is not None:
+                                self._repeats[id(sealed)] = repeat
+                        self._called.add(id(sealed))  # (a tie's snapshot is taken at begin(): not a repeat)
                         continue
+                    self._called.add(id(sealed))
                     self._snapshot(sealed, flush=False)
                 self._samples.flush()
         finally:
@@ -315,6 +326,9 @@ class ReloadTransaction:
                                 declared=True,
                             )
                         )
+                repeat = self._repeats.pop(id(sealed), None)
+                if repeat is not None and snapshot is not None and not snapshot.done:
+                    snapshot.findings.extend(late_loads(snapshot, repeat))
                 if snapshot is not None and not snapshot.done and not sealed.shared_across_layers:
                     group.append(snapshot)
                 elif snapshot is not None and not snapshot.done:
@@ -448,6 +462,9 @@ class ReloadTransaction:
                     closed = check_closed(self._closed.values(), self._still_in_model, self._held_anywhere)
                     self._findings.extend(closed)
                     self._closed.clear()
+                if self._late:  # modules registered after the seal: derived tensors PWAL left stale
+                    self._findings.extend(late_stale(self._late))
+                    self._late = []
                 if contract.manifest is not None:
                     # The walker and the manifest can see the same slot: report each (layer, path) once, where the
                     # contract's own finding stays a problem. One graph truth excuses (drift of a tensor no graph

@@ -188,6 +188,7 @@ def _unprintable(graph: WalkGraph, tensor: torch.Tensor, path: str, exc: Excepti
     (``inner``: a wrapper subclass, whose inner tensors are the slots)."""
     if not isinstance(tensor, torch.Tensor):  # a raw storage (see WalkGraph.read)
         graph.notes[f"{path}: a raw {TYPE_NAME(type(tensor))}, in which no slot path can name a tensor"] = None
+        graph.storages.append((path, tensor))
     elif not inner:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         graph.notes[f"{path}: cannot fingerprint a {TYPE_NAME(type(tensor))} ({first})"] = None

@@ -84,6 +84,7 @@ class WalkGraph:
         self.objects_cut: str | None = None
         self.paths_cut: str | None = None
         self.notes: dict[str, None] = {}  # an ordered set
+        self.storages: list[tuple[str, Any]] = []  # the raw storages reached (each noted): (first path, storage)
         self.skipped: list[str] = []  # the caller's skip paths that phase 3 reached (each path once)
 
     # -- messages ----------------------------------------------------------------------------------------------
@@ -216,7 +217,12 @@ class WalkGraph:
                                 queue.append(idx)
                         else:
                             tplan = plans_get(id(type(child))) or plan_of(type(child))
-                            if tplan.slots or (tplan.dict_get is not None and tplan.dict_get(child)):
+                            # A jagged nested tensor (torch.jagged) is a wrapper whose attributes are its own
+                            # machinery (values, offsets, a metadata cache of symbolic sizes): not entered, it is
+                            # noted as a tensor no slot can fingerprint (untrackable).
+                            if (tplan.slots or (tplan.dict_get is not None and tplan.dict_get(child))) and not (
+                                child.is_nested
+                            ):
                                 queue.append(idx)
                     elif ck in _LEAF_HOLDERS and visited < max_objects and holds_only_leaves(child):
                         # A tuple, list or dict of leaves (a config, a metadata tuple): read now, once (it counts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,3 +36,6 @@ class WalkResult:
     notes: tuple[str, ...] = ()
     #: The ``skip_paths`` the walk reached at a tensor, in walk order (no ref made, no fingerprint taken for them).
     skipped: tuple[str, ...] = ()
+    #: The raw storages (``UntypedStorage``: a storage pool) the walk reached, each with its first path (each is
+    #: also a note: no slot path can name a tensor in it); a holder search matches their memory.
+    storages: tuple[tuple[str, Any], ...] = ()

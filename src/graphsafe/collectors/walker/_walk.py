@@ -107,6 +107,7 @@ def walk(
         exhausted=graph.exhausted(),
         notes=tuple(graph.notes),
         skipped=tuple(graph.skipped),
+        storages=tuple(graph.storages),
     )
 
 
