@@ -297,13 +297,7 @@ def _launch_common(self: ReloadTransaction, work: Rebinds, plan: RestorePlan, ke
     """Launch a step the fast tier planned: what the rule engine does for it, less the checks that cannot act
     (no source reads a destination, no other slot or kept tensor reads one, every storage has one writer)."""
     judge_noted([snapshot for snapshot, _ in work])  # before any copy lands: the values PWAL left
-    foreign = [*kept, *(move.new for move in plan.moves)]
-    for snapshot, _ in work:
-        snapshot.doubt_foreign_writes(foreign)
-        snapshot.written = [
-            captured is not None and 0 <= version != version_of(captured)
-            for captured, version in zip(snapshot.captured, snapshot.versions, strict=False)
-        ]
+    _note_pwal_writes(work, [*kept, *(move.new for move in plan.moves)])
     batch = CopyBatch()
     try:
         if plan.moves:
@@ -359,15 +353,7 @@ def _plan_by_rules(self: ReloadTransaction, group: list[LayerSnapshot], plan: Re
     batch = CopyBatch()
     local = [s for s, _ in work if len(s.slots) > len(s.sealed.slots)]
     kept = [*self._kept, *(t for s, _ in work for t in s.kept), *self._untracked_holders(local)]
-    foreign = [*kept, *(move.new for move in plan.moves)]
-    for snapshot, _ in work:
-        snapshot.doubt_foreign_writes(foreign)
-        # What PWAL wrote before the plan's own copies and rebinds (see _doubt_abandoned; restore() noted
-        # what it left on its captured memory).
-        snapshot.written = [
-            captured is not None and 0 <= version != version_of(captured)
-            for captured, version in zip(snapshot.captured, snapshot.versions, strict=False)
-        ]
+    _note_pwal_writes(work, [*kept, *(move.new for move in plan.moves)])
     try:
         if plan.moves:
             plan.protect()
@@ -384,3 +370,15 @@ def _plan_by_rules(self: ReloadTransaction, group: list[LayerSnapshot], plan: Re
         # launched over what the failed step left (fail closed).
         self._bytes += batch.written
     return work
+
+
+def _note_pwal_writes(work: Rebinds, foreign: list[torch.Tensor]) -> None:
+    """Before the plan's own copies and rebinds (either tier): flag slots left in place whose memory another
+    path's new tensor (``foreign``) wrote, and note per slot whether PWAL wrote its captured memory (its version
+    counter moved; see ``_doubt_abandoned``; restore noted what it left on its captured memory)."""
+    for snapshot, _ in work:
+        snapshot.doubt_foreign_writes(foreign)
+        snapshot.written = [
+            captured is not None and 0 <= version != version_of(captured)
+            for captured, version in zip(snapshot.captured, snapshot.versions, strict=False)
+        ]
