@@ -3,7 +3,7 @@
 The loader writes a parameter whole, so a derived slot carved out of its memory changes whenever the loader writes
 the arena, whether PWAL refreshed the slot or skipped it: a changed value sample cannot stand for PWAL's write
 there. The seal marks such slots (:attr:`SealedSlot.inside`, by address: a DLPack or ``from_numpy`` carve is
-another storage object on the same bytes); :func:`graphsafe.contract._slots.judge_noted` judges a marked slot whose
+another storage object on the same bytes); :func:`graphsafe.contract._freshness.judge_noted` judges a marked slot whose
 bytes changed while its own version counter did not move (no write went through the slot's tensor: the loader
 wrote the arena) by its inputs instead (``stale`` where they changed). A slot that is an autograd view of the
 parameter shares its version counter, so the loader's write moves it too: nothing left at the end of a reload tells
