@@ -711,3 +711,80 @@ def test_a_skipped_tie_to_a_rotated_slot_held_in_a_child_is_not_overwritten_in_a
         rows=3, cols=4, slots=(SlotSpec("d0", kind="tie", of=2, declare="register_derived", mutation="skip"),)
     )
     _assert_honest(Scenario(layers=(layer0, layer1), mode="recapture", layerwise="plain"))
+
+
+def test_a_rotation_writing_a_slot_s_memory_as_another_slot_s_new_tensor_is_not_taken_back() -> None:
+    """Found by the long fuzz run (a value PWAL got right overwritten, outcome FAILED), shrunk by hand: PWAL rotates
+    d1 -> d2 -> d0 and writes each slot's new values in place, while undeclared aliases of d0 stay on d0's captured
+    memory. That memory was written as another slot's new tensor (the rotation), not by an owner of its own: the
+    rule that takes back a copy into memory its alias path wrote (``contract._owned``) must not act on it."""
+    slots = (
+        SlotSpec("d0", source="fp8", factor=1, holder="list", mutation="stash"),
+        SlotSpec("d1", source="fp8", factor=2, holder="attr", declare="graph_visible", mutation="respec_stride"),
+        SlotSpec("d2", source="fp8", factor=3, holder="closure", declare="graph_visible", mutation="skip"),
+        SlotSpec("d3", kind="alias", of=0, holder="attr", mutation="skip"),
+        SlotSpec("d4", kind="alias", of=0, holder="closure", declare="register_derived", mutation="rebind"),
+        SlotSpec("d5", source="strides", factor=1, holder="dict", mutation="respec_shape"),
+    )
+    layer = LayerSpec(rows=1, cols=1, slots=slots, loader="stash", cycle=(1, 2, 0))
+    _assert_honest(Scenario(layers=(layer,), mode="recapture", detect="sealed-paths"))
+
+
+def test_a_swap_of_subclass_slots_with_an_alias_and_a_tie_in_a_later_layer_writes_nothing_pwal_did_not_produce() -> (
+    None
+):
+    """Found by the long fuzz run with the previous one, shrunk by hand: two layers each swapping two derived
+    subclass tensors, an alias of the swapped d1 in layer 0, ties to it in layer 1."""
+    layer0 = LayerSpec(
+        rows=2,
+        cols=1,
+        loader="stash",
+        meta="tensor",
+        cycle=(0, 1),
+        slots=(
+            SlotSpec("d0", source="complex", subclass=True, declare="graph_visible", mutation="stash"),
+            SlotSpec(
+                "d1",
+                source="complex",
+                factor=2,
+                subclass=True,
+                holder="child",
+                declare="graph_visible",
+                mutation="stash",
+            ),
+            SlotSpec("d2", kind="alias", of=1, holder="dict", mutation="rebind"),
+        ),
+    )
+    layer1 = LayerSpec(
+        rows=4,
+        cols=2,
+        loader="stash",
+        meta="load",
+        buffer=True,
+        cycle=(0, 1),
+        slots=(
+            SlotSpec(
+                "d0",
+                source="strides",
+                factor=2,
+                subclass=True,
+                holder="child",
+                declare="graph_visible",
+                mutation="stash",
+            ),
+            SlotSpec(
+                "d1",
+                source="strides",
+                factor=2,
+                subclass=True,
+                holder="child",
+                declare="graph_visible",
+                mutation="stash",
+            ),
+            SlotSpec("d2", kind="tie", of=1, holder="child", declare="register_derived", mutation="rebind"),
+            SlotSpec("d3", kind="tie", of=1, holder="list", mutation="skip"),
+            SlotSpec("d4", kind="alias", of=1, holder="child", mutation="free"),
+            SlotSpec("d5", kind="alias", of=1, holder="list", declare="graph_visible", mutation="skip"),
+        ),
+    )
+    _assert_honest(Scenario(layers=(layer0, layer1), mode="recapture", detect="sealed-paths"))

@@ -13,7 +13,8 @@ without the contract seeing them as holders, and the copy would write values the
   sealed as an alias of that slot, and an alias follows its slot. When PWAL gives the slot a new tensor while the
   alias path still holds its captured tensor and that memory was written in place during the reload (its version
   counter moved: a ping-pong spare, an arena reused), the alias is a holder with values of its own: the copy is
-  taken back.
+  taken back; except where another slot took that memory as its new tensor (PWAL permuted the captured tensors:
+  a swap, a rotation), whose own copy restores the values written there.
 
 Both are found at seal (:func:`owned_memory`); a contract with neither pays nothing per reload (the fast tier is
 kept; :func:`take_back_reasons` runs only when the seal found one), and one with either pays a dict lookup per
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphsafe.contract._samples import version_of
-from graphsafe.outcome import Origin
+from graphsafe.outcome import Origin, memory_tensors
 
 if TYPE_CHECKING:
     from graphsafe.contract._slots import SealedLayer
@@ -99,6 +100,11 @@ def take_back_reasons(
 ) -> dict[tuple[int, int], str]:
     """``(id(snapshot), slot index)`` -> why, for each planned copy (a ``_Move``) into memory an owner may use."""
     reasons: dict[tuple[int, int], str] = {}
+    moves = list(moves)
+    # Storages another slot took as its new tensor (PWAL permuted the captured tensors: a swap, a rotation): a write
+    # there is that slot's new values, which its own copy restores, not an owner's. (The moves hold the tensors, so
+    # the ids name live storages.)
+    taken = {key for move in moves for key in _storage_ids(move.new)}
     for move in moves:
         key = (id(move.snapshot.sealed), move.index)
         if key in owned.imported:
@@ -109,6 +115,8 @@ def take_back_reasons(
             captured, before = captured_of(sealed, position), version_at_begin(sealed, position)
             if captured is None or layer is None or before is None or before < 0:
                 continue
+            if not taken.isdisjoint(_storage_ids(captured)):
+                continue
             if alias.get(layer) is captured and version_of(captured) != before:
                 where = f"{sealed.qualname}.{alias.path.text}" if sealed.qualname else alias.path.text
                 reasons[(id(move.snapshot), move.index)] = (
@@ -118,3 +126,11 @@ def take_back_reasons(
                 )
                 break
     return reasons
+
+
+def _storage_ids(tensor: torch.Tensor) -> set[int]:
+    """``id()`` of each storage holding ``tensor``'s memory (a wrapper's inner tensors'); none where it has none."""
+    try:
+        return {id(part.untyped_storage()) for part in memory_tensors(tensor)}
+    except (TypeError, RuntimeError, NotImplementedError):
+        return set()
