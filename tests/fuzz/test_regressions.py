@@ -788,3 +788,126 @@ def test_a_swap_of_subclass_slots_with_an_alias_and_a_tie_in_a_later_layer_write
         ),
     )
     _assert_honest(Scenario(layers=(layer0, layer1), mode="recapture", detect="sealed-paths"))
+
+
+_LATE_BEFORE_ATTR_GAP = (
+    "documented gap (docs/fault-matrix.md, 'found by the long run, open'): a before_layer() called after PWAL, on a "
+    "layer whose in-place derived slot carries a tensor attribute set only on the first PWAL, commits while replay "
+    "reads the attribute's stale values"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=_LATE_BEFORE_ATTR_GAP)
+def test_a_late_before_layer_does_not_commit_a_stale_tensor_attribute() -> None:
+    """Found by the long fuzz run (the call_order class), as drawn: layerwise, ``before_layer`` after PWAL; d2 is
+    written in place and carries ``.fz_attr``, a tensor set on the first PWAL only."""
+    import fuzz.classes  # noqa: F401  (registers the class's model maker)
+
+    layer = LayerSpec(
+        rows=1,
+        cols=2,
+        loader="data_copy",
+        meta="load",
+        slots=(
+            SlotSpec("d0", kind="weight_view", holder="nested", declare="register_derived", mutation="skip"),
+            SlotSpec("d1", kind="weight_view", holder="attr", mutation="rebind"),
+            SlotSpec("d2", holder="dict", mutation="inplace", attr="tensor", attr_when="first"),
+        ),
+    )
+    scenario = Scenario(
+        layers=(layer,),
+        mode="recapture",
+        detect="every-reload",
+        layerwise="late_before_pwal",
+        touch=0,
+        klass="call_order",
+        variant="layerwise",
+        fault="late_before_pwal",
+        at=0,
+    )
+    _assert_honest(scenario)
+
+
+_REPWAL_ROTATED_TIE_OVERWRITE_GAP = (
+    "documented gap (docs/fault-matrix.md, 'found by the long run, open'): PWAL run again after after_layer() rotating "
+    "layer 0's subclass slots, with a tie to a respecified one in a later layer: the restore overwrites the tie's "
+    "right values (NEEDS_RECAPTURE)"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=_REPWAL_ROTATED_TIE_OVERWRITE_GAP)
+def test_a_repwal_rotation_with_a_tie_in_a_later_layer_writes_nothing_pwal_did_not_produce() -> None:
+    """Found by the long fuzz run, as drawn (layerwise, PWAL again after layer 0's after_layer())."""
+    layer0 = LayerSpec(
+        rows=4,
+        cols=4,
+        loader="rebind",
+        buffer=True,
+        cycle=(1, 2, 0),
+        slots=(
+            SlotSpec("d0", source="fp8", factor=3, subclass=True, declare="graph_visible", mutation="rebind"),
+            SlotSpec(
+                "d1", source="fp8", factor=3, subclass=True, holder="list", declare="graph_visible", mutation="inplace"
+            ),
+            SlotSpec("d2", source="fp8", factor=2, subclass=True, declare="graph_visible", mutation="respec_stride"),
+            SlotSpec(
+                "d3",
+                source="fp8",
+                subclass=True,
+                holder="list",
+                declare="graph_visible",
+                mutation="respec_dtype",
+                attr="peer",
+                attr_of=-1,
+                attr_when="first",
+            ),
+        ),
+    )
+    layer1 = LayerSpec(
+        rows=1,
+        cols=2,
+        loader="stash",
+        buffer=True,
+        slots=(
+            SlotSpec("d0", source="fp8", factor=2, subclass=True, mutation="stash_ref", attr="tensor"),
+            SlotSpec("d1", kind="weight_view", holder="dict", mutation="rebind"),
+        ),
+    )
+    layer2 = LayerSpec(
+        rows=2,
+        cols=1,
+        loader="data_copy",
+        cycle=(1, 0),
+        slots=(
+            SlotSpec("d0", source="complex", holder="nested", mutation="free"),
+            SlotSpec(
+                "d1",
+                source="complex",
+                subclass=True,
+                holder="nested",
+                declare="register_derived",
+                mutation="respec_offset",
+            ),
+            SlotSpec("d2", kind="alias", of=1, declare="graph_visible", mutation="rebind"),
+            SlotSpec("d3", kind="tie", of=2, holder="list", declare="register_derived", mutation="rebind"),
+            SlotSpec(
+                "d4",
+                source="strides",
+                factor=3,
+                subclass=True,
+                declare="graph_visible",
+                mutation="respec_shape",
+                attr="tensor",
+            ),
+            SlotSpec("d5", kind="tie", of=3, holder="child", mutation="free"),
+        ),
+    )
+    scenario = Scenario(
+        layers=(layer0, layer1, layer2),
+        mode="recapture",
+        detect="every-reload",
+        manifest=True,
+        layerwise="repwal",
+        touch=0,
+    )
+    _assert_honest(scenario)
