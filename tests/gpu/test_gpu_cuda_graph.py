@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from _graph_models import Mlp, warm
 
 import graphsafe
 from graphsafe import GraphContract, Status
@@ -31,30 +31,9 @@ def _needs_the_kernel_scan() -> None:
         pytest.skip(why)
 
 
-class Mlp(nn.Module):
-    def __init__(self, width: int = 64) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-        self.register_buffer("held_unread", torch.randn(width))  # held, never read by forward
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.nn.functional.gelu(self.up(x)))
-
-
 def _model(device: torch.device, seed: int = 0) -> Mlp:
     torch.manual_seed(seed)
     return Mlp().to(device).eval()
-
-
-def _warm(fn: Any, x: torch.Tensor) -> None:
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
 
 
 def _names(graph: torch.cuda.CUDAGraph) -> list[str]:
@@ -80,7 +59,7 @@ def _replay(graph: torch.cuda.CUDAGraph, out: torch.Tensor) -> torch.Tensor:
 def test_the_drop_in_records_what_record_capture_with_the_kernel_scan_records(device: torch.device) -> None:
     model = _model(device)
     x = torch.randn(8, 64, device=device)
-    _warm(model, x)
+    warm(model, x)
     contract = GraphContract(model, "recapture").seal()
 
     dropped = Manifest()
@@ -114,7 +93,7 @@ def test_a_compiled_forward_captures_the_same_kernels_through_the_drop_in_as_wit
     model = _model(device)
     compiled = torch.compile(model)
     x = torch.randn(8, 64, device=device)
-    _warm(compiled, x)
+    warm(compiled, x)
 
     plain = torch.cuda.CUDAGraph(keep_graph=True)  # kept only to read its nodes; captured without graphsafe
     with torch.no_grad(), torch.cuda.graph(plain):
@@ -145,7 +124,7 @@ def test_a_reload_after_a_drop_in_capture_commits_and_replays_the_new_weights(
     model = _model(device, seed=0)
     fn: Any = torch.compile(model) if compiled else model
     x = torch.randn(8, 64, device=device)
-    _warm(fn, x)
+    warm(fn, x)
     contract = GraphContract(model, mode).seal()  # type: ignore[arg-type]
     with torch.no_grad(), graphsafe.cuda_graph(contract, name="serve", ignore=[x]) as graph:
         out = fn(x)
@@ -168,7 +147,7 @@ def test_two_drop_in_captures_share_a_pool_and_a_stream_and_each_replays_equal_e
     model = _model(device)
     x = torch.randn(8, 64, device=device)
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    _warm(model, x)
+    warm(model, x)
     contract = GraphContract(model, "recapture").seal()
     with torch.no_grad(), graphsafe.cuda_graph(contract, name="first", ignore=[x], stream=stream) as first:
         out_first = model(x)
@@ -193,7 +172,7 @@ def test_two_drop_in_captures_share_a_pool_and_a_stream_and_each_replays_equal_e
 def test_a_real_graph_without_keep_graph_or_already_captured_is_refused(device: torch.device) -> None:
     model = _model(device)
     x = torch.randn(8, 64, device=device)
-    _warm(model, x)
+    warm(model, x)
     contract = GraphContract(model, "recapture").seal()
     with (
         pytest.raises(GraphSafeError, match=r"needs a graph made with torch.cuda.CUDAGraph\(keep_graph=True\)"),
@@ -216,7 +195,7 @@ def test_record_capture_around_torch_cuda_graph_without_a_graph_warns_and_names_
 ) -> None:
     model = _model(device)
     x = torch.randn(8, 64, device=device)
-    _warm(model, x)
+    warm(model, x)
     contract = GraphContract(model, "recapture").seal()
     graph = torch.cuda.CUDAGraph()
     with (

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from _graph_models import Mlp, warm
 from torch import nn
 
 from graphsafe import GraphContract
@@ -26,27 +27,6 @@ def _names(graph: torch.cuda.CUDAGraph) -> list[str]:
     return scan_graph(kscan.raw_graph(graph), kscan.driver()).kernel_names
 
 
-def _warm(fn: Any, *args: torch.Tensor) -> None:
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(3):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-
-
-class Mlp(nn.Module):
-    def __init__(self, width: int = 64) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-        self.register_buffer("held_unread", torch.randn(width))  # held, never read by forward
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.nn.functional.gelu(self.up(x)))
-
-
 def _model(device: torch.device) -> Mlp:
     torch.manual_seed(0)
     return Mlp().to(device).eval()
@@ -59,7 +39,7 @@ def test_compiled_forward_captures_the_same_kernels_with_the_manifest_on(
     model = _model(device)
     compiled = torch.compile(model)
     x = torch.randn(8, 64, device=device)
-    _warm(compiled, x)
+    warm(compiled, x)
 
     plain = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.no_grad(), torch.cuda.graph(plain):
@@ -123,7 +103,7 @@ def test_module_cache_read_only_by_compiled_triton_is_flagged_by_the_scan_and_mi
 
     compiled = torch.compile(forward)
     x = torch.randn(8, 64, device=device)
-    _warm(compiled, x)
+    warm(compiled, x)
     cache_storage = _CACHE["bias"].untyped_storage()
 
     contract = GraphContract(model, "recapture").seal()
@@ -270,7 +250,7 @@ def test_cupy_raw_kernel_reads_are_found(device: torch.device, gpu_notes: list[s
 def test_graph_without_keep_graph_falls_back_with_a_note(device: torch.device) -> None:
     model = _model(device)
     x = torch.randn(8, 64, device=device)
-    _warm(model, x)
+    warm(model, x)
     contract = GraphContract(model, "recapture").seal()
     graph = torch.cuda.CUDAGraph()
     with (
