@@ -9,6 +9,8 @@ import contextlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from graphsafe import ContractViolation, FindingKind, GraphContract, ReloadOutcome, Status, register_derived
@@ -106,5 +108,64 @@ def test_a_layer_the_reload_leaves_alone_needs_no_before_layer() -> None:
         load(first, 10.0)
         rebuild(first)
         txn.after_layer(first)  # type: ignore[attr-defined]
+
+    assert finish(contract, body).status is Status.COMMITTED
+
+
+def _write_one_element(layer: nn.Module, how: str, index: int, value: float) -> None:
+    """Load one changed element into ``layer.weight`` the way a loader might: ``copy_`` under ``no_grad`` (moves the
+    version counter), through ``.data`` (vLLM's default loader: moves neither version, identity nor pointer), or a
+    new tensor bound at ``.data`` (moves the pointer)."""
+    weight = layer.weight
+    assert isinstance(weight, torch.Tensor)
+    new = weight.detach().clone()
+    new[index] = value
+    if how == "copy":
+        with torch.no_grad():
+            weight.copy_(new)
+    elif how == "data_copy":
+        weight.data.copy_(new)
+    else:
+        weight.data = new
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    how=st.sampled_from(["copy", "data_copy", "data_assign"]),
+    calls=st.sampled_from(["late", "after_only", "neither"]),
+    index=st.integers(0, 3),
+    value=st.floats(-1e6, 1e6, allow_nan=False).filter(lambda v: v not in (1.0, 2.0)),
+)
+def test_a_late_or_missing_before_layer_fails_closed_whatever_the_loader_and_however_small_the_change(
+    how: str, calls: str, index: int, value: float
+) -> None:
+    net = model()
+    contract = GraphContract(net, "recapture").seal()
+
+    def body(txn: object) -> None:
+        layer = net.layers[0]
+        _write_one_element(layer, how, index, value)
+        if calls == "late":
+            txn.before_layer(layer)  # type: ignore[attr-defined]  # too late: one element is loaded already
+        layer.process_weights_after_loading()  # type: ignore[operator]  # the guard skips the rebuild
+        if calls != "neither":
+            txn.after_layer(layer)  # type: ignore[attr-defined]
+
+    outcome = finish(contract, body)
+    assert outcome.status is Status.FAILED, outcome.summary()
+    assert any(f.kind is FindingKind.RELOAD_ERROR and "before_layer()" in f.detail for f in outcome.problems)
+
+
+@pytest.mark.parametrize("how", ["copy", "data_copy"])
+def test_a_before_layer_in_order_commits_with_an_in_place_loader(how: str) -> None:
+    net = model()
+    contract = GraphContract(net, "recapture").seal()
+
+    def body(txn: object) -> None:
+        for layer in net.layers:
+            txn.before_layer(layer)  # type: ignore[attr-defined]
+            _write_one_element(layer, how, 0, 7.0)
+            rebuild(layer)
+            txn.after_layer(layer)  # type: ignore[attr-defined]
 
     assert finish(contract, body).status is Status.COMMITTED

@@ -21,9 +21,9 @@ from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._freshness import ClosedLayer, check_closed
 from graphsafe.contract._gcpause import collections_paused
 from graphsafe.contract._late import LateModule, late_stale
-from graphsafe.contract._order import Stamp, stamp
+from graphsafe.contract._order import LoadStamp, changed_since, load_stamps
 from graphsafe.contract._repeat import Repeat, late_loads, note_repeat
-from graphsafe.contract._samples import SampleBatch
+from graphsafe.contract._samples import Digest, SampleBatch
 from graphsafe.contract._slots import InputRef, SealedLayer
 from graphsafe.contract._snapshot import LayerSnapshot
 from graphsafe.contract._unread import SkipState
@@ -62,7 +62,9 @@ class ReloadTransaction:
         # id -> the captured objects this transaction's snapshots held (see LayerSnapshot.take's ``originals``)
         self._originals: dict[int, torch.Tensor] = {}
         self._gone: set[int] = set()  # sealed layers already reported as replaced or removed
-        self._stamps: dict[int, Stamp] = {}  # layerwise: id(sealed layer) -> its stamp at begin (see _order)
+        self._stamps: dict[int, LoadStamp] = {}  # layerwise: id(sealed layer) -> its stamp at begin (_order)
+        # layerwise: each snapshotted layer's digests at begin and at its snapshot, compared at the end (_order)
+        self._order_digests: list[tuple[SealedLayer, list[tuple[torch.Tensor, Digest]]]] = []
         self._repeats: dict[int, Repeat] = {}  # id(sealed layer) -> its latest repeated before_layer (_repeat)
         self._called: set[int] = set()  # id(sealed layer) of every layer before_layer() was called for
         self._late: list[LateModule] = []  # modules registered after the seal, as at begin() (contract._late)
@@ -140,10 +142,15 @@ class ReloadTransaction:
             # (a tie) now as well, since an earlier layer's PWAL can write that storage before their before_layer().
             early = [s for s in contract._layers if not self.layerwise or s.shared_across_layers]
             if self.layerwise:
-                for sealed in contract._layers:
-                    layer = sealed.layer_ref()
-                    if layer is not None and not sealed.shared_across_layers:
-                        self._stamps[id(sealed)] = stamp(layer)
+                start = time.perf_counter()
+                stamped = [
+                    (sealed, layer)
+                    for sealed in contract._layers
+                    if (layer := sealed.layer_ref()) is not None and not sealed.shared_across_layers
+                ]
+                for (sealed, _), load_stamp in zip(stamped, load_stamps([layer for _, layer in stamped]), strict=True):
+                    self._stamps[id(sealed)] = load_stamp
+                self._seconds += time.perf_counter() - start
             if early:
                 start = time.perf_counter()
                 with collections_paused():
@@ -458,6 +465,11 @@ class ReloadTransaction:
                     if snapshot is not None and not snapshot.done:
                         group.append(snapshot)
                 self._restore_group(group)
+                if self._order_digests:  # a layer whose weights were written before its before_layer()
+                    noted, self._order_digests = self._order_digests, []
+                    changed = changed_since([digests for _, digests in noted])
+                    early = [sealed for (sealed, _), moved in zip(noted, changed, strict=True) if moved]
+                    self._findings.extend(_steps.loaded_early(sealed) for sealed in early)
                 if self._closed:  # layers after_layer() restored: still in the model, and as it left them?
                     closed = check_closed(self._closed.values(), self._still_in_model, self._held_anywhere)
                     self._findings.extend(closed)
