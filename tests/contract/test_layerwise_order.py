@@ -1,7 +1,8 @@
-"""Layerwise reloads: ``before_layer(layer)`` must come before the layer's load. Called after it (out of order), or
-not at all for a layer the reload changed, the snapshot would take the loaded state for the captured one: a PWAL
-guard that skips the rebuild would then commit stale derived values. Both fail closed (``reload-error``); a layer
-the reload leaves alone needs no call."""
+"""Layerwise reloads: ``before_layer(layer)`` must come before the layer's load and PWAL. Called after them (out of
+order), or not at all for a layer the reload changed, the snapshot would take the new state for the captured one: a
+PWAL guard that skips the rebuild would then commit stale derived values. Both fail closed (``reload-error``),
+whatever the loader (through ``.data`` too) and however small the change; a layer the reload leaves alone (no load,
+no PWAL) needs no call."""
 
 from __future__ import annotations
 
@@ -169,3 +170,27 @@ def test_a_before_layer_in_order_commits_with_an_in_place_loader(how: str) -> No
             txn.after_layer(layer)  # type: ignore[attr-defined]
 
     assert finish(contract, body).status is Status.COMMITTED
+
+
+@pytest.mark.parametrize("pwal", ["rebuild", "in_place"])
+def test_pwal_on_a_layer_whose_weights_did_not_change_needs_its_before_layer(pwal: str) -> None:
+    """A layer the loader left alone but PWAL ran on: its snapshot, taken at the end, would see PWAL's tensors as
+    the ones before the reload (a rotation or an in-place write PWAL got wrong goes unchecked). Fails closed."""
+    net = model()
+    contract = GraphContract(net, "recapture").seal()
+
+    def body(txn: object) -> None:
+        first, second = net.layers
+        txn.before_layer(first)  # type: ignore[attr-defined]
+        load(first, 10.0)
+        rebuild(first)
+        txn.after_layer(first)  # type: ignore[attr-defined]
+        if pwal == "rebuild":  # the second layer's weights are as they were; PWAL runs on it all the same
+            rebuild(second)
+        else:
+            with torch.no_grad():
+                second.w_t.mul_(1.0)  # type: ignore[operator]
+
+    outcome = finish(contract, body)
+    assert outcome.status is Status.FAILED, outcome.summary()
+    assert [f.layer for f in outcome.problems if f.kind is FindingKind.RELOAD_ERROR] == ["layers.1"]

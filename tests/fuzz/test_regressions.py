@@ -821,6 +821,64 @@ def test_a_late_before_layer_does_not_commit_a_stale_tensor_attribute() -> None:
     _assert_honest(scenario)
 
 
+def test_a_layer_pwal_rotated_without_before_or_after_layer_does_not_ask_for_a_recapture_that_reads_wrong() -> None:
+    """Found by the long fuzz run (the call_order class): layerwise, layer 0 gets neither before_layer() nor
+    after_layer(); its loader leaves the weights alone but PWAL rotates three derived tensors, and an undeclared alias
+    of one stays on the old object. The snapshot taken at the end saw PWAL's tensors as the captured ones; the
+    verdict was NEEDS_RECAPTURE and the recapture read the alias's wrong values."""
+    import fuzz.classes  # noqa: F401  (registers the class's model maker)
+
+    layer0 = LayerSpec(
+        rows=1,
+        cols=3,
+        loader="keep",
+        buffer=True,
+        cycle=(2, 0, 1),
+        slots=(
+            SlotSpec("d0", source="t", factor=2, subclass=True, holder="nested", mutation="skip"),
+            SlotSpec("d1", source="t", factor=2, holder="list", mutation="stash"),
+            SlotSpec("d2", source="t", factor=3, holder="child", mutation="rebind"),
+            SlotSpec("d3", kind="alias", of=0, holder="dict", mutation="skip"),
+        ),
+    )
+    layer1 = LayerSpec(
+        rows=4,
+        cols=4,
+        loader="copy",
+        cycle=(1, 2, 0),
+        slots=(
+            SlotSpec(
+                "d0",
+                source="scale",
+                factor=2,
+                subclass=True,
+                holder="closure",
+                declare="register_derived",
+                mutation="skip",
+            ),
+            SlotSpec(
+                "d1", source="scale", subclass=True, holder="dict", declare="register_derived", mutation="data_inplace"
+            ),
+            SlotSpec(
+                "d2", source="scale", subclass=True, holder="closure", declare="register_derived", mutation="stash_ref"
+            ),
+        ),
+    )
+    scenario = Scenario(
+        layers=(layer0, layer1),
+        mode="recapture",
+        detect="every-reload",
+        manifest=True,
+        layerwise="neither",
+        touch=0,
+        klass="call_order",
+        variant="layerwise",
+        fault="neither",
+        at=0,
+    )
+    _assert_honest(scenario)
+
+
 _REPWAL_ROTATED_TIE_OVERWRITE_GAP = (
     "documented gap (docs/fault-matrix.md, 'found by the long run, open'): PWAL run again after after_layer() rotating "
     "layer 0's subclass slots, with a tie to a respecified one in a later layer: the restore overwrites the tie's "

@@ -2,17 +2,19 @@
 
 A snapshot taken after the load takes the loaded state for the captured one: the freshness check then sees the
 weights unchanged, and a PWAL that skipped the rebuild (a guard) commits stale derived values. So a layerwise
-transaction stamps every sealed layer's own parameters and buffers when it begins: object identity, version counter
-and data pointer, and a digest of every byte (:func:`load_stamps`, one batch for the whole model). The digest is
-needed: a load through ``param.data.copy_`` (vLLM's default loader) moves neither identity, version counter nor
-pointer. At the layer's first snapshot the stamp is compared at once; the digests are taken in the snapshot's own
-batch (:func:`note_digests`) and compared for all layers when the reload finishes (:func:`changed_since`). A layer
-whose stamp changed before its snapshot was loaded out of order (``before_layer()`` late or missing): a
-``reload-error`` finding, never a commit. A layer the reload left alone keeps its stamp and needs no call.
+transaction stamps every sealed layer when it begins: its own parameters and buffers (object identity, version
+counter, data pointer and a digest of every byte; :func:`load_stamps`, one batch for the whole model) and what each
+sealed slot path holds (:func:`slot_stamp`: a PWAL run before the snapshot rebuilds, rotates or writes them). The
+digest is needed: a load through ``param.data.copy_`` (vLLM's default loader) moves neither identity, version
+counter nor pointer. At the layer's first snapshot the stamp is compared at once; the digests are taken in the
+snapshot's own batch (:func:`note_digests`) and compared for all layers when the reload finishes
+(:func:`changed_since`). A layer whose stamp changed before its snapshot was loaded out of order (``before_layer()``
+late or missing): a ``reload-error`` finding, never a commit. A layer the reload left alone (no load, no PWAL) keeps
+its stamp and needs no call.
 
 Cost, layerwise only: one digest of every weight at ``begin()`` (batched per device and dtype), one more inside each
-snapshot's batch, one comparison at the end. A tensor without a digest (non-contiguous, a wrapper subclass) is
-judged by identity, version and pointer alone.
+snapshot's batch, one comparison at the end; each slot path read once more at ``begin()`` and at the snapshot. A
+tensor without a digest (non-contiguous, a wrapper subclass) is judged by identity, version and pointer alone.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import torch
 from torch import nn
 
 from graphsafe.contract._samples import Digest, SampleBatch, digests, same_digests, version_of
+from graphsafe.paths import Getter
 
-__all__ = ["LoadStamp", "Stamp", "changed_since", "load_stamps", "note_digests", "stamp"]
+__all__ = ["LoadStamp", "Stamp", "changed_since", "load_stamps", "moved_since", "note_digests", "slot_stamp", "stamp"]
 
 Stamp = tuple[tuple[int, int, int], ...]
 
@@ -40,26 +44,61 @@ def stamp(layer: nn.Module) -> Stamp:
     return tuple((id(tensor), version_of(tensor), _address(tensor)) for tensor in _own(layer))
 
 
+def slot_stamp(layer: nn.Module, getters: Sequence[Getter]) -> tuple[Any, ...]:
+    """What each sealed slot path of ``layer`` holds: ``(id, version, data pointer)`` of a tensor, ``id`` of
+    anything else; what PWAL changes (a rebuild, a rotation, an in-place write)."""
+    found: list[Any] = []
+    for get in getters:
+        try:
+            held = get(layer)
+        except Exception:  # a path that raises now: a change as good as any
+            held = _UNREADABLE
+        found.append((id(held), version_of(held), _address(held)) if isinstance(held, torch.Tensor) else id(held))
+    return tuple(found)
+
+
+_UNREADABLE = object()
+
+
 @dataclass(slots=True)
 class LoadStamp:
-    """A layer's own parameters and buffers when the reload began: :func:`stamp` and a digest of each one's bytes
-    (``None`` where a tensor has none). The tensors are held, so an ``id`` cannot be reused meanwhile."""
+    """A layer when the reload began: its own parameters and buffers (:func:`stamp`, and a digest of each one's
+    bytes, ``None`` where a tensor has none) and what its sealed slot paths held (:func:`slot_stamp`). The
+    objects are held, so an ``id`` cannot be reused meanwhile."""
 
     keys: Stamp
     tensors: list[torch.Tensor]
     digests: list[torch.Tensor | None]
+    slots: tuple[Any, ...]
+    held: list[Any]
 
 
-def load_stamps(layers: Sequence[nn.Module]) -> list[LoadStamp]:
-    """The :class:`LoadStamp` of each layer, every digest computed in one batch."""
-    owned = [_own(layer) for layer in layers]
+def load_stamps(layers: Sequence[tuple[nn.Module, Sequence[Getter]]]) -> list[LoadStamp]:
+    """The :class:`LoadStamp` of each ``(layer, its slot getters)``, every digest computed in one batch."""
+    owned = [_own(layer) for layer, _ in layers]
     flat = digests([tensor for tensors in owned for tensor in tensors])
     stamps: list[LoadStamp] = []
     start = 0
-    for layer, tensors in zip(layers, owned, strict=True):
-        stamps.append(LoadStamp(stamp(layer), tensors, flat[start : start + len(tensors)]))
+    for (layer, getters), tensors in zip(layers, owned, strict=True):
+        held = [_held(layer, get) for get in getters]
+        stamps.append(
+            LoadStamp(stamp(layer), tensors, flat[start : start + len(tensors)], slot_stamp(layer, getters), held)
+        )
         start += len(tensors)
     return stamps
+
+
+def _held(layer: nn.Module, get: Getter) -> Any:
+    try:
+        return get(layer)
+    except Exception:
+        return None
+
+
+def moved_since(before: LoadStamp, layer: nn.Module, getters: Sequence[Getter]) -> bool:
+    """Whether ``layer``'s own parameters or buffers, or what its slot paths hold, changed since ``before`` (by
+    identity, version counter or pointer; bytes written through ``.data`` are :func:`changed_since`'s)."""
+    return stamp(layer) != before.keys or slot_stamp(layer, getters) != before.slots
 
 
 def note_digests(before: LoadStamp, batch: SampleBatch) -> list[tuple[torch.Tensor, Digest]]:
@@ -90,6 +129,8 @@ def changed_since(noted: Sequence[Sequence[tuple[torch.Tensor, Digest]]]) -> lis
 
 
 def _address(tensor: torch.Tensor) -> int:
+    if tensor.device.type == "meta":
+        return 0
     try:
         return int(tensor.data_ptr()) if tensor.layout is torch.strided else 0
     except RuntimeError:  # a wrapper subclass without storage of its own: identity and version decide

@@ -148,7 +148,8 @@ class ReloadTransaction:
                     for sealed in contract._layers
                     if (layer := sealed.layer_ref()) is not None and not sealed.shared_across_layers
                 ]
-                for (sealed, _), load_stamp in zip(stamped, load_stamps([layer for _, layer in stamped]), strict=True):
+                layers = [(layer, [slot.get for slot in sealed.slots]) for sealed, layer in stamped]
+                for (sealed, _), load_stamp in zip(stamped, load_stamps(layers), strict=True):
                     self._stamps[id(sealed)] = load_stamp
                 self._seconds += time.perf_counter() - start
             if early:
