@@ -72,6 +72,13 @@ def _reads(
     return oracle.record(lambda note: models.forward(model, x, note, only), (x,), values=values)
 
 
+def _same_read(a: oracle.Read, b: oracle.Read) -> bool:
+    """The same place, geometry and logical values."""
+    if a.geometry != b.geometry or (a.logical is None) != (b.logical is None):
+        return False
+    return a.logical is None or b.logical is None or oracle.same_values(a.logical, b.logical)
+
+
 class _Unguarded:
     """The transaction of a reload run without any contract (the ground truth of a refused seal)."""
 
@@ -119,12 +126,22 @@ def _layerwise(
         if how in ("repwal", "rewrite_same", "rewrite_new", "rewrite_new_repwal"):
             layer = model.layers[touch]
             assert isinstance(layer, models.FuzzLayer)
+            untouched = _reads(model, x)  # every layer, just before the touch
             if how != "repwal":  # the weight written again (a late shard): the same values, or the final ones
                 models.load_layer(layer, (first if how == "rewrite_same" else final)[touch], "copy")
             if how in ("repwal", "rewrite_new_repwal"):
                 models.pwal_layer(model, layer, reload=True)
             prefix = f"layers.{touch}:"
             reads = {key: read for key, read in reads.items() if not key[0].startswith(prefix)}
+            # The touch is the model's own code (graphsafe does nothing meanwhile): where it changed a read of
+            # another layer (PWAL again moves a tensor object a later layer's tie still holds), that layer now holds
+            # what the model left, not a value PWAL got right that graphsafe overwrote.
+            for key, read in _reads(model, x).items():
+                if key[0].startswith(prefix) or key not in reads:
+                    continue
+                was = untouched.get(key)
+                if was is None or not _same_read(was, read):
+                    reads[key] = read
             reads.update(_reads(model, x, only=touch))
             attrs = {key: value for key, value in attrs.items() if not key[0].startswith(prefix)}
             attrs.update(models.attributes(model, only=touch))

@@ -879,16 +879,10 @@ def test_a_layer_pwal_rotated_without_before_or_after_layer_does_not_ask_for_a_r
     _assert_honest(scenario)
 
 
-_REPWAL_ROTATED_TIE_OVERWRITE_GAP = (
-    "documented gap (docs/fault-matrix.md, 'found by the long run, open'): PWAL run again after after_layer() rotating "
-    "layer 0's subclass slots, with a tie to a respecified one in a later layer: the restore overwrites the tie's "
-    "right values (NEEDS_RECAPTURE)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_REPWAL_ROTATED_TIE_OVERWRITE_GAP)
 def test_a_repwal_rotation_with_a_tie_in_a_later_layer_writes_nothing_pwal_did_not_produce() -> None:
-    """Found by the long fuzz run, as drawn (layerwise, PWAL again after layer 0's after_layer())."""
+    """Found by the long fuzz run, as drawn (layerwise, PWAL again after layer 0's after_layer()). Layer 0's storage
+    is tied to a later layer, so its restore waits for finish(); PWAL run again permuted its tensors meanwhile, and
+    the later layer's tie holds a tensor of another role. ``stale``, never a recapture."""
     layer0 = LayerSpec(
         rows=4,
         cols=4,
@@ -962,3 +956,24 @@ def test_a_repwal_rotation_with_a_tie_in_a_later_layer_writes_nothing_pwal_did_n
         touch=0,
     )
     _assert_honest(scenario)
+
+
+def test_a_tied_layer_pwal_permuted_again_after_its_after_layer_fails_closed() -> None:
+    """The case above, shrunk: layer 0 rotates three tensors; layer 1 ties to layer 0's d2; PWAL runs again on layer 0
+    after layer 1's tie was taken. Layer 1 then holds a tensor with d0's or d1's values: a recapture reads them."""
+    layer0 = LayerSpec(
+        rows=1,
+        cols=1,
+        cycle=(1, 2, 0),
+        slots=(
+            SlotSpec("d0", source="fp8"),
+            SlotSpec("d1", source="fp8"),
+            SlotSpec("d2", source="fp8", factor=2),
+        ),
+    )
+    layer1 = LayerSpec(rows=1, cols=1, slots=(SlotSpec("d0", kind="tie", of=2),))
+    for fast_tier in (True, False):
+        result = run(
+            Scenario(layers=(layer0, layer1), mode="recapture", layerwise="repwal", touch=0), fast_tier=fast_tier
+        )
+        assert result.verdict == oracle.OK and result.status == "FAILED", (result.verdict, result.reason)

@@ -29,7 +29,7 @@ from graphsafe.outcome import Finding, FindingKind, Origin, fingerprint
 if TYPE_CHECKING:
     from graphsafe.contract._snapshot import LayerSnapshot
 
-__all__ = ["ClosedLayer", "check_freshness", "judge_noted"]
+__all__ = ["ClosedLayer", "check_freshness", "judge_noted", "permuted_deferred"]
 
 
 @dataclass(slots=True, eq=False)
@@ -122,6 +122,22 @@ class ClosedLayer:
                 )
             )
         return findings
+
+
+def permuted_deferred(closed: Iterable[ClosedLayer]) -> list[Finding]:
+    """``stale`` findings for the slots of layers closed by ``after_layer()`` but restored only at ``finish()`` (a
+    tie: another layer holds their tensors) that hold what another slot of the layer held at the close: PWAL ran
+    again and permuted them, and a layer that took such a tensor meanwhile holds the values of its new role. Call
+    before the final restore rebinds anything."""
+    findings: list[Finding] = []
+    for record in closed:
+        snapshot = record.snapshot
+        if snapshot.done:
+            continue
+        for index, slot in enumerate(snapshot.slots):
+            if record.at_close.get(id(slot.get(snapshot.layer)), index) != index:
+                findings.append(permuted_after_close(snapshot.sealed, slot))
+    return findings
 
 
 def check_closed(
