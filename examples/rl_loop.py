@@ -62,12 +62,9 @@ def run(ex: Example, variant: str, mode: str, steps: int, device: torch.device) 
 
 
 def _default_mode(ex: Example, variant: str) -> str:
-    """``migrate`` for legacy layers, ``strict`` for migrated ones; ``recapture`` for a migrated layer whose derived
-    tensor only a module-level cache holds: on CUDA the kernel scan sees the graph read storage no model path holds,
-    which no reload is known to update, so every reload recaptures (strict mode would refuse it)."""
-    if variant == "legacy":
-        return "migrate"
-    return "recapture" if ex.unreachable is not None else "strict"
+    """``migrate`` for legacy layers (graphsafe restores what their PWAL re-creates), ``strict`` for migrated ones
+    (every migrated layer keeps what the graph reads at a declared path, a module-level cache's entry too)."""
+    return "migrate" if variant == "legacy" else "strict"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--example", choices=sorted(EXAMPLES), help="one example (default: all)")
     parser.add_argument("--variant", choices=["legacy", "migrated"], default=None, help="default: both")
     parser.add_argument("--mode", choices=["strict", "recapture", "migrate"], default=None,
-                        help="default: migrate for legacy, strict for migrated (recapture for module_cache)")
+                        help="default: migrate for legacy, strict for migrated")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
