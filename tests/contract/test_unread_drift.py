@@ -45,7 +45,7 @@ def reload(contract: GraphContract, model: WithDebugCopy) -> ReloadOutcome:
     return outcome
 
 
-@pytest.mark.parametrize("mode", ["strict", "recapture"])
+@pytest.mark.parametrize("mode", ["strict", "recapture", "migrate"])
 def test_a_debug_copy_no_graph_reads_is_reported_not_fatal_with_the_dispatch_recorder(mode: str) -> None:
     model = WithDebugCopy()
     contract = GraphContract(model, mode).seal()  # type: ignore[arg-type]
@@ -55,8 +55,10 @@ def test_a_debug_copy_no_graph_reads_is_reported_not_fatal_with_the_dispatch_rec
     for _ in range(2):
         outcome = reload(contract, model)
         assert outcome.status is Status.COMMITTED, outcome.summary()
-        assert [(f.path, f.kind) for f in outcome.findings] == [("debug", FindingKind.UNREAD_DRIFT)]
-        assert "no captured graph reads" in outcome.findings[0].detail
+        # migrate restores what it can, an unread tensor too (a harmless copy); the others report it
+        expected = FindingKind.AUTO_RESTORED if mode == "migrate" else FindingKind.UNREAD_DRIFT
+        assert [(f.path, f.kind) for f in outcome.findings] == [("debug", expected)]
+        assert mode == "migrate" or "no captured graph reads" in outcome.findings[0].detail
 
 
 def test_a_debug_copy_the_graph_reads_stays_fatal() -> None:
