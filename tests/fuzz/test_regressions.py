@@ -977,3 +977,33 @@ def test_a_tied_layer_pwal_permuted_again_after_its_after_layer_fails_closed() -
             Scenario(layers=(layer0, layer1), mode="recapture", layerwise="repwal", touch=0), fast_tier=fast_tier
         )
         assert result.verdict == oracle.OK and result.status == "FAILED", (result.verdict, result.reason)
+
+
+def test_a_slot_kept_on_its_new_tensor_at_after_layer_is_stale_when_the_weight_is_written_again() -> None:
+    """Found by the long fuzz run (the input_shares class): the weight Parameter is a view at offset 1 of a storage
+    the static input shares; the loader binds a new Parameter and PWAL re-views it (``d0 = weight.t()``, offset 0:
+    respecified, it keeps its new tensor). after_layer() binds the captured Parameter back; then the weight is written
+    again with other values. ``d0`` still views the Parameter no path holds: a recapture read its old values."""
+    import fuzz.classes  # noqa: F401  (registers the class's model maker)
+
+    layer = LayerSpec(
+        rows=4,
+        cols=1,
+        loader="rebind",
+        meta="load",
+        slots=(SlotSpec("d0", kind="weight_view", holder="closure", mutation="rebind"),),
+    )
+    scenario = Scenario(
+        layers=(layer,),
+        mode="migrate",
+        detect="sealed-paths",
+        layerwise="rewrite_new",
+        touch=0,
+        klass="input_shares",
+        variant="weight",
+        fault="inplace",
+        at=0,
+    )
+    for fast_tier in (True, False):
+        result = run(scenario, fast_tier=fast_tier)
+        assert result.verdict == oracle.OK, (result.verdict, result.reason)

@@ -22,6 +22,7 @@ from graphsafe.contract._inputs import (
     _InputBefore,
 )
 from graphsafe.contract._memory import _overlap
+from graphsafe.contract._order import Stamp, stamp
 from graphsafe.contract._samples import SLOT_ELEMENTS, SampleBatch, unchanged, version_of
 from graphsafe.contract._slots import SealedLayer, SealedSlot, _view
 from graphsafe.outcome import Finding, FindingKind, Origin, fingerprint
@@ -54,6 +55,10 @@ class ClosedLayer:
     #: ``at_close_held`` so the ids stay theirs): a slot holding another's at the end was permuted by a second PWAL.
     at_close: dict[int, int] = field(default_factory=dict)
     at_close_held: list[Any] = field(default_factory=list)
+    #: ``(slot index, version counter)`` of each slot the restore left on its new tensor (respecified, moved), with
+    #: the layer's own parameters and buffers at the close: weights written afterwards leave such a slot stale.
+    kept: list[tuple[int, int]] = field(default_factory=list)
+    own: Stamp = ()
 
     @classmethod
     def of(cls, snapshot: LayerSnapshot, samples: SampleBatch) -> ClosedLayer:
@@ -76,7 +81,17 @@ class ClosedLayer:
                 inputs[key] = _input_before(watched.inputs[key][1](), samples)
         held = [slot.get(snapshot.layer) for slot in snapshot.slots]
         at_close = {id(value): index for index, value in enumerate(held) if isinstance(value, torch.Tensor)}
-        return cls(snapshot, confirmed, inputs, keys, at_close, held)
+        done = {index for index, _ in confirmed}
+        kept = (
+            [
+                (index, version_of(value))
+                for index, value in enumerate(held)
+                if index not in done and isinstance(value, torch.Tensor) and not snapshot.slots[index].watch_only
+            ]
+            if snapshot.done
+            else []
+        )  # (a layer deferred to finish() is restored after this: nothing was kept yet)
+        return cls(snapshot, confirmed, inputs, keys, at_close, held, kept, stamp(snapshot.layer) if kept else ())
 
     def check(self, changes: Mapping[Any, int]) -> list[Finding]:
         """Findings for what changed since the layer was closed; ``changes`` says how each input changed."""
@@ -103,6 +118,24 @@ class ClosedLayer:
                     "pass. Call after_layer() once, when the layer is loaded and processed for the last time",
                 )
             )
+        if self.kept and stamp(layer) != self.own:
+            # The layer's weights changed after its close; a slot the restore left on its new tensor (a view of a
+            # Parameter the restore rebound to the captured one, say) and nothing wrote since holds the old values.
+            for index, version in self.kept:
+                slot = snapshot.slots[index]
+                current = slot.get(layer)
+                if index in flagged or current is not self.at_close_held[index] or version_of(current) != version:
+                    continue
+                flagged.add(index)
+                findings.append(
+                    sealed.finding(
+                        FindingKind.STALE,
+                        slot,
+                        detail="kept its new tensor at its layer's after_layer() (not restored into the captured "
+                        "memory), and the layer's weights changed afterwards without a rebuild: a recapture would "
+                        "read the old values. Call after_layer() once the layer's last weight is loaded and PWAL ran",
+                    )
+                )
         if not snapshot.inputs or not self.inputs:
             return findings
         changed = {key for key in self.inputs if changes.get(key, _UNCHANGED) == _CHANGED}
@@ -135,7 +168,9 @@ def permuted_deferred(closed: Iterable[ClosedLayer]) -> list[Finding]:
         if snapshot.done:
             continue
         for index, slot in enumerate(snapshot.slots):
-            if record.at_close.get(id(slot.get(snapshot.layer)), index) != index:
+            current = slot.get(snapshot.layer)
+            # another slot's tensor at the close, not this slot's own (slots sharing one tensor hold the same)
+            if current is not record.at_close_held[index] and id(current) in record.at_close:
                 findings.append(permuted_after_close(snapshot.sealed, slot))
     return findings
 
