@@ -1007,3 +1007,41 @@ def test_a_slot_kept_on_its_new_tensor_at_after_layer_is_stale_when_the_weight_i
     for fast_tier in (True, False):
         result = run(scenario, fast_tier=fast_tier)
         assert result.verdict == oracle.OK, (result.verdict, result.reason)
+
+
+_ROTATED_TAIL_GAP = (
+    "documented gap (docs/fault-matrix.md, 'Latest long run', open): PWAL rotates a layer's tensors and skips a tail "
+    "of one of them, which then views memory the rotation gave another slot (its values); the verdict is "
+    "NEEDS_RECAPTURE and the recapture reads the tail's wrong values (it should fail: recapture cannot fix it)"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=_ROTATED_TAIL_GAP)
+def test_a_skipped_tail_of_a_rotated_tensor_is_not_left_to_a_recapture() -> None:
+    """Found by the long fuzz run on the final code (the wrapper class; the base class reproduces it, as here):
+    layerwise in order, layer 0 rotates d1, d0, d2 and skips ``d3 = tail(d2)``; layer 1 ties to layer 0's d1."""
+    layer0 = LayerSpec(
+        rows=2,
+        cols=4,
+        loader="rebind",
+        buffer=True,
+        cycle=(1, 0, 2),
+        slots=(
+            SlotSpec("d0", factor=3, holder="child", mutation="data_inplace"),
+            SlotSpec("d1", subclass=True, holder="child", mutation="set_data"),
+            SlotSpec("d2", factor=2, subclass=True, holder="closure", mutation="stash_ref"),
+            SlotSpec("d3", kind="tail", of=2, holder="list", mutation="skip"),
+        ),
+    )
+    layer1 = LayerSpec(
+        rows=3,
+        cols=4,
+        loader="copy",
+        meta="tensor",
+        slots=(
+            SlotSpec("d0", kind="tie", of=1, holder="dict", mutation="free"),
+            SlotSpec("d1", source="scale", holder="list", declare="graph_visible", mutation="view_old", attr="tensor"),
+            SlotSpec("d2", kind="tail", of=1, holder="closure", declare="graph_visible", mutation="skip"),
+        ),
+    )
+    _assert_honest(Scenario(layers=(layer0, layer1), mode="migrate", manifest=True, layerwise="plain"))
