@@ -1009,17 +1009,12 @@ def test_a_slot_kept_on_its_new_tensor_at_after_layer_is_stale_when_the_weight_i
         assert result.verdict == oracle.OK, (result.verdict, result.reason)
 
 
-_ROTATED_TAIL_GAP = (
-    "documented gap (docs/fault-matrix.md, 'Latest long run', open): PWAL rotates a layer's tensors and skips a tail "
-    "of one of them, which then views memory the rotation gave another slot (its values); the verdict is "
-    "NEEDS_RECAPTURE and the recapture reads the tail's wrong values (it should fail: recapture cannot fix it)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_ROTATED_TAIL_GAP)
 def test_a_skipped_tail_of_a_rotated_tensor_is_not_left_to_a_recapture() -> None:
-    """Found by the long fuzz run on the final code (the wrapper class; the base class reproduces it, as here):
-    layerwise in order, layer 0 rotates d1, d0, d2 and skips ``d3 = tail(d2)``; layer 1 ties to layer 0's d1."""
+    """Found by the long fuzz run (the wrapper class; the base class reproduces it, as here): layerwise in order,
+    layer 0 rotates d1, d0, d2 (d0 and d1 respecified: they keep their new tensors) and skips ``d3 = tail(d2)``,
+    which then views d0's new tensor, written with d0's values. The reader check took those values for d3's own (it
+    looked for the writer among the moves only) and broke d2 away: NEEDS_RECAPTURE, and the recapture read d3 wrong.
+    It is ``stale`` now (written through a new tensor another path holds)."""
     layer0 = LayerSpec(
         rows=2,
         cols=4,

@@ -408,10 +408,17 @@ class RestorePlan:
                 return  # loaded state or a static slot: its bytes are its own whoever wrote them
             # Written, but through another slot's new tensor (PWAL rebound that slot onto this memory and wrote
             # it): the values are that slot's, not this one's.
-            owners = [m.ref for m in self.moves if _overlap(m.new, view)]
+            owners = [f"the new tensor of {m.ref!r}" for m in self.moves if _overlap(m.new, view)]
+            # or through a new tensor PWAL left at another path (a respecified slot keeps it): a rotation that gave
+            # this memory to another slot, which wrote its own values there
+            owners += [
+                "a new tensor another path holds"
+                for r in self._readers
+                if r.owner is None and r.view is not view and _overlap(r.view, view)
+            ][:1]
             if not owners:
                 return  # written by the reload as itself: its own values (the moved slot breaks away)
-            why = f"the reload wrote its bytes through the new tensor of {', '.join(map(repr, owners))}"
+            why = f"the reload wrote its bytes through {', '.join(owners)}"
         else:
             changed = reader.changed_inputs() if reader.changed_inputs is not None else []
             # Or what its moved partner is computed from (a tie to another layer's slot reads that layer's weights).
