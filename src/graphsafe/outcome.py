@@ -37,6 +37,7 @@ __all__ = [
     "inner_tensors",
     "memory_tensors",
     "read_params",
+    "storage_ids",
     "tensor_kind",
 ]
 
@@ -96,6 +97,11 @@ def memory_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     if inner is None:
         return [tensor]
     return [part for _, value in inner for part in memory_tensors(value)]
+
+
+def storage_ids(tensor: torch.Tensor) -> list[int]:
+    """``id()`` of each storage holding ``tensor``'s memory (a wrapper's: its inner tensors'), in flatten order."""
+    return [id(part.untyped_storage()) for part in memory_tensors(tensor)]
 
 
 def shape_and_stride(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -51,6 +51,14 @@ def rebuild(layer: nn.Module) -> None:
     layer.process_weights_after_loading()  # type: ignore[operator]
 
 
+def reload_in_order(txn: object, layer: nn.Module, value: float) -> None:
+    """One layer reloaded as it should be: before_layer, load, a PWAL that rebuilds, after_layer."""
+    txn.before_layer(layer)  # type: ignore[attr-defined]
+    load(layer, value)
+    rebuild(layer)
+    txn.after_layer(layer)  # type: ignore[attr-defined]
+
+
 def finish(contract: GraphContract, body: object) -> ReloadOutcome:
     with contextlib.suppress(ContractViolation), contract.reload(layerwise=True) as txn:
         body(txn)  # type: ignore[operator]
@@ -84,10 +92,7 @@ def test_a_layer_loaded_without_before_layer_fails_closed(with_after: bool) -> N
 
     def body(txn: object) -> None:
         first, second = net.layers
-        txn.before_layer(first)  # type: ignore[attr-defined]
-        load(first, 10.0)
-        rebuild(first)
-        txn.after_layer(first)  # type: ignore[attr-defined]
+        reload_in_order(txn, first, 10.0)
         load(second, 11.0)  # no before_layer
         second.process_weights_after_loading()  # type: ignore[operator]  # the guard skips the rebuild
         if with_after:
@@ -105,10 +110,7 @@ def test_a_layer_the_reload_leaves_alone_needs_no_before_layer() -> None:
 
     def body(txn: object) -> None:
         first = net.layers[0]
-        txn.before_layer(first)  # type: ignore[attr-defined]
-        load(first, 10.0)
-        rebuild(first)
-        txn.after_layer(first)  # type: ignore[attr-defined]
+        reload_in_order(txn, first, 10.0)
 
     assert finish(contract, body).status is Status.COMMITTED
 
@@ -181,10 +183,7 @@ def test_pwal_on_a_layer_whose_weights_did_not_change_needs_its_before_layer(pwa
 
     def body(txn: object) -> None:
         first, second = net.layers
-        txn.before_layer(first)  # type: ignore[attr-defined]
-        load(first, 10.0)
-        rebuild(first)
-        txn.after_layer(first)  # type: ignore[attr-defined]
+        reload_in_order(txn, first, 10.0)
         if pwal == "rebuild":  # the second layer's weights are as they were; PWAL runs on it all the same
             rebuild(second)
         else:

@@ -33,7 +33,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from graphsafe.collectors.walker import WalkResult, walk
 from graphsafe.devices import DeviceSet, WalkBudget
-from graphsafe.outcome import Fingerprint, Origin, fingerprint, memory_tensors
+from graphsafe.outcome import Fingerprint, Origin, fingerprint, memory_tensors, storage_ids
 from graphsafe.paths import Attr, SlotPath, format_path
 from graphsafe.registry import Declaration, declarations_of
 
@@ -112,11 +112,6 @@ class LayerTensors:
         return self.of(Origin.WALKER)
 
 
-def _storage_ids(tensor: torch.Tensor) -> list[int]:
-    """The storages ``tensor`` reads (a wrapper subclass has none of its own: its inner tensors')."""
-    return [id(part.untyped_storage()) for part in memory_tensors(tensor)]
-
-
 def _state_entries(
     layer: nn.Module, declared: Collection[str], devices: DeviceSet | None, notes: list[str]
 ) -> list[Classified]:
@@ -172,7 +167,7 @@ def classify_walk(result: WalkResult, known: Collection[str], tracked: Iterable[
     for ref in result.refs:
         if ref.path in known:
             continue
-        alias_of = next((storages[s] for s in _storage_ids(ref.tensor) if s in storages), None)
+        alias_of = next((storages[s] for s in storage_ids(ref.tensor) if s in storages), None)
         entries.append(
             Classified(
                 SlotPath(ref.path),

@@ -22,15 +22,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from graphsafe.contract._samples import Digest, SampleBatch, digests, same_digests, version_of
+from graphsafe.outcome import Finding, FindingKind
 from graphsafe.paths import Getter
 
-__all__ = ["LoadStamp", "Stamp", "changed_since", "load_stamps", "moved_since", "note_digests", "slot_stamp", "stamp"]
+if TYPE_CHECKING:
+    from graphsafe.contract._slots import SealedLayer
+
+__all__ = [
+    "LoadStamp",
+    "Stamp",
+    "changed_since",
+    "load_stamps",
+    "loaded_early",
+    "moved_since",
+    "note_digests",
+    "slot_stamp",
+    "stamp",
+]
 
 Stamp = tuple[tuple[int, int, int], ...]
 
@@ -41,20 +55,31 @@ def _own(layer: nn.Module) -> list[torch.Tensor]:
 
 def stamp(layer: nn.Module) -> Stamp:
     """The layer's own parameters and buffers as ``(id, version, data pointer)``; what a load changes."""
-    return tuple((id(tensor), version_of(tensor), _address(tensor)) for tensor in _own(layer))
+    return _keys(_own(layer))
 
 
-def slot_stamp(layer: nn.Module, getters: Sequence[Getter]) -> tuple[Any, ...]:
-    """What each sealed slot path of ``layer`` holds: ``(id, version, data pointer)`` of a tensor, ``id`` of
-    anything else; what PWAL changes (a rebuild, a rotation, an in-place write)."""
-    found: list[Any] = []
+def _keys(tensors: Sequence[torch.Tensor]) -> Stamp:
+    return tuple((id(tensor), version_of(tensor), _address(tensor)) for tensor in tensors)
+
+
+def _read(layer: nn.Module, getters: Sequence[Getter]) -> list[Any]:
+    """What each slot path holds now (a path that raises: a marker, a change as good as any)."""
+    held: list[Any] = []
     for get in getters:
         try:
-            held = get(layer)
-        except Exception:  # a path that raises now: a change as good as any
-            held = _UNREADABLE
-        found.append((id(held), version_of(held), _address(held)) if isinstance(held, torch.Tensor) else id(held))
-    return tuple(found)
+            held.append(get(layer))
+        except Exception:
+            held.append(_UNREADABLE)
+    return held
+
+
+def slot_stamp(held: Sequence[Any]) -> tuple[Any, ...]:
+    """What the slot paths hold (:func:`_read`): ``(id, version, data pointer)`` of a tensor, ``id`` of anything
+    else; what PWAL changes (a rebuild, a rotation, an in-place write)."""
+    return tuple(
+        (id(value), version_of(value), _address(value)) if isinstance(value, torch.Tensor) else id(value)
+        for value in held
+    )
 
 
 _UNREADABLE = object()
@@ -63,14 +88,15 @@ _UNREADABLE = object()
 @dataclass(slots=True)
 class LoadStamp:
     """A layer when the reload began: its own parameters and buffers (:func:`stamp`, and a digest of each one's
-    bytes, ``None`` where a tensor has none) and what its sealed slot paths held (:func:`slot_stamp`). The
-    objects are held, so an ``id`` cannot be reused meanwhile."""
+    bytes, ``None`` where a tensor has none) and what its sealed slot paths held (:func:`slot_stamp`), with the
+    getters that read them. The objects are held, so an ``id`` cannot be reused meanwhile."""
 
     keys: Stamp
     tensors: list[torch.Tensor]
     digests: list[torch.Tensor | None]
-    slots: tuple[Any, ...]
+    getters: Sequence[Getter]
     held: list[Any]
+    slots: tuple[Any, ...]
 
 
 def load_stamps(layers: Sequence[tuple[nn.Module, Sequence[Getter]]]) -> list[LoadStamp]:
@@ -80,25 +106,17 @@ def load_stamps(layers: Sequence[tuple[nn.Module, Sequence[Getter]]]) -> list[Lo
     stamps: list[LoadStamp] = []
     start = 0
     for (layer, getters), tensors in zip(layers, owned, strict=True):
-        held = [_held(layer, get) for get in getters]
-        stamps.append(
-            LoadStamp(stamp(layer), tensors, flat[start : start + len(tensors)], slot_stamp(layer, getters), held)
-        )
+        held = _read(layer, getters)
+        found = flat[start : start + len(tensors)]
+        stamps.append(LoadStamp(_keys(tensors), tensors, found, getters, held, slot_stamp(held)))
         start += len(tensors)
     return stamps
 
 
-def _held(layer: nn.Module, get: Getter) -> Any:
-    try:
-        return get(layer)
-    except Exception:
-        return None
-
-
-def moved_since(before: LoadStamp, layer: nn.Module, getters: Sequence[Getter]) -> bool:
+def moved_since(before: LoadStamp, layer: nn.Module) -> bool:
     """Whether ``layer``'s own parameters or buffers, or what its slot paths hold, changed since ``before`` (by
     identity, version counter or pointer; bytes written through ``.data`` are :func:`changed_since`'s)."""
-    return stamp(layer) != before.keys or slot_stamp(layer, getters) != before.slots
+    return stamp(layer) != before.keys or slot_stamp(_read(layer, before.getters)) != before.slots
 
 
 def note_digests(before: LoadStamp, batch: SampleBatch) -> list[tuple[torch.Tensor, Digest]]:
@@ -126,6 +144,16 @@ def changed_since(noted: Sequence[Sequence[tuple[torch.Tensor, Digest]]]) -> lis
         if not same:
             changed[position] = True
     return changed
+
+
+def loaded_early(sealed: SealedLayer) -> Finding:
+    """The ``reload-error`` of a layer whose stamp changed before its first snapshot."""
+    return sealed.layer_finding(
+        FindingKind.RELOAD_ERROR,
+        "loaded or processed (PWAL) before its before_layer() (called late, or not at all): the snapshot saw "
+        "the new state, so stale values go unchecked; call txn.before_layer(layer) before each layer's load",
+        declared=True,
+    )
 
 
 def _address(tensor: torch.Tensor) -> int:

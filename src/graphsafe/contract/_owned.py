@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphsafe.contract._samples import version_of
-from graphsafe.outcome import Origin, memory_tensors
+from graphsafe.outcome import Origin, storage_ids
 
 if TYPE_CHECKING:
     from graphsafe.contract._slots import SealedLayer
@@ -129,8 +129,8 @@ def take_back_reasons(
 
 
 def _storage_ids(tensor: torch.Tensor) -> set[int]:
-    """``id()`` of each storage holding ``tensor``'s memory (a wrapper's inner tensors'); none where it has none."""
+    """:func:`~graphsafe.outcome.storage_ids` as a set; none where the tensor has no storage to name."""
     try:
-        return {id(part.untyped_storage()) for part in memory_tensors(tensor)}
+        return set(storage_ids(tensor))
     except (TypeError, RuntimeError, NotImplementedError):
         return set()

@@ -411,11 +411,8 @@ class RestorePlan:
             owners = [f"the new tensor of {m.ref!r}" for m in self.moves if _overlap(m.new, view)]
             # or through a new tensor PWAL left at another path (a respecified slot keeps it): a rotation that gave
             # this memory to another slot, which wrote its own values there
-            owners += [
-                "a new tensor another path holds"
-                for r in self._readers
-                if r.owner is None and r.view is not view and _overlap(r.view, view)
-            ][:1]
+            if any(r.owner is None and r.view is not view and _overlap(r.view, view) for r in self._readers):
+                owners.append("a new tensor another path holds")
             if not owners:
                 return  # written by the reload as itself: its own values (the moved slot breaks away)
             why = f"the reload wrote its bytes through {', '.join(owners)}"

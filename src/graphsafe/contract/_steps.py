@@ -16,7 +16,7 @@ from graphsafe.contract._copy import CopyBatch
 from graphsafe.contract._fast import Rebinds, plan_common, step_conditions
 from graphsafe.contract._freshness import ClosedLayer, check_freshness, judge_noted
 from graphsafe.contract._memory import address_range
-from graphsafe.contract._order import moved_since, note_digests
+from graphsafe.contract._order import loaded_early, moved_since, note_digests
 from graphsafe.contract._owned import take_back_reasons
 from graphsafe.contract._plan import RestorePlan
 from graphsafe.contract._samples import version_of
@@ -158,7 +158,7 @@ def _snapshot(self: ReloadTransaction, sealed: SealedLayer, *, flush: bool = Tru
         )
     before = self._stamps.pop(id(sealed), None)
     if before is not None:
-        if moved_since(before, layer, [slot.get for slot in sealed.slots]):
+        if moved_since(before, layer):
             snapshot.findings.append(loaded_early(sealed))
         else:  # bytes written through .data move no stamp: compared when the reload finishes (_order)
             self._order_digests.append((sealed, note_digests(before, self._samples)))
@@ -378,13 +378,3 @@ def _note_pwal_writes(work: Rebinds, foreign: list[torch.Tensor]) -> None:
             captured is not None and 0 <= version != version_of(captured)
             for captured, version in zip(snapshot.captured, snapshot.versions, strict=False)
         ]
-
-
-def loaded_early(sealed: SealedLayer) -> Finding:
-    """The ``reload-error`` of a layer whose own weights changed before its snapshot (see ``_order``)."""
-    return sealed.layer_finding(
-        FindingKind.RELOAD_ERROR,
-        "loaded or processed (PWAL) before its before_layer() (called late, or not at all): the snapshot saw "
-        "the new state, so stale values go unchecked; call txn.before_layer(layer) before each layer's load",
-        declared=True,
-    )

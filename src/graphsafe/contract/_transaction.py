@@ -21,7 +21,7 @@ from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._freshness import ClosedLayer, check_closed, permuted_deferred
 from graphsafe.contract._gcpause import collections_paused
 from graphsafe.contract._late import LateModule, late_stale
-from graphsafe.contract._order import LoadStamp, changed_since, load_stamps
+from graphsafe.contract._order import LoadStamp, changed_since, load_stamps, loaded_early
 from graphsafe.contract._repeat import Repeat, late_loads, note_repeat
 from graphsafe.contract._samples import Digest, SampleBatch
 from graphsafe.contract._slots import InputRef, SealedLayer
@@ -472,7 +472,7 @@ class ReloadTransaction:
                     noted, self._order_digests = self._order_digests, []
                     changed = changed_since([digests for _, digests in noted])
                     early = [sealed for (sealed, _), moved in zip(noted, changed, strict=True) if moved]
-                    self._findings.extend(_steps.loaded_early(sealed) for sealed in early)
+                    self._findings.extend(loaded_early(sealed) for sealed in early)
                 if self._closed:  # layers after_layer() restored: still in the model, and as it left them?
                     closed = check_closed(self._closed.values(), self._still_in_model, self._held_anywhere)
                     self._findings.extend(closed)
