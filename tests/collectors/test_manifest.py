@@ -8,6 +8,7 @@ The model: ``layers.N`` each hold a frozen ``weight`` parameter, an ``offset`` b
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from graphsafe import (
     FindingKind,
     GraphContract,
     GraphSafeError,
+    ReloadFailedError,
     Status,
     UndeclaredDriftError,
     register_derived,
@@ -340,7 +342,7 @@ def test_storage_kept_alive_but_no_longer_held_is_orphaned() -> None:
     contract = GraphContract(model, "recapture", detect="declared-only").seal()
     record(model, contract)
     old = model_state(model)  # keeps every captured storage alive
-    with contract.reload():
+    with contextlib.suppress(ReloadFailedError), contract.reload():
         load(model, seed=1)
     outcome = contract.last_outcome
     assert outcome is not None
@@ -355,8 +357,10 @@ def test_storage_kept_alive_but_no_longer_held_is_orphaned() -> None:
     assert finding.after is not None and finding.before is not None
     assert finding.after.data_ptr != finding.before.data_ptr
     assert not [f for f in outcome.findings if f.kind is FindingKind.DEAD]  # the unowned caches are alive
-    # ... and read by the graph at no model path: orphaned too (no reload is known to reach them).
-    assert len([f for f in outcome.findings if f.kind is FindingKind.ORPHANED and not f.path]) == 2
+    # ... and read by the graph at no model path, unwritten by the reload (as a skipped rebuild leaves them): a
+    # recapture would read the same bytes, so stale.
+    assert len([f for f in outcome.findings if f.kind is FindingKind.STALE and not f.path]) == 2
+    assert outcome.status is Status.FAILED
     del old
 
 
@@ -403,12 +407,12 @@ def test_reseal_without_recapture_keeps_reporting() -> None:
     contract = GraphContract(model, "recapture", detect="declared-only").seal()
     record(model, contract)
     keep = model_state(model)
-    with contract.reload():
+    with contextlib.suppress(ReloadFailedError), contract.reload():
         load(model, seed=1)
     # A caller who vouches wrongly (no recapture ran): the manifest must not hide that the graph still reads the
     # old storage.
     contract.reseal(recaptured=True)
-    with contract.reload():
+    with contextlib.suppress(ReloadFailedError), contract.reload():
         load(model, seed=2)
     outcome = contract.last_outcome
     assert outcome is not None
@@ -425,7 +429,7 @@ def test_replaced_layer_orphans_its_storage() -> None:
     fresh.weight = nn.Parameter(torch.randn(N, N), requires_grad=False)
     fresh.pwal()
     model.layers[0] = fresh
-    with contract.reload():
+    with contextlib.suppress(ReloadFailedError), contract.reload():  # the old layer's cache entry: unwritten
         load(model, seed=1)
     outcome = contract.last_outcome
     assert outcome is not None

@@ -1,14 +1,18 @@
 """On the GPU, a read no model path feeds is a finding under both backends, and a vouched fixed table is not:
 the kernel scan and the dispatch recorder agree on a module-level cache entry PWAL replaced while a rollback list
-keeps the old one alive (``orphaned``), and on a fixed external table vouched for with ``vouch_fixed`` (commits)."""
+keeps the old one alive, unwritten (``stale``: nothing tells it from an entry PWAL skipped, which a recapture would
+read), on one PWAL writes in place (``orphaned``: a recapture reads it), and on a fixed external table vouched for
+with ``vouch_fixed`` (commits)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 from torch import nn
 
-from graphsafe import GraphContract
+from graphsafe import GraphContract, ReloadFailedError
 from graphsafe.adapters.torch import run_reload
 from graphsafe.collectors import record_capture
 from graphsafe.outcome import FindingKind, Status
@@ -45,8 +49,11 @@ def _capture(contract: GraphContract, layer: nn.Module, x: torch.Tensor, backend
     return graph
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["replaced-kept-alive", "written-in-place"])
 @pytest.mark.parametrize("backend", ["kernel", "dispatch"])
-def test_a_replaced_cache_entry_kept_alive_is_orphaned_under_both_backends(device: torch.device, backend: str) -> None:
+def test_an_unowned_cache_entry_is_stale_unless_the_reload_wrote_it_under_both_backends(
+    device: torch.device, backend: str, in_place: bool
+) -> None:
     layer = Cached(device)
     x = torch.randn(8, 64, device=device)
     contract = GraphContract(layer, "recapture").seal()
@@ -55,11 +62,21 @@ def test_a_replaced_cache_entry_kept_alive_is_orphaned_under_both_backends(devic
     def load() -> None:
         with torch.no_grad():
             layer.weight.copy_(torch.randn(64, 64, device=device))
-        layer.process_weights_after_loading()
+            if in_place:
+                _CACHE[id(layer)].copy_(layer.weight.t())
+            else:
+                layer.process_weights_after_loading()
 
-    outcome = run_reload(contract, load)
-    assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
-    assert FindingKind.ORPHANED in {f.kind for f in outcome.problems}
+    with contextlib.suppress(ReloadFailedError):
+        run_reload(contract, load)
+    outcome = contract.last_outcome
+    assert outcome is not None
+    if in_place:
+        assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
+        assert FindingKind.ORPHANED in {f.kind for f in outcome.problems}
+    else:
+        assert outcome.status is Status.FAILED, outcome.summary()
+        assert FindingKind.STALE in {f.kind for f in outcome.problems}
 
 
 @pytest.mark.parametrize("backend", ["kernel", "dispatch"])

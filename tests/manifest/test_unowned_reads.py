@@ -1,15 +1,19 @@
 """A captured read that no model path feeds is a finding in every backend: storage the graph read that the model
-holds nowhere (a module-level cache whose entry PWAL replaces while a rollback list keeps the old one alive) is
-``orphaned`` at the end of a reload under the dispatch recorder as under the kernel scan. A truly external fixed
-table is vouched for explicitly (``Manifest.vouch_fixed``); a storage the capture only viewed is no read."""
+holds nowhere is ``orphaned`` at the end of a reload where the reload wrote it (a recapture reads what PWAL left
+there), and ``stale`` where the reload wrote none of its bytes: a recapture would read the same bytes, and nothing
+tells a cache entry PWAL skipped from one it replaced while a rollback list keeps the old one alive, an unignored
+static input, or a fixed table (``contract._unnamed``). A truly external fixed table is vouched for explicitly
+(``Manifest.vouch_fixed``); a storage the capture only viewed is no read."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 from torch import nn
 
-from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status
+from graphsafe import FindingKind, GraphContract, ReloadFailedError, ReloadOutcome, Status
 from graphsafe.collectors import Manifest, record_capture
 
 _CACHE: dict[int, torch.Tensor] = {}
@@ -46,10 +50,12 @@ class Tabled(nn.Module):
         return x @ self.weight + _TABLE
 
 
-def _reload(contract: GraphContract, layer: nn.Module, pwal: bool) -> ReloadOutcome:
-    with contract.reload():
+def _reload(contract: GraphContract, layer: nn.Module, pwal: bool, in_place: bool = False) -> ReloadOutcome:
+    with contextlib.suppress(ReloadFailedError), contract.reload():
         with torch.no_grad():
             layer.weight.copy_(torch.randn(4, 4))
+            if in_place:
+                _CACHE[id(layer)].copy_(layer.weight.t())
         if pwal:
             layer.process_weights_after_loading()  # type: ignore[operator]
     outcome = contract.last_outcome
@@ -58,9 +64,10 @@ def _reload(contract: GraphContract, layer: nn.Module, pwal: bool) -> ReloadOutc
 
 
 @pytest.mark.parametrize("mode", ["recapture", "migrate"])
-def test_a_replaced_cache_entry_kept_alive_outside_the_model_is_orphaned_under_the_dispatch_recorder(
+def test_a_replaced_cache_entry_kept_alive_outside_the_model_fails_closed_under_the_dispatch_recorder(
     mode: str,
 ) -> None:
+    """The old entry is alive and unwritten: as a skipped rebuild leaves it, so a recapture is no fix."""
     layer = Cached()
     x = torch.randn(2, 4)
     contract = GraphContract(layer, mode).seal()  # type: ignore[arg-type]
@@ -68,13 +75,29 @@ def test_a_replaced_cache_entry_kept_alive_outside_the_model_is_orphaned_under_t
         layer(x)
     assert [entry.hi > 0 for entry in contract.manifest.unowned()] == [True]  # the cache entry, read
     outcome = _reload(contract, layer, pwal=True)
+    assert outcome.status is Status.FAILED, outcome.summary()
+    assert [f.kind for f in outcome.problems] == [FindingKind.STALE]
+    assert "no model path holds it" in outcome.problems[0].detail
+    assert "vouch_fixed" in outcome.problems[0].detail
+
+
+@pytest.mark.parametrize("mode", ["recapture", "migrate"])
+def test_a_cache_entry_written_in_place_is_orphaned(mode: str) -> None:
+    """The reload wrote the entry's bytes: a recapture reads what PWAL left there."""
+    layer = Cached()
+    x = torch.randn(2, 4)
+    contract = GraphContract(layer, mode).seal()  # type: ignore[arg-type]
+    with record_capture(contract, ignore=[x], backend="dispatch"):
+        layer(x)
+    outcome = _reload(contract, layer, pwal=False, in_place=True)
     assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
     assert [f.kind for f in outcome.problems] == [FindingKind.ORPHANED]
     assert "no model path holds it" in outcome.problems[0].detail
 
 
 def test_a_static_input_left_out_of_ignore_is_a_finding_too() -> None:
-    """Nothing tells an unignored input from an unowned cache: the input must be passed as ``ignore=``."""
+    """Nothing tells an unignored input from an unowned cache PWAL skipped: the input must be passed as
+    ``ignore=``."""
     layer = Tabled()
     x = torch.randn(2, 4)
     contract = GraphContract(layer, "recapture").seal()
@@ -83,7 +106,8 @@ def test_a_static_input_left_out_of_ignore_is_a_finding_too() -> None:
     with record_capture(contract, backend="dispatch"):
         layer(x)
     outcome = _reload(contract, layer, pwal=False)
-    assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
+    assert outcome.status is Status.FAILED, outcome.summary()
+    assert "ignore=" in outcome.problems[0].detail
 
 
 def test_a_vouched_fixed_external_table_commits() -> None:
@@ -105,8 +129,8 @@ def test_an_unvouched_external_table_fails_closed() -> None:
     with record_capture(contract, ignore=[x], backend="dispatch"):
         layer(x)
     outcome = _reload(contract, layer, pwal=False)
-    assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
-    assert [f.kind for f in outcome.problems] == [FindingKind.ORPHANED]
+    assert outcome.status is Status.FAILED, outcome.summary()
+    assert [f.kind for f in outcome.problems] == [FindingKind.STALE]
     assert "vouch_fixed" in outcome.problems[0].detail
 
 
@@ -149,7 +173,8 @@ def test_an_unowned_scratch_read_beyond_what_the_graph_wrote_is_a_read() -> None
         scratch.sum()  # rows 2 and 3 hold what was there before the capture
     manifest.vouch_fixed(_TABLE)
     outcome = _reload(contract, layer, pwal=False)
-    assert outcome.status is Status.NEEDS_RECAPTURE, outcome.summary()
+    assert outcome.status is Status.FAILED, outcome.summary()  # read, and no reload wrote it
+    assert [f.kind for f in outcome.problems] == [FindingKind.STALE]
 
 
 class LazyTable(nn.Module):

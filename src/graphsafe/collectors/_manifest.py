@@ -21,7 +21,7 @@ call) is invisible too. The kernel scan reads what the captured kernels really p
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -303,6 +303,16 @@ class Manifest:
         those vouched for as fixed tables (:meth:`vouch_fixed`)."""
         return [entry for entry in self.storages() if not entry.holders and not self._vouched(entry.storage_ref())]
 
+    def read_unowned(self) -> list[Any]:
+        """The live storages the graphs read that no model path held when indexed and that are not vouched for as
+        fixed: what a reload notes when it begins, to tell at its end whether it wrote them (see :meth:`check`)."""
+        found: list[Any] = []
+        for entry in self._indexed().read_unowned:
+            storage = entry.storage_ref()
+            if storage is not None and not self._vouched(storage):
+                found.append(storage)
+        return found
+
     def vouch_fixed(self, *tensors: torch.Tensor) -> None:
         """Vouch that these tensors, which the graphs read and no model path holds (a module-level lookup table),
         are fixed: no reload changes what they hold or where. Their storages are then not ``orphaned`` when
@@ -518,8 +528,12 @@ class Manifest:
             if isinstance(value, tensor_type) and value.layout is strided:
                 yield holder.layer, holder.path, value
 
-    def check(self, contract: SealedModel) -> list[Finding]:
+    def check(self, contract: SealedModel, unwritten: Collection[int] = ()) -> list[Finding]:
         """``dead`` and ``orphaned`` findings for the recorded storages, after a reload's restore.
+
+        ``unwritten``: ids of the unowned storages the caller found with the same bytes as when the reload began
+        (no write reached them); each that the graphs read is ``stale`` rather than ``orphaned``: a recapture would
+        read those old bytes, unless the code now reads another tensor that no check can see.
 
         Only the recorded paths are re-resolved (no walk): O(recorded storages x their holders).
         """
@@ -545,7 +559,10 @@ class Manifest:
                 # through out= first; a storage only viewed is no read) and no model path, input or output holds it:
                 # nothing a reload does is known to reach what replay reads there, in either backend.
                 if entry.read and not self._vouched(storage):
-                    findings.append(_finding(FindingKind.ORPHANED, entry, model, None, what=_UNOWNED_ALIVE))
+                    if id(storage) in unwritten:
+                        findings.append(_finding(FindingKind.STALE, entry, model, None, what=_UNOWNED_UNWRITTEN))
+                    else:
+                        findings.append(_finding(FindingKind.ORPHANED, entry, model, None, what=_UNOWNED_ALIVE))
                 continue
             left = [holder for holder, node, get in compiled if not _holds_now(modules[node], get, storage)]
             if len(left) < len(entry.holders):
@@ -567,6 +584,14 @@ _UNOWNED_ALIVE = (
     "no model path holds it, so no reload updates what replay reads there; hold it at a model path, declare it, "
     "pass it as a graph input (record_capture's ignore=), or, for a fixed table no reload changes, vouch for it "
     "with contract.manifest.vouch_fixed(tensor)"
+)
+
+
+_UNOWNED_UNWRITTEN = (
+    "no model path holds it and the reload wrote none of its bytes, so a recapture would read the same values "
+    "(PWAL skipped rebuilding it; or made a new one elsewhere, which no check can see): hold it at a model path and "
+    "declare it, pass it as a graph input (record_capture's ignore=), or, for a fixed table no reload changes, vouch "
+    "for it with contract.manifest.vouch_fixed(tensor)"
 )
 
 

@@ -95,6 +95,7 @@ class ReloadIndex:
         "generation",
         "held",
         "layers",
+        "read_unowned",
         "rows",
         "storages",
     )
@@ -125,6 +126,10 @@ class ReloadIndex:
                 if key not in seen:
                     seen.add(key)
                     self.held.append(item)
+        #: The live storages a capture read that no model path held (``Manifest.read_unowned``).
+        self.read_unowned = [
+            entry for entry in storages if not entry.holders and entry.read and entry.storage_ref() is not None
+        ]
         #: The live storages whose read bytes the recorder knows exactly (``Manifest.byte_ranges``).
         self.byte_ranges = [
             entry

@@ -46,7 +46,7 @@ class ManifestCheck(Protocol):
 
     def reindex(self, contract: GraphContract) -> None: ...
 
-    def check(self, contract: GraphContract) -> list[Finding]: ...
+    def check(self, contract: GraphContract, unwritten: Collection[int] = ()) -> list[Finding]: ...
 
     def held(self, contract: GraphContract) -> Iterable[tuple[str, str, torch.Tensor]]: ...
 
@@ -356,6 +356,7 @@ class GraphContract:
     _adopt_late_declarations = _sealing._adopt_late_declarations
     _outer = _sealing._outer
     _walker_extras = _sealing._walker_extras
+    _unnamed_now = _sealing._unnamed_now
     _unsealed_modules = _sealing._unsealed_modules
 
     # The outcome and what it does (contract._verdict).

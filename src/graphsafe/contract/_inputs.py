@@ -254,6 +254,24 @@ class _Inputs:
                 keys.append(key)
         return tuple(keys)
 
+    def layer_keys(self, own: Any = None) -> tuple[Any, ...]:
+        """The keys of the layer's fallback inputs: every parameter, buffer and plain tensor attribute of the layer
+        and the modules under it, but plain tensors on storage ``own`` (the watched tensor's own memory); with the
+        nearest module above's where the layer holds no loaded state."""
+        if self.fallback is None:
+            self.fallback = tuple(self._add(*entry) for entry in _layer_inputs(self.layer))
+            self.loaded = {(id(m), n) for _, m in self.layer.named_modules() for n in (*m._parameters, *m._buffers)}
+        # An undeclared plain attribute is in the fallback, and so is any other plain path to its memory (an alias):
+        # none of them is its own input. Loaded state is, even where it is a view of it (weight.t()).
+        others = tuple(
+            key for key in self.fallback if key in self.loaded or not _reads_storage(self.inputs[key][2], own)
+        )
+        if any(key in self.loaded for key in others):
+            return others
+        # No loaded state in the layer (a child holding derived tensors): its tensors are computed from the weights
+        # of a module above it; its plain tensors stay inputs too.
+        return tuple(dict.fromkeys((*others, *self._outer_fallback())))
+
     def of(self, slot: SealedSlot) -> tuple[Any, ...]:
         """The keys of ``slot``'s inputs (see the section comment for which).
 
@@ -272,21 +290,8 @@ class _Inputs:
         if (recorded is None and sources is None) or not all(
             isinstance(_getter(path)(layer), torch.Tensor) for path in paths
         ):
-            if self.fallback is None:
-                self.fallback = tuple(self._add(*entry) for entry in _layer_inputs(layer))
-                self.loaded = {(id(m), n) for _, m in layer.named_modules() for n in (*m._parameters, *m._buffers)}
-            # An undeclared plain attribute is in the fallback, and so is any other plain path to its memory (an
-            # alias): none of them is its own input. Loaded state is, even where it is a view of it (weight.t()).
             current = slot.get(layer)
-            own = current.untyped_storage() if isinstance(current, torch.Tensor) else None
-            others = tuple(
-                key for key in self.fallback if key in self.loaded or not _reads_storage(self.inputs[key][2], own)
-            )
-            if any(key in self.loaded for key in others):
-                return others
-            # No loaded state in the layer (a child holding derived tensors): its tensors are computed from the
-            # weights of a module above it; its plain tensors stay inputs too.
-            return tuple(dict.fromkeys((*others, *self._outer_fallback())))
+            return self.layer_keys(current.untyped_storage() if isinstance(current, torch.Tensor) else None)
         keys = list(self._recorded_keys(recorded)) if recorded is not None else []
         for path in paths:
             keys.append(self._add((id(layer), path.text), path.text, functools.partial(_getter(path), layer)))

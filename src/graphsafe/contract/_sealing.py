@@ -20,6 +20,7 @@ from graphsafe.contract._owned import owned_memory
 from graphsafe.contract._slots import SealedLayer, SealedSlot
 from graphsafe.contract._tensorref import TensorRef
 from graphsafe.contract._unmaterialised import refuse_unmaterialised
+from graphsafe.contract._unnamed import Unnamed
 from graphsafe.errors import DeclarationError, GraphSafeError, NotServingSafeError, hide_frames_in_pytest
 from graphsafe.outcome import Finding, FindingKind, Origin, SlotRef, fingerprint
 from graphsafe.paths import SlotPath
@@ -333,17 +334,24 @@ def _outer(self: GraphContract, qualname: str) -> list[tuple[str, nn.Module]]:
 
 def _walker_extras(
     self: GraphContract, sealed: SealedLayer, layer: nn.Module
-) -> tuple[list[SealedSlot], str | None, tuple[str, ...]]:
-    """Tensors the walker finds now but the seal did not know, and where it finds untrackable ones now
-    (``every-reload`` only)."""
+) -> tuple[list[SealedSlot], str | None, tuple[str, ...], Unnamed]:
+    """Tensors the walker finds now but the seal did not know, where it finds untrackable ones now, and the
+    tensors behind those places (``every-reload``; in the other modes only the last, for a layer the seal's walk
+    found untrackable places in)."""
     if self.detect != "every-reload":
-        return [], None, ()
+        return [], None, (), self._unnamed_now(layer) if sealed.untrackable else ()
     known = sealed.known_paths
     # known paths are neither reported nor fingerprinted by the walk
     result = walk(layer, budget=self.budget, devices=self.devices, skip_paths=known, units=self._units)
     tracked = [(slot.path.text, slot.origin, part.storage_ref()) for slot in sealed.slots for part in slot.fp.memory()]
     extras = [_sealed_slot(entry) for entry in classify_walk(result, known, tracked)]
-    return extras, result.exhausted, result.notes
+    return extras, result.exhausted, result.notes, result.unnamed
+
+
+def _unnamed_now(self: GraphContract, layer: nn.Module) -> Unnamed:
+    """The device tensors ``layer`` holds behind steps no path can name, as a walk finds them now
+    (``contract._unnamed``)."""
+    return walk(layer, budget=self.budget, devices=self.devices, units=self._units).unnamed
 
 
 def _unsealed_modules(self: GraphContract, notes: list[LateModule] | None = None) -> list[Finding]:

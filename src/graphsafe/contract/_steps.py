@@ -22,6 +22,7 @@ from graphsafe.contract._plan import RestorePlan
 from graphsafe.contract._samples import version_of
 from graphsafe.contract._slots import SealedLayer
 from graphsafe.contract._snapshot import LayerSnapshot
+from graphsafe.contract._unnamed import note_unnamed
 from graphsafe.contract._unread import skip_unread
 from graphsafe.errors import hide_frames_in_pytest
 from graphsafe.outcome import Finding, FindingKind, memory_tensors
@@ -130,18 +131,27 @@ def _snapshot(self: ReloadTransaction, sealed: SealedLayer, *, flush: bool = Tru
         self._moved.add(id(sealed))
     contract._adopt_late_declarations(sealed, layer)
     self._closed.pop(id(sealed), None)  # reloaded again in this transaction: this snapshot's restore decides
-    extras, exhausted, untrackable = contract._walker_extras(sealed, layer)
+    extras, exhausted, untrackable, unnamed = contract._walker_extras(sealed, layer)
     extras += self._manifest_extras(sealed)
+    outer = functools.partial(contract._outer, sealed.qualname)
     snapshot = LayerSnapshot.take(
         sealed,
         layer,
         extras,
         samples=self._samples,
         recorded=contract._recorded,
-        outer=functools.partial(contract._outer, sealed.qualname),
+        outer=outer,
         scratch=self._graph_writes,
         originals=self._originals,
     )
+    if unnamed and id(sealed) not in self._unnamed:  # (the first snapshot's: the state before the load)
+        # memory a slot path also reaches (a closure cell, a weight) is that slot's to judge
+        slots = {id(part.untyped_storage()) for t in snapshot.captured if t is not None for part in _memory_of(t)}
+        note = note_unnamed(
+            sealed, layer, unnamed, snapshot.inputs, self._samples, lambda: self._weight_storages() | slots, outer
+        )
+        if note is not None:
+            self._unnamed[id(sealed)] = note
     # Untrackable at the seal or now: no check can tell whether the graph still reads their memory.
     for where in dict.fromkeys(sealed.untrackable + untrackable):
         snapshot.findings.append(
@@ -166,6 +176,24 @@ def _snapshot(self: ReloadTransaction, sealed: SealedLayer, *, flush: bool = Tru
     if flush:
         self._samples.flush()
     return snapshot
+
+
+def _memory_of(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding ``tensor``'s memory (a wrapper's inner ones), none where it has no memory of its own."""
+    try:
+        return list(memory_tensors(tensor))
+    except (TypeError, RuntimeError):
+        return []
+
+
+def _weight_storages(self: ReloadTransaction) -> set[int]:
+    """ids of the storages of the model's parameters and buffers (read once per reload, where asked)."""
+    if self._weights is None:
+        model = self.contract.model
+        self._weights = set()
+        for tensor in (*model.parameters(), *model.buffers()):
+            self._weights.update(id(part.untyped_storage()) for part in _memory_of(tensor))
+    return self._weights
 
 
 def _graph_writes(self: ReloadTransaction, tensor: torch.Tensor) -> bool:

@@ -26,6 +26,7 @@ from graphsafe.contract._repeat import Repeat, late_loads, note_repeat
 from graphsafe.contract._samples import Digest, SampleBatch
 from graphsafe.contract._slots import InputRef, SealedLayer
 from graphsafe.contract._snapshot import LayerSnapshot
+from graphsafe.contract._unnamed import UnnamedNote, UnownedNote, note_unowned, unnamed_stale, unwritten_unowned
 from graphsafe.contract._unread import SkipState
 from graphsafe.contract._unread_drift import excuse_unread_drift
 from graphsafe.errors import GraphSafeError, NotServingSafeError, hide_frames_in_pytest
@@ -89,6 +90,11 @@ class ReloadTransaction:
         #: The capture manifest's storages with exactly recorded bytes (see ``_reads_no_copy_reached``), read once.
         self._byte_ranges: list[Any] | None = None
         self._written: dict[int, Any] | None = None  # storages a recorded capture wrote, by id (see _graph_writes)
+        self._weights: set[int] | None = None  # ids of the model's weight storages (see _weight_storages)
+        #: Sealed layer id -> its unnamed tensors at its first snapshot; the unowned storages a capture read, at
+        #: begin(): judged when the reload finishes (contract._unnamed).
+        self._unnamed: dict[int, UnnamedNote] = {}
+        self._unowned: list[UnownedNote] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -152,6 +158,9 @@ class ReloadTransaction:
                 for (sealed, _), load_stamp in zip(stamped, load_stamps(layers), strict=True):
                     self._stamps[id(sealed)] = load_stamp
                 self._seconds += time.perf_counter() - start
+            read_unowned = getattr(contract.manifest, "read_unowned", None)
+            if read_unowned is not None:  # flushed with the snapshots' samples, or below
+                self._unowned = note_unowned(read_unowned(), self._samples)
             if early:
                 start = time.perf_counter()
                 with collections_paused():
@@ -159,6 +168,8 @@ class ReloadTransaction:
                         self._snapshot(sealed, flush=False)
                     self._samples.flush()  # every layer's value samples in one copy per dtype, before the load
                 self._seconds += time.perf_counter() - start
+            if self._unowned and not early:
+                self._samples.flush()
             self._findings.extend(contract._unsealed_modules(self._late))
         except BaseException as exc:
             # Nothing was loaded yet: leave the contract as it was, not stuck with an open transaction.
@@ -480,6 +491,11 @@ class ReloadTransaction:
                 if self._late:  # modules registered after the seal: derived tensors PWAL left stale
                     self._findings.extend(late_stale(self._late))
                     self._late = []
+                judged: set[int] = set()
+                if self._unnamed:  # tensors no slot path names, left stale behind an unnamed step
+                    self._findings.extend(unnamed_stale(self._unnamed.values(), contract._unnamed_now))
+                    judged = {ident for note in self._unnamed.values() for ident in note.storages()}
+                    self._unnamed = {}
                 if contract.manifest is not None:
                     # The walker and the manifest can see the same slot: report each (layer, path) once, where the
                     # contract's own finding stays a problem. One graph truth excuses (drift of a tensor no graph
@@ -488,8 +504,11 @@ class ReloadTransaction:
                     own = excuse_unread_drift(self._findings, contract.manifest)
                     flagged = {(f.layer, f.path) for f in own if f.kind.is_problem and f.path}
                     extra = [
-                        f for f in contract.manifest.check(contract) if not f.path or (f.layer, f.path) not in flagged
+                        f
+                        for f in contract.manifest.check(contract, unwritten_unowned(self._unowned, judged))
+                        if not f.path or (f.layer, f.path) not in flagged
                     ]
+                    self._unowned = []
                     self._findings = own + excuse_unread_drift(extra, contract.manifest)
                 # What a reseal must not take for fresh: the slots this reload found stale (SealedSlot.owed).
                 stale = {(f.layer, f.path) for f in self._findings if f.kind is FindingKind.STALE}
@@ -558,6 +577,7 @@ class ReloadTransaction:
     _reads_no_copy_reached = _steps._reads_no_copy_reached
     _snapshot = _steps._snapshot
     _graph_writes = _steps._graph_writes
+    _weight_storages = _steps._weight_storages
     _still_in_model = _steps._still_in_model
     _holds_at = _steps._holds_at
     _held_anywhere = _steps._held_anywhere

@@ -87,6 +87,7 @@ def enumerate_paths(graph: WalkGraph, skip: Collection[str] = ()) -> list[Tensor
         if tk == UNNAMED:  # not a path step: no slot path goes through it
             where = texts[-1] or "<layer>"
             graph.notes[f"{where}: {key} leads to device tensors that no slot path can name"] = None
+            graph.unnamed.extend((where, key, tensor) for tensor in _tensors_under(graph, marks, child))
             continue
         steps += 1
         if steps > budget:
@@ -148,6 +149,27 @@ def enumerate_paths(graph: WalkGraph, skip: Collection[str] = ()) -> list[Tensor
         pos.append(estart[child])
         ends.append(eend[child])
     return refs
+
+
+def _tensors_under(graph: WalkGraph, marks: bytearray, node: int) -> list[torch.Tensor]:
+    """The tensors reachable from ``node`` through marked nodes, each once (the graph is already read: no object is
+    read again)."""
+    kinds, objs, estart, eend, e_child = graph.kinds, graph.objs, graph.estart, graph.eend, graph.e_child
+    found: list[torch.Tensor] = []
+    seen = {node}
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if kinds[current] == TENSOR and isinstance(objs[current], torch.Tensor):
+            found.append(objs[current])
+        if estart[current] < 0:
+            continue
+        for e in range(estart[current], eend[current]):
+            child = e_child[e]
+            if marks[child] and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return found
 
 
 def _inner_of_a_slot(objs: list[Any], prints: dict[int, Fingerprint | None], parent: int, name: object) -> bool:

@@ -86,6 +86,7 @@ class WalkGraph:
         self.notes: dict[str, None] = {}  # an ordered set
         self.storages: list[tuple[str, Any]] = []  # the raw storages reached (each noted): (first path, storage)
         self.skipped: list[str] = []  # the caller's skip paths that phase 3 reached (each path once)
+        self.unnamed: list[tuple[str, str, Any]] = []  # (where, what, tensor) behind each unnamed step reached
 
     # -- messages ----------------------------------------------------------------------------------------------
 

@@ -39,3 +39,8 @@ class WalkResult:
     #: The raw storages (``UntypedStorage``: a storage pool) the walk reached, each with its first path (each is
     #: also a note: no slot path can name a tensor in it); a holder search matches their memory.
     storages: tuple[tuple[str, Any], ...] = ()
+    #: ``(where, what, tensor)`` for each device tensor reached only through a step no path can name: the path to
+    #: the object that holds it, what that step is ("a member of a set", "the value (or default) of a ContextVar
+    #: ..."), and the tensor (a reload's freshness check of those places compares them: ``contract._unnamed``). A
+    #: tensor behind several such steps is listed once per step.
+    unnamed: tuple[tuple[str, str, torch.Tensor], ...] = ()

@@ -108,6 +108,7 @@ def walk(
         notes=tuple(graph.notes),
         skipped=tuple(graph.skipped),
         storages=tuple(graph.storages),
+        unnamed=tuple(graph.unnamed),
     )
 
 
