@@ -9,9 +9,12 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from graphsafe import GraphContract, ReloadFailedError
@@ -485,3 +488,145 @@ def test_read_ranges_take_words_near_the_top_of_the_address_space() -> None:
     assert ranges.overlaps(top, top + 8)
     assert ranges.overlaps(0x1800, 0x1801)
     assert not ranges.overlaps(0x3000, 0x4000)
+
+
+# -- pointer tables over POINTER_ARRAY_BYTES: searched on their own device ---------------------------------------------
+_FAR = 0x1000_0000_0000  # synthetic memory, far from any real allocation of this process
+
+
+def _kernel_reading(*addresses: int) -> kscan.GraphScan:
+    return kscan.GraphScan([GraphNode("kernel", "grouped", tuple((8 * i, 8) for i in range(len(addresses))),
+                                tuple(_word(a) for a in addresses))])  # fmt: skip
+
+
+def _located_reads(scan: kscan.GraphScan, view: StorageView, table: torch.Tensor) -> kscan.ReadRanges:
+    """The oracle: the reads when the whole table is read to host and every word of it located, whatever its size."""
+    ranges = []
+    for node in scan.nodes:
+        for address in node.words():
+            where = view.locate(address)
+            ranges.append((where.base, where.base + max(where.nbytes, 1)))
+    for address in set(kscan.pointer_array_words(table)):
+        where = view.locate(address)
+        if where.what != "foreign" or where.nbytes:
+            ranges.append((where.base, where.base + max(where.nbytes, 1)))
+    return kscan.ReadRanges(ranges)
+
+
+@st.composite
+def _memory(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[tuple[int, int, Any]], list[tuple[int, int, Any]]]:
+    """Synthetic allocator segments (blocks allocated, free or private), model storages and other tensors in them."""
+    segments: list[dict[str, Any]] = []
+    model: list[tuple[int, int, Any]] = []
+    others: list[tuple[int, int, Any]] = []
+    for index in range(draw(st.integers(1, 3))):
+        at = base = _FAR + index * 0x100000
+        blocks = []
+        for _ in range(draw(st.integers(1, 4))):
+            size = draw(st.sampled_from([0x200, 0x1000, 0x3000]))
+            state = draw(st.sampled_from(["active_allocated", "inactive"]))
+            blocks.append({"address": at, "size": size, "state": state})
+            if state == "active_allocated":
+                held = draw(st.sampled_from(["model", "other", "nothing"]))
+                nbytes = draw(st.sampled_from([size, size // 2, 8]))
+                if held != "nothing":
+                    (model if held == "model" else others).append((at, nbytes, torch.zeros(1)))
+            at += size
+        private = draw(st.booleans())
+        segments.append({"address": base, "total_size": at - base + draw(st.sampled_from([0, 0x800])),
+                         "segment_pool_id": (1, 0) if private else (0, 0), "blocks": blocks})  # fmt: skip
+    return segments, model, others
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(memory=_memory(), data=st.data())
+def test_a_large_table_searched_on_its_device_reads_what_locating_every_word_would(
+    data: st.DataObject, memory: Any
+) -> None:
+    """The rule: a storage over POINTER_ARRAY_BYTES is searched on its device against the memory not yet known to be
+    read (``StorageView.unread_spans``, ``search_words``); the reads must be exactly those of copying it to host and
+    locating every aligned word (the small tables' rule), whatever the table holds: pointers to the start, inside,
+    last byte or just past any storage, block or segment, to a registered input, to memory the kernel reads
+    directly, and integers; in steps of any size."""
+    segments, model, others = memory
+    table = torch.zeros(kscan.POINTER_ARRAY_BYTES // 8 + 1, dtype=torch.int64)
+    given_input = torch.zeros(4)
+    ranges = [(int(s["address"]), int(s["address"]) + int(s["total_size"])) for s in segments]
+    ranges += [(b["address"], b["address"] + b["size"]) for s in segments for b in s["blocks"]]
+    ranges += [(at, at + n) for at, n, _ in model + others]
+    ranges.append((given_input.data_ptr(), given_input.data_ptr() + 16))
+    targets = [start + d for start, end in ranges for d in (-1, 0, 8, end - start - 1, end - start)]
+    words = data.draw(st.lists(st.sampled_from(targets) | st.integers(0, (1 << 64) - 1), max_size=12))
+    last = table.numel() - 1
+    edges = st.sampled_from([0, 1023, 1024, last])  # the first and last word, a step's edges
+    positions = data.draw(st.lists(edges | st.integers(0, last), min_size=len(words), max_size=len(words)))
+    for position, value in zip(positions, words, strict=True):
+        table[position] = value - (1 << 64) if value >= 1 << 63 else value
+    held = [at for at, _, _ in model + others]  # a kernel reading a storage leaves the rest of its block unread
+    direct = data.draw(st.lists(st.sampled_from(held or targets) | st.sampled_from(targets), max_size=4))
+    view = StorageView([(table.data_ptr(), table.untyped_storage().nbytes(), table), *model], [given_input], segments,
+                       others=others)  # fmt: skip
+    scan = _kernel_reading(table.data_ptr(), *direct)
+    with mock.patch.object(kscan, "SEARCH_CHUNK_WORDS", data.draw(st.sampled_from([1 << 10, 1 << 24]))):
+        facts = kscan.attribute(scan, view)
+    expected = _located_reads(_kernel_reading(table.data_ptr(), *direct), view, table)
+    assert not scan.incomplete, scan.incomplete
+    assert facts.tables == 1
+    assert (list(facts.reads._starts), list(facts.reads._ends)) == (list(expected._starts), list(expected._ends))
+
+
+@pytest.mark.parametrize("nbytes", [64, kscan.POINTER_ARRAY_BYTES + 64], ids=["small", "large"])
+def test_a_table_at_an_unaligned_address_is_read_at_its_aligned_words(nbytes: int) -> None:
+    """A table whose storage does not start at an 8-aligned address (memory wrapped with ``frombuffer`` or DLPack):
+    a kernel loads its pointers from 8-aligned addresses, so those are the words read, not the storage's first
+    eight bytes and every eighth after (which straddle two pointers); a large one is searched all the same."""
+    memory = bytearray(nbytes + 16)
+    table = torch.frombuffer(memory, dtype=torch.uint8, offset=3, count=nbytes)
+    base = table.untyped_storage().data_ptr()
+    assert base % 8, "frombuffer gave an aligned storage: the test needs another offset"
+    target = torch.zeros(4)
+    at = -base % 8 + 8  # the second aligned word
+    table[at : at + 8] = torch.tensor([target.data_ptr()], dtype=torch.int64).view(torch.uint8)
+    view = StorageView([(base, nbytes, table), (target.data_ptr(), 16, target)])
+    scan = _kernel_reading(base)
+    facts = kscan.attribute(scan, view)
+    assert not scan.incomplete, scan.incomplete
+    assert facts.reads.overlaps(target.data_ptr(), target.data_ptr() + 16)
+
+
+@pytest.mark.parametrize("nbytes", [64, kscan.POINTER_ARRAY_BYTES + 8], ids=["small", "large"])
+def test_a_storage_that_cannot_be_read_for_pointers_makes_the_scan_incomplete(nbytes: int) -> None:
+    """A storage a kernel points into that has no memory to read (what the view holds for it is no strided tensor)
+    may hold pointers to anything: the scan must say what it reads is unknown, never pass over it."""
+    view = StorageView([(_FAR, nbytes, object()), (_FAR + 0x100000, 64, torch.zeros(1))])
+    scan = _kernel_reading(_FAR)
+    kscan.attribute(scan, view)
+    assert scan.incomplete and "cannot be read for pointers" in scan.incomplete[0], scan.incomplete
+
+
+def test_a_search_that_fails_on_the_device_makes_the_scan_incomplete(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device search of a large table runs out of memory (or the storage cannot be viewed): fail closed."""
+
+    def out_of_memory(tensor: torch.Tensor, spans: Any) -> list[int]:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(kscan, "search_words", out_of_memory)
+    table = torch.zeros(kscan.POINTER_ARRAY_BYTES // 4 + 2)  # float32, over the limit
+    view = StorageView([(table.data_ptr(), table.untyped_storage().nbytes(), table), (_FAR, 64, torch.zeros(1))])
+    scan = _kernel_reading(table.data_ptr())
+    facts = kscan.attribute(scan, view)
+    assert facts.tables == 1
+    assert scan.incomplete and "searching it on its device failed" in scan.incomplete[0], scan.incomplete
+
+
+def test_a_large_table_is_not_searched_when_nothing_is_left_unread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every storage the view knows is read directly: no word of a large table can add to the reads, so the search
+    gets no spans and returns without touching the table (no device work at all)."""
+    seen: list[Any] = []
+    real = kscan.search_words
+    monkeypatch.setattr(kscan, "search_words", lambda tensor, spans: seen.append(spans) or real(tensor, spans))
+    table, weight = torch.zeros(kscan.POINTER_ARRAY_BYTES // 4 + 2), torch.zeros(4)
+    view = StorageView([(table.data_ptr(), table.untyped_storage().nbytes(), table), (weight.data_ptr(), 16, weight)])
+    kscan.attribute(_kernel_reading(table.data_ptr(), weight.data_ptr()), view)
+    assert seen == [[]]
+    assert kscan.search_words(torch.Tensor._make_subclass(_NoMemory, torch.zeros(4)), []) == []  # reads nothing

@@ -398,15 +398,16 @@ def _load_grouped(layer: Grouped, seed: int) -> None:
 def test_skip_frees_a_slot_a_graph_reads_through_a_pointer_table(scan: dict[str, Any], table: str) -> None:
     """Attacker: the captured kernel reads ``expert_t`` through a pointer table (a grouped-GEMM argument array)
     that is a byte workspace (uint8, the way fused-MoE workspaces lay out their pointer arrays) or an int64 array
-    just over 1 MiB. The kernel scan reads pointer arrays only when they are int64/uint64 and at most 1 MiB, and
-    says nothing about the others: truth() is "fully known".
+    just over 1 MiB. The kernel scan read pointer arrays only when they were int64/uint64 and at most 1 MiB, and
+    said nothing about the others: truth() was "fully known". It now reads a small table of any dtype on the host
+    and searches a larger one on its device: the pointer is found and truth() stays "fully known".
 
     Promise: COMMITTED never while a graph reads freed or stale memory. With ``unread="skip"`` the slot the table
     points at is judged unread, its captured storage is let go (freed), and the reload commits."""
     if table == "uint8_workspace":
         buf = torch.zeros(64, dtype=torch.uint8)
     else:
-        buf = torch.zeros((1 << 20) // 8 + 1, dtype=torch.int64)  # the scan's limit is 1 MiB (_kernelscan.py)
+        buf = torch.zeros((1 << 20) // 8 + 1, dtype=torch.int64)  # over POINTER_ARRAY_BYTES (_kernelscan.py)
     layer = Grouped(buf)
     _load_grouped(layer, 0)
     layer.table.view(torch.int64)[0] = layer.expert_t.data_ptr()  # the table the kernel dereferences
@@ -415,8 +416,10 @@ def test_skip_frees_a_slot_a_graph_reads_through_a_pointer_table(scan: dict[str,
     with record_capture(contract, name="g", graph=FakeGraph()):
         pass
     assert contract.manifest is not None
-    if table == "int64_over_1MiB":  # too large to read for pointers: the scan must say it does not know
-        assert contract.manifest.truth() is not None
+    if table == "int64_over_1MiB":  # too large to copy to host: searched on its device, and the pointer found
+        assert contract.manifest.truth() is None
+        unread = contract.manifest.unread(contract)
+        assert unread is not None and "expert_t" not in {i.path for i in unread}
     read_by_graph = weakref.ref(layer.expert_t.untyped_storage())
     with contract.reload() as txn:
         _load_grouped(layer, 1)

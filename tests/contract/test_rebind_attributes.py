@@ -313,7 +313,7 @@ def test_a_partial_reload_does_not_teach_that_a_stale_graph_read_table_is_static
         )
 
 
-# -- 5. the kernel scan trusts a large float (or Parameter) workspace that holds a pointer table -------------------
+# -- 5. the kernel scan and a large float (or Parameter) workspace that holds a pointer table ----------------------
 class _Grouped(nn.Module):
     """A grouped-GEMM style layer: the kernel gets a device-side workspace holding the address of ``expert_t``."""
 
@@ -338,22 +338,16 @@ def _load_grouped(layer: _Grouped, seed: int) -> None:
         layer.process_weights_after_loading()
 
 
-_LARGE_TABLE_GAP = (
-    "documented gap (docs/design.md, kernel scan limits): a pointer table in a floating-point storage, or in an "
-    "integer nn.Parameter, larger than 1 MiB is neither read for pointers nor taken as unknown; reading every large "
-    "storage a graph touches would copy the weights to the host, and taking each as unknown would refuse every skip"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_LARGE_TABLE_GAP)
 @pytest.mark.parametrize("workspace", ["float32_over_1MiB", "int64_parameter_over_1MiB"])
 def test_skip_does_not_free_a_slot_a_large_workspace_points_at(fake_cuda: dict[str, object], workspace: str) -> None:
     """Attack: the captured kernel reads ``expert_t`` through a pointer table laid out in a workspace just over
     1 MiB: a float32 buffer (the scan's own docstring: "a fused-MoE workspace lays its pointer tables out in a
     ``uint8`` or float buffer"), or an int64 table registered as an ``nn.Parameter`` (``requires_grad=False``). The
-    scan reads storages of at most 1 MiB whatever their dtype; above that only integer non-Parameter storages make
-    it incomplete (``_may_hold_pointers``), so these two are neither read nor reported: truth() says "fully known",
-    and ``unread="skip"`` judges ``expert_t`` unread, frees its captured storage and commits.
+    scan read storages of at most 1 MiB whatever their dtype; above that only integer non-Parameter storages made
+    it incomplete, so these two were neither read nor reported: truth() said "fully known", and ``unread="skip"``
+    judged ``expert_t`` unread, freed its captured storage and committed. Every larger storage a node points into
+    is now searched on its own device for words pointing into memory not yet known to be read
+    (``_kernelscan.search_words``).
 
     Promise: COMMITTED never while a graph reads freed or stale memory.
     """
@@ -383,3 +377,39 @@ def test_skip_does_not_free_a_slot_a_large_workspace_points_at(fake_cuda: dict[s
             f"COMMITTED (slots_skipped={outcome.slots_skipped}, truth={contract.manifest.truth()!r}), but the "
             "storage of expert_t that the captured kernel reads through its workspace's pointer table was freed"
         )
+
+
+@pytest.mark.parametrize("workspace", ["float32_over_1MiB", "int64_parameter_over_1MiB", "int64_buffer_over_1MiB"])
+def test_a_large_workspace_pointing_only_at_what_the_graph_reads_leaves_the_skip_on(
+    fake_cuda: dict[str, object], workspace: str
+) -> None:
+    """Legitimate: a workspace over 1 MiB whose one pointer is to ``read_t`` (which the kernel also reads directly)
+    and whose other words are weight-like values (random floats, small integers); no graph reads ``expert_t``. The
+    search must neither take those values for pointers nor take a large storage, its dtype or its being an
+    ``nn.Parameter`` for a reason to give up: truth() is "fully known" and ``expert_t`` is skipped. (An integer
+    buffer this large used to make the scan incomplete, which switched ``unread="skip"`` off for the whole model.)
+    """
+    words = (1 << 20) // 8 + 1
+    generator = torch.Generator().manual_seed(0)
+    if workspace == "float32_over_1MiB":
+        buf: torch.Tensor = torch.randn(2 * words, generator=generator)
+    else:
+        buf = torch.randint(0, 1 << 31, (words,), dtype=torch.int64, generator=generator)
+        if workspace == "int64_parameter_over_1MiB":
+            buf = nn.Parameter(buf, requires_grad=False)
+    layer = _Grouped(buf)
+    _load_grouped(layer, 0)
+    with torch.no_grad():
+        layer.workspace.view(torch.int64)[0] = layer.read_t.data_ptr()
+    contract = GraphContract(layer, "strict", unread="skip").seal()
+    fake_cuda["table"] = {"root": 1, "graphs": {"1": [kernel_row(layer.read_t, layer.workspace)]}}
+    with record_capture(contract, name="g", graph=FakeGraph()):
+        pass
+    assert contract.manifest is not None
+    assert contract.manifest.truth() is None, contract.manifest.truth()
+    with contract.reload() as txn:
+        _load_grouped(layer, 1)
+    outcome = txn.outcome
+    assert outcome is not None and outcome.status is Status.COMMITTED, outcome
+    assert outcome.skip_refused is None, outcome.skip_refused
+    assert outcome.slots_skipped == 1, (outcome.slots_skipped, outcome.skip_notes)

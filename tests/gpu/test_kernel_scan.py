@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +310,42 @@ def test_pointer_array_is_seen_only_as_the_array(device: torch.device) -> None:
     unread = manifest.unread(contract)
     assert unread is not None, manifest.truth()
     assert not {"a", "b"} & {i.path for i in unread}, [i.path for i in unread]
+
+
+# -- a pointer table over 1 MiB is searched on its own device ------------------------------------------------------
+def test_a_large_table_is_searched_on_its_device(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 workspace of 32 MiB holding device pointers among weight-like values: ``search_words`` finds on the
+    GPU exactly the words in the spans that a host copy of the table finds, at a step's first and last word too."""
+    targets = [torch.zeros(256, device=device) for _ in range(3)]
+    table = torch.randn(8 << 20, device=device)
+    words = table.view(torch.int64)
+    for at, target in zip((0, (1 << 20) - 1, words.numel() - 1), targets, strict=True):
+        words[at] = target.data_ptr() + 8
+    spans = kscan._merged((t.data_ptr(), t.data_ptr() + 1024) for t in targets[:2])
+    monkeypatch.setattr(kscan, "SEARCH_CHUNK_WORDS", 1 << 20)
+    found = kscan.search_words(table, spans)
+    assert found == sorted(t.data_ptr() + 8 for t in targets[:2])
+    on_host = {w for w in kscan.pointer_array_words(table) if any(start <= w < end for start, end in spans)}
+    assert found == sorted(on_host)
+
+
+def test_searching_a_large_weight_finds_nothing_and_is_bandwidth_bound(
+    device: torch.device, gpu_notes: list[str]
+) -> None:
+    """A 2 GiB bf16 weight searched against every allocator segment (all unread): its values are no addresses, and
+    the search costs about two reads of it (the time per GiB is noted)."""
+    weight = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)
+    view = kscan.StorageView.from_allocator([])
+    spans = view.unread_spans(kscan.ReadRanges())
+    assert spans
+    kscan.search_words(weight, spans)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    found = kscan.search_words(weight, spans)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    assert found == []
+    gpu_notes.append(f"search_words over a 2 GiB weight: {seconds * 1e3 / 2:.2f} ms per GiB ({len(spans)} spans)")
 
 
 # -- recorded tables for the CPU tests -------------------------------------------------------------------------------

@@ -16,11 +16,25 @@ own; outside the model's concern, counted only). Allocator blocks no Python tens
 taken from the caching allocator) are likewise counted, not reported.
 
 Every word's range also joins the capture's :class:`ReadRanges` (what the graph reads, whatever the word was
-classified as), and small int64/uint64 storages a word points into are read to host once as pointer arrays: what
-their words point into is read too (not attributed to findings; it keeps memory from being called unread).
+classified as), and every storage a word locates in a model path, a registered input or output, or an unowned
+tensor is read for pointers, whatever its dtype, ``nn.Parameter`` or not (:func:`attribute`): what its aligned
+8-byte words point into is read too (not attributed to findings; it keeps memory from being called unread). A
+storage of at most :data:`POINTER_ARRAY_BYTES` is copied to host and every word located; a larger one in a model
+path or an unowned tensor is searched on its own device (:func:`search_words`) for words that point into memory
+the graph is not yet known to read (:meth:`StorageView.unread_spans`), and only those words come to the host.
+
+Cost, all of it at capture (the read ranges are kept; a reload asks them, one bisection per storage, and reads no
+table): one host copy of each small storage a node points into, and one pass on the device over each larger one,
+in chunks of :data:`SEARCH_CHUNK_WORDS` words: two comparisons of every word with the bounds of the unread memory
+(two reads of the storage, 2 bytes of mask per word), then a ``searchsorted`` of the words inside those bounds
+against the unread spans (a few, or none), and a host copy of the distinct words found. A graph that reads a model's
+weights directly thus costs about two reads of every weight over 1 MiB per capture (bandwidth-bound), plus one host
+synchronisation per chunk, and no device work when no memory the view knows is left unread.
 
 Limits: a pointer a kernel reads through a device-side pointer array (grouped-GEMM argument arrays) is visible to
-the findings only as the array (one level of arrays counts for what is unread, see :func:`attribute`); parameters
+the findings only as the array (one level of arrays counts for what is unread, see :func:`attribute`); a registered
+graph input or output over :data:`POINTER_ARRAY_BYTES` (the engine's own data: the KV cache) is not read for
+pointers; a storage that cannot be read (no memory of its own) makes the scan incomplete; parameters
 passed through ``extra`` rather than ``kernelParams``, or whose layout ``cuFuncGetParamInfo`` cannot give, are not
 read, and neither are host, conditional or other node types: each is noted and makes the scan incomplete
 (:attr:`GraphScan.incomplete`); a graph captured without ``keep_graph=True`` cannot be scanned
@@ -42,12 +56,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 __all__ = [
     "POINTER_ARRAY_BYTES",
-    "POINTER_ARRAY_DTYPES",
     "POINTER_SIZE",
+    "SEARCH_CHUNK_WORDS",
     "CudaDriver",
     "Driver",
     "GraphNode",
@@ -68,6 +81,7 @@ __all__ = [
     "raw_graph",
     "record_table",
     "scan_graph",
+    "search_words",
 ]
 
 #: Bytes of a device pointer (the words the scan reads).
@@ -530,6 +544,35 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
     return lo, lo + extent * tensor.element_size()
 
 
+def _merged(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint ``[start, end)`` ranges covering the same addresses (touching ones joined; empty dropped)."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(r for r in ranges if r[1] > r[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _less(ranges: Sequence[tuple[int, int]], cut: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The addresses of ``ranges`` outside ``cut`` (both as :func:`_merged` gives them), merged."""
+    out: list[tuple[int, int]] = []
+    first = 0
+    for start, end in ranges:
+        while first < len(cut) and cut[first][1] <= start:
+            first += 1
+        at = first
+        while start < end and at < len(cut) and cut[at][0] < end:
+            if cut[at][0] > start:
+                out.append((start, cut[at][0]))
+            start = max(start, cut[at][1])
+            at += 1
+        if start < end:
+            out.append((start, end))
+    return out
+
+
 class StorageView:
     """What an address is, by the caller's storages and the caching allocator's own view.
 
@@ -577,6 +620,25 @@ class StorageView:
         """Model storages and ignored tensors against the live caching allocator's snapshot."""
         return cls(model, ignored, allocator_segments())
 
+    def unread_spans(self, reads: ReadRanges) -> list[tuple[int, int]]:
+        """Where a word must be located to know whether it adds to ``reads``: the sorted, merged ``[start, end)``
+        spans of memory this view knows that ``reads`` does not cover.
+
+        :meth:`locate` answers by the first kind of range holding an address: a registered input or output, a
+        model storage, an allocator block (an allocated one may hold another tensor, which lies inside it), a
+        segment. A span is every range of a kind that ``reads`` does not cover in full, less every range of an
+        earlier kind: an address outside the spans is in no range of this view (a bare address, :data:`FOREIGN`),
+        or what :meth:`locate` gives for it is inside memory ``reads`` covers already.
+        """
+        earlier: list[tuple[int, int]] = []
+        spans: list[tuple[int, int]] = []
+        for kind in (self._ignored, self._model, self._blocks, self._segments):
+            ranges = [(start, end) for start, end, _ in kind._items]
+            uncovered = _merged(r for r in ranges if not reads.covers(*r))
+            spans.extend(_less(uncovered, _merged(earlier)))
+            earlier.extend(ranges)
+        return _merged(spans)
+
     def _other(self, address: int) -> tuple[int, int, Any] | None:
         if self._others is None:
             self._others = _Intervals(_storage_ranges(live_tensors()))
@@ -621,13 +683,14 @@ def live_tensors() -> Iterator[torch.Tensor]:
             yield obj
 
 
-#: The largest storage the scan reads to host for pointers (a device-side pointer array), whatever its dtype (a
-#: fused-MoE workspace lays its pointer tables out in a ``uint8`` or float buffer): 1 MiB. A larger integer or byte
-#: storage a node points at that is not a parameter makes the scan incomplete: what it points to is not known.
+#: The largest storage the scan copies to host to read for pointers (a device-side pointer array), whatever its dtype
+#: (a fused-MoE workspace lays its pointer tables out in a ``uint8`` or float buffer): 1 MiB. A larger one a node
+#: points at, in a model path or an unowned tensor, whatever its dtype and ``nn.Parameter`` or not, is searched on
+#: its own device instead (:func:`search_words`): it is a weight more often than not, and is not copied.
 POINTER_ARRAY_BYTES = 1 << 20
-#: The dtypes of a larger storage that may be a pointer table (an ``nn.Parameter`` is checkpoint data, never one).
-_UNSIGNED_WIDE = tuple(getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name))
-POINTER_ARRAY_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, *_UNSIGNED_WIDE)
+#: Words of a large storage searched in one device step (:func:`search_words`): bounds the step's temporaries to
+#: its masks, 2 bytes a word (32 MiB), and the few words found.
+SEARCH_CHUNK_WORDS = 1 << 24
 
 
 _ADDRESS_END = (1 << 64) - 1  # the largest bound an unsigned 64-bit array holds
@@ -667,16 +730,68 @@ class ReadRanges:
         index = bisect.bisect_left(self._starts, end) - 1  # the last range starting before ``end``
         return index >= 0 and self._ends[index] > start
 
+    def covers(self, start: int, end: int) -> bool:
+        """Whether every byte of ``[start, end)`` is in the ranges (an empty span counts as its first address)."""
+        end = max(end, start + 1)
+        index = bisect.bisect_right(self._starts, start) - 1  # the last range starting at or before ``start``
+        return index >= 0 and self._ends[index] >= end
+
+
+def _aligned_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``tensor``'s whole storage as ``uint8`` on its device, the byte offset of its first 8-aligned address (where a
+    kernel's 8-byte loads can start), and how many whole aligned words follow it."""
+    storage = tensor.untyped_storage()
+    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    raw.set_(storage)
+    skip = -int(storage.data_ptr()) % POINTER_SIZE
+    return raw, skip, max(int(storage.nbytes()) - skip, 0) // POINTER_SIZE
+
+
+def _words(raw: torch.Tensor, at: int, count: int) -> torch.Tensor:
+    """``count`` 8-byte words of ``raw`` from byte ``at`` as ``int64`` (copied when ``at`` is not a multiple of 8:
+    torch views a byte tensor as words only from a whole word of its storage)."""
+    part = raw[at : at + count * POINTER_SIZE]
+    return (part.clone() if at % POINTER_SIZE else part).view(torch.int64)
+
 
 def pointer_array_words(tensor: torch.Tensor) -> list[int]:
     """The non-zero aligned 8-byte words of ``tensor``'s whole storage, read to host once (a device-side pointer
     array: grouped-GEMM argument arrays, CUTLASS MoE stride and pointer tables made before capture)."""
-    storage = tensor.untyped_storage()
-    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-    raw.set_(storage)
+    raw, skip, count = _aligned_bytes(tensor)
     host = raw.cpu() if raw.device.type != "cpu" else raw
-    words = host[: host.numel() // POINTER_SIZE * POINTER_SIZE].view(torch.int64)
+    words = _words(host, skip, count)
     return [int(w) for w in words[words > 0].tolist()]
+
+
+_INT64_END = 1 << 63  # a word is searched as a signed 64-bit integer: no allocation lies at or above this address
+
+
+def search_words(tensor: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[int]:
+    """The distinct aligned 8-byte words of ``tensor``'s whole storage that fall in ``spans`` (sorted, disjoint
+    ``[start, end)`` address ranges, as :meth:`StorageView.unread_spans` gives them), searched on the storage's own
+    device: only the words found come to the host (a large storage, mostly a weight, is never copied).
+
+    In steps of :data:`SEARCH_CHUNK_WORDS` words: a mask of the words between the first span's start and the last
+    span's end, then ``searchsorted`` of those words against the spans' starts and a comparison with the end of the
+    span found. Raises what torch raises for a storage without memory of its own.
+    """
+    bounded = [(start, min(end, _INT64_END - 1)) for start, end in spans if 0 <= start < _INT64_END - 1]
+    if not bounded:
+        return []
+    raw, skip, count = _aligned_bytes(tensor)
+    starts = torch.tensor([start for start, _ in bounded], dtype=torch.int64, device=raw.device)
+    ends = torch.tensor([end for _, end in bounded], dtype=torch.int64, device=raw.device)
+    low, high = bounded[0][0], bounded[-1][1]
+    found: list[torch.Tensor] = []
+    for first in range(0, count, SEARCH_CHUNK_WORDS):
+        words = _words(raw, skip + first * POINTER_SIZE, min(SEARCH_CHUNK_WORDS, count - first))
+        near = words[(words >= low).logical_and_(words < high)]
+        if near.numel():
+            span = torch.searchsorted(starts, near, right=True) - 1  # >= 0: every near word is >= starts[0]
+            found.append(near[near < ends[span]])
+    if not found:
+        return []
+    return [int(w) for w in torch.unique(torch.cat(found)).tolist()]
 
 
 def _storage_bytes(payload: Any) -> int | None:
@@ -687,11 +802,6 @@ def _storage_bytes(payload: Any) -> int | None:
         return int(payload.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):
         return None
-
-
-def _may_hold_pointers(payload: torch.Tensor) -> bool:
-    """Whether a storage too large to read may be a pointer table: integer or byte data that no loader fills."""
-    return payload.dtype in POINTER_ARRAY_DTYPES and not isinstance(payload, nn.Parameter)
 
 
 @dataclass(slots=True)
@@ -707,8 +817,10 @@ class ScanFacts:
     counts: dict[str, int] = field(default_factory=dict)
     #: Every range the graph reads, whatever it is (see :class:`ReadRanges`).
     reads: ReadRanges = field(default_factory=ReadRanges)
-    #: Integer storages read to host as pointer arrays, and the words in them that point at located memory.
+    #: Storages read to host as pointer arrays, larger ones searched on their device for pointers, and the words in
+    #: either that point at located memory.
     arrays: int = 0
+    tables: int = 0
     indirect: int = 0
 
 
@@ -716,40 +828,41 @@ def attribute(scan: GraphScan, view: StorageView, *, arrays: bool = True) -> Sca
     """Sort every candidate address of ``scan`` by what ``view`` says it is.
 
     Every word's range (the storage, allocator block or bare address it falls in) joins :attr:`ScanFacts.reads`.
-    With ``arrays``, every small int64/uint64 storage a word locates in a model path, a registered input or output,
-    or an unowned tensor is read to host once (:func:`pointer_array_words`) and the ranges its words point into
-    join the reads too: a kernel reading a pointer array reads what it points to. Those indirect reads are not
-    attributed (no finding names them); they only keep memory from being taken for unread.
+    With ``arrays``, every storage a word locates in a model path, a registered input or output, or an unowned
+    tensor is read for pointers, whatever its dtype, ``nn.Parameter`` or not: a kernel reading a pointer table
+    reads what it points to, so the range of every aligned 8-byte word of it that :meth:`StorageView.locate` places
+    in memory joins the reads too. Those indirect reads are not attributed (no finding names them); they only keep
+    memory from being taken for unread.
+
+    * A storage of at most :data:`POINTER_ARRAY_BYTES` is copied to host once (:func:`pointer_array_words`) and
+      every word is located.
+    * A larger one in a model path or an unowned tensor is searched on its own device (:func:`search_words`) for
+      the words that fall in memory the reads found so far do not cover (:meth:`StorageView.unread_spans`), and
+      only those are located: any other word is located in memory already read, or in none. A registered input
+      or output this large is the engine's own data (the KV cache) and is not read.
+    * A storage that cannot be read (no memory of its own) makes the scan incomplete: what it points to is unknown.
     """
     facts = ScanFacts(scan)
     counts = facts.counts
     freed_seen: set[int] = set()
     ranges: list[tuple[int, int]] = []
-    candidates: dict[int, torch.Tensor] = {}
+    small: dict[int, tuple[torch.Tensor, str]] = {}
+    large: dict[int, tuple[torch.Tensor, str]] = {}
     for node in scan.nodes:
         label = node.name or node.kind
         for word in node.words():
             where = view.locate(word)
             counts[where.what] = counts.get(where.what, 0) + 1
             ranges.append((where.base, where.base + max(where.nbytes, 1)))
-            if where.what in (MODEL, UNOWNED, IGNORED) and arrays and where.base not in candidates:
+            seen = where.base in small or where.base in large
+            if arrays and where.what in (MODEL, UNOWNED, IGNORED) and not seen:
                 nbytes = _storage_bytes(where.storage)
-                if nbytes is not None and 0 < nbytes <= POINTER_ARRAY_BYTES:
-                    candidates[where.base] = where.storage
-                elif (
-                    nbytes is not None
-                    and nbytes > POINTER_ARRAY_BYTES
-                    and where.what != IGNORED
-                    and _may_hold_pointers(where.storage)
-                ):
-                    # (A registered graph input or output, IGNORED, is the engine's own data: token ids, block
-                    # tables, read as pointers only when small.)
-                    note = (
-                        f"kernel {label!r} reads an integer storage of {nbytes} bytes, too large to read for "
-                        f"pointers (> {POINTER_ARRAY_BYTES}): the memory it may point to is unknown"
-                    )
-                    if note not in scan.incomplete:
-                        scan.incomplete.append(note)
+                if nbytes is None:
+                    _unknown(scan, label, where.base, "it has no memory of its own to read")
+                elif 0 < nbytes <= POINTER_ARRAY_BYTES:
+                    small[where.base] = (where.storage, label)
+                elif nbytes > POINTER_ARRAY_BYTES and where.what != IGNORED:
+                    large[where.base] = (where.storage, label)
             if where.what in (MODEL, UNOWNED):
                 table = facts.model if where.what == MODEL else facts.unowned
                 payload = where.storage
@@ -762,13 +875,42 @@ def attribute(scan: GraphScan, view: StorageView, *, arrays: bool = True) -> Sca
             elif where.what == FREED and where.base not in freed_seen:
                 freed_seen.add(where.base)
                 facts.freed.append((where.base, where.nbytes, label))
-    for array_tensor in candidates.values():
+    pointed: set[int] = set()
+    for base, (tensor, label) in small.items():
         facts.arrays += 1
-        for word in set(pointer_array_words(array_tensor)):
-            where = view.locate(word)
-            if where.what == FOREIGN and not where.nbytes:
-                continue  # an integer, or memory the allocator never handed out: no storage a model holds
-            facts.indirect += 1
-            ranges.append((where.base, where.base + max(where.nbytes, 1)))
+        try:
+            pointed.update(pointer_array_words(tensor))
+        except (RuntimeError, NotImplementedError) as exc:
+            _unknown(scan, label, base, f"reading it failed ({exc})")
+    indirect = list(_located(view, pointed))
+    if large:
+        # Searched against the memory the graph is not yet known to read (its own words, the small arrays' words).
+        spans = view.unread_spans(ReadRanges([*ranges, *indirect]))
+        found: set[int] = set()
+        for base, (tensor, label) in large.items():
+            facts.tables += 1
+            try:
+                found.update(search_words(tensor, spans))
+            except (RuntimeError, NotImplementedError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+                _unknown(scan, label, base, f"searching it on its device failed ({exc})")
+        indirect.extend(_located(view, found - pointed))
+    facts.indirect = len(indirect)
+    ranges.extend(indirect)
     facts.reads = ReadRanges(ranges)
     return facts
+
+
+def _located(view: StorageView, words: Iterable[int]) -> Iterator[tuple[int, int]]:
+    """The range each word of a pointer table falls in, where :meth:`StorageView.locate` places it in memory."""
+    for word in words:
+        where = view.locate(word)
+        if where.what == FOREIGN and not where.nbytes:
+            continue  # an integer, or memory the allocator never handed out: no storage a model holds
+        yield where.base, where.base + max(where.nbytes, 1)
+
+
+def _unknown(scan: GraphScan, label: str, base: int, why: str) -> None:
+    """Make ``scan`` incomplete: the storage at ``base`` a kernel points into cannot be read for pointers."""
+    note = f"kernel {label!r} reads the storage at 0x{base:x}, which cannot be read for pointers ({why})"
+    if note not in scan.incomplete:
+        scan.incomplete.append(note)

@@ -389,7 +389,7 @@ class Manifest:
 
     def reads(self, start: int, end: int) -> bool:
         """Whether a kernel-scanned graph reads any byte of ``[start, end)`` (an address range): a node's word, or a
-        pointer array's word read at scan time, falls into a storage, allocator block or address that overlaps it.
+        pointer table's word read at scan time, falls into a storage, allocator block or address that overlaps it.
         Captures recorded by the dispatch recorder are not asked (see :meth:`truth`)."""
         return any(facts.reads.overlaps(start, end) for facts in self._scans.values())
 

@@ -12,8 +12,8 @@ unread):
 1. what the graphs read is fully known (:meth:`~graphsafe.collectors.Manifest.truth`): at least one capture, every
    capture read by the kernel scan, every node of every scanned graph read in full. Else nothing is skipped in the
    whole reload and the outcome's ``skip_refused`` names the capture;
-2. no captured graph reads any byte of ``S``: no node's word, and no word of a small integer storage a node points
-   to (a pointer array, read at scan time), falls in any storage, allocator block or address overlapping it;
+2. no captured graph reads any byte of ``S``: no node's word, and no aligned word of a storage a node points into
+   (a pointer table, read or searched at scan time), falls in any storage, allocator block or address overlapping it;
 3. every sealed slot reading ``S`` is in this restore step, each would be restored by a copy (a plain strided
    tensor, not a wrapper, not in place, same layout and offset as captured; an undeclared slot only where
    ``migrate`` restores it), and all of them now hold views of one new storage ``S'`` ("aliases move together");
