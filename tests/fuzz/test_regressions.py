@@ -643,24 +643,16 @@ def test_a_skipped_tie_to_an_inference_tensor_in_a_layer_whose_weights_did_not_c
     _assert_honest(scenario)
 
 
-_ROTATED_TIE_GAP = (
-    "documented gap: layers.0's slot the restore's agreement check breaks (alias-broken: it keeps its new values) "
-    "leaves its captured memory on old values, which layers.1's tie (PWAL skips it; its own layer's inputs "
-    "unchanged; inference tensors count no writes) still reads: the abandoned-memory rule (_doubt_abandoned) runs "
-    "before that check and never sees the memory abandoned. Closing it: judge readers of memory the agreement check "
-    "abandons as that rule does"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_ROTATED_TIE_GAP)
 def test_a_skipped_tie_to_a_rotated_respecified_slot_in_a_repwal_layer_is_not_recapture_fixable() -> None:
     """Found by the long fuzz on ``4cafe29`` (one process, 9 silent: ``layerwise:repwal`` + ``tie:skip`` +
     ``inference:reload`` + ``rotate``), partly shrunk (the shrink ran out of time). Layerwise; the reload's PWAL runs
     under ``torch.inference_mode()``; layers.0 rotates d0, d2, d1 (then skips d0, respecifies d1 with doubled
     strides, frees d2); layers.1 holds a tie to layers.0's d1 that PWAL skips, and its PWAL runs once more after its
     after_layer() (which does not matter: layers.1 shares memory with layers.0, so its restore waits for
-    finish()). The reload says NEEDS_RECAPTURE, but the tie holds other values than a cold model, so a recapture
-    reads wrong values."""
+    finish()). The reload said NEEDS_RECAPTURE, but the tie held other values than a cold model, so a recapture
+    read wrong values: the tie's captured memory was written by PWAL as another slot's new tensor (the rotation),
+    which an earlier restore step copied from and released; a later step's slot left on that memory holds that
+    slot's values (``_steps._note_earlier_new``, ``stale``)."""
     scenario = Scenario(
         layers=(
             LayerSpec(
@@ -689,14 +681,14 @@ def test_a_skipped_tie_to_a_rotated_respecified_slot_in_a_repwal_layer_is_not_re
     _assert_honest(scenario)
 
 
-@pytest.mark.xfail(strict=True, reason="open: a rotated slot's captured memory a skipped tie reads (layerwise)")
 def test_a_skipped_tie_to_a_rotated_slot_held_in_a_child_is_not_overwritten_in_a_layerwise_reload() -> None:
     """Layerwise: layers.0's PWAL rotates the tensors of three declared-or-not ``sum`` slots held in a list, a
     closure and a child module (d0 gets d2's, d2 gets d1's, d1 gets d0's) and writes each one's new values in
     place; layers.1 holds a tie to layers.0's ``d2`` that its PWAL skips. The reload asks for a recapture, but
-    ``layers.0:d2`` then holds other values than PWAL left there (a value PWAL got right was overwritten). Found by
-    the long fuzz run on the code before the classes of scenario were added (present there too); not fixed yet.
-    Whole-model, all attribute holders, or a swap instead of the rotation: honest."""
+    ``layers.0:d2`` then held other values than PWAL left there (a value PWAL got right was overwritten). The memory
+    of the new tensors an earlier restore step copied from is now foreign to the slots of later steps
+    (``_steps._note_earlier_new``), so the step that would have written over it fails closed instead. Whole-model,
+    all attribute holders, or a swap instead of the rotation: honest before too."""
     layer0 = LayerSpec(
         rows=4,
         cols=2,

@@ -5,6 +5,7 @@ launch them, and check what no copy reached. Functions of a
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -263,6 +264,8 @@ def _restore_group(self: ReloadTransaction, group: list[LayerSnapshot], *, close
     if work:
         # New tensors left at their paths read what they read now; a later after_layer must not write it.
         self._kept.extend(t for s, _ in work for t in s.kept)
+    if close and plan.moves:  # what PWAL wrote as those slots' new values: foreign to a later step's slots
+        self._note_earlier_new(plan)
     check_freshness([snapshot for snapshot, _ in work])
     seen: dict[int, Any] = {}
     for snapshot, rebinds in work:
@@ -321,7 +324,7 @@ def _launch_common(self: ReloadTransaction, work: Rebinds, plan: RestorePlan, ke
     """Launch a step the fast tier planned: what the rule engine does for it, less the checks that cannot act
     (no source reads a destination, no other slot or kept tensor reads one, every storage has one writer)."""
     judge_noted([snapshot for snapshot, _ in work])  # before any copy lands: the values PWAL left
-    _note_pwal_writes(work, [*kept, *(move.new for move in plan.moves)])
+    _note_pwal_writes(work, [*kept, *(move.new for move in plan.moves), *self._earlier_new()])
     batch = CopyBatch()
     try:
         if plan.moves:
@@ -377,7 +380,7 @@ def _plan_by_rules(self: ReloadTransaction, group: list[LayerSnapshot], plan: Re
     batch = CopyBatch()
     local = [s for s, _ in work if len(s.slots) > len(s.sealed.slots)]
     kept = [*self._kept, *(t for s, _ in work for t in s.kept), *self._untracked_holders(local)]
-    _note_pwal_writes(work, [*kept, *(move.new for move in plan.moves)])
+    _note_pwal_writes(work, [*kept, *(move.new for move in plan.moves), *self._earlier_new()])
     try:
         if plan.moves:
             plan.protect()
@@ -394,6 +397,30 @@ def _plan_by_rules(self: ReloadTransaction, group: list[LayerSnapshot], plan: Re
         # launched over what the failed step left (fail closed).
         self._bytes += batch.written
     return work
+
+
+def _note_earlier_new(self: ReloadTransaction, plan: RestorePlan) -> None:
+    """Note the memory of the new tensors this step's copies read (PWAL wrote each slot's new values there), by
+    storage and byte span, no reference to the tensors (a loader may ``swap_tensors`` them): a slot of a later step
+    left on that memory (a tie to a tensor PWAL rotated into another slot) holds another slot's values."""
+    for move in plan.moves:
+        for part in _memory_of(move.new):
+            if part.layout is torch.strided and part.device.type != "meta":
+                storage = part.untyped_storage()
+                _, start, end = address_range(part)
+                self._earlier.append((weakref.ref(storage), start - storage.data_ptr(), end - start))
+
+
+def _earlier_new(self: ReloadTransaction) -> list[torch.Tensor]:
+    """Byte views of the memory :func:`_note_earlier_new` noted that is still alive (what a later step's slots may
+    still read), for :func:`_note_pwal_writes`."""
+    views: list[torch.Tensor] = []
+    for ref, offset, nbytes in self._earlier:
+        storage = ref()
+        if storage is not None and offset + nbytes <= storage.nbytes():
+            raw = torch.empty(0, dtype=torch.uint8, device=storage.device)
+            views.append(raw.set_(storage, offset, (nbytes,), (1,)))
+    return views
 
 
 def _note_pwal_writes(work: Rebinds, foreign: list[torch.Tensor]) -> None:

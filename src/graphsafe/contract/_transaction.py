@@ -10,6 +10,7 @@ import reprlib
 import threading
 import time
 import warnings
+import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,8 @@ class ReloadTransaction:
         self._findings: list[Finding] = []
         #: New tensors earlier restore steps left at their paths (findings): later steps treat them as readers.
         self._kept: list[torch.Tensor] = []
+        #: (storage, offset, bytes) of the new tensors earlier restore steps copied from (see _note_earlier_new).
+        self._earlier: list[tuple[weakref.ReferenceType[Any], int, int]] = []
         self._restored = 0
         self._bytes = 0
         self._seconds = 0.0
@@ -578,6 +581,8 @@ class ReloadTransaction:
     _snapshot = _steps._snapshot
     _graph_writes = _steps._graph_writes
     _weight_storages = _steps._weight_storages
+    _note_earlier_new = _steps._note_earlier_new
+    _earlier_new = _steps._earlier_new
     _still_in_model = _steps._still_in_model
     _holds_at = _steps._holds_at
     _held_anywhere = _steps._held_anywhere
