@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -324,7 +325,7 @@ def _launch_common(self: ReloadTransaction, work: Rebinds, plan: RestorePlan, ke
     """Launch a step the fast tier planned: what the rule engine does for it, less the checks that cannot act
     (no source reads a destination, no other slot or kept tensor reads one, every storage has one writer)."""
     judge_noted([snapshot for snapshot, _ in work])  # before any copy lands: the values PWAL left
-    _note_pwal_writes(work, [*kept, *(move.new for move in plan.moves), *self._earlier_new()])
+    _note_pwal_writes(work, [*kept, *(move.new for move in plan.moves), *self._earlier_new(work)])
     batch = CopyBatch()
     try:
         if plan.moves:
@@ -380,7 +381,7 @@ def _plan_by_rules(self: ReloadTransaction, group: list[LayerSnapshot], plan: Re
     batch = CopyBatch()
     local = [s for s, _ in work if len(s.slots) > len(s.sealed.slots)]
     kept = [*self._kept, *(t for s, _ in work for t in s.kept), *self._untracked_holders(local)]
-    _note_pwal_writes(work, [*kept, *(move.new for move in plan.moves), *self._earlier_new()])
+    _note_pwal_writes(work, [*kept, *(move.new for move in plan.moves), *self._earlier_new(work)])
     try:
         if plan.moves:
             plan.protect()
@@ -408,16 +409,33 @@ def _note_earlier_new(self: ReloadTransaction, plan: RestorePlan) -> None:
             if part.layout is torch.strided and part.device.type != "meta":
                 storage = part.untyped_storage()
                 _, start, end = address_range(part)
-                self._earlier.append((weakref.ref(storage), start - storage.data_ptr(), end - start))
+                noted = (weakref.ref(storage), start - storage.data_ptr(), end - start)
+                self._earlier.setdefault(id(storage), []).append(noted)
 
 
-def _earlier_new(self: ReloadTransaction) -> list[torch.Tensor]:
-    """Byte views of the memory :func:`_note_earlier_new` noted that is still alive (what a later step's slots may
-    still read), for :func:`_note_pwal_writes`."""
+def _earlier_new(self: ReloadTransaction, work: Rebinds) -> list[torch.Tensor]:
+    """Byte views of the memory :func:`_note_earlier_new` noted on the captured storages of ``work`` that is still
+    alive (what this step's slots may still read), for :func:`_note_pwal_writes`. A lookup per captured tensor."""
+    if not self._earlier:
+        return []
     views: list[torch.Tensor] = []
-    for ref, offset, nbytes in self._earlier:
-        storage = ref()
-        if storage is not None and offset + nbytes <= storage.nbytes():
+    asked: set[int] = set()
+    for snapshot, _ in work:
+        for captured in snapshot.captured:
+            if captured is None or captured.layout is not torch.strided or captured.device.type == "meta":
+                continue
+            ident = id(captured.untyped_storage())
+            if ident not in asked:
+                asked.add(ident)
+                views.extend(_views(self._earlier.get(ident, ()), captured.untyped_storage()))
+    return views
+
+
+def _views(noted: Iterable[tuple[Any, int, int]], storage: Any) -> list[torch.Tensor]:
+    """Byte views of the noted spans of ``storage`` (a noted storage by the same id that is another one: none)."""
+    views: list[torch.Tensor] = []
+    for ref, offset, nbytes in noted:
+        if ref() is storage and offset + nbytes <= storage.nbytes():
             raw = torch.empty(0, dtype=torch.uint8, device=storage.device)
             views.append(raw.set_(storage, offset, (nbytes,), (1,)))
     return views

@@ -74,8 +74,9 @@ class ReloadTransaction:
         self._findings: list[Finding] = []
         #: New tensors earlier restore steps left at their paths (findings): later steps treat them as readers.
         self._kept: list[torch.Tensor] = []
-        #: (storage, offset, bytes) of the new tensors earlier restore steps copied from (see _note_earlier_new).
-        self._earlier: list[tuple[weakref.ReferenceType[Any], int, int]] = []
+        #: id(storage) -> (storage, offset, bytes) of the new tensors earlier restore steps copied from on it (see
+        #: _note_earlier_new).
+        self._earlier: dict[int, list[tuple[weakref.ReferenceType[Any], int, int]]] = {}
         self._restored = 0
         self._bytes = 0
         self._seconds = 0.0
