@@ -5,17 +5,21 @@ the arena, whether PWAL refreshed the slot or skipped it: a changed value sample
 there. The seal marks such slots (:attr:`SealedSlot.inside`, by address: a DLPack or ``from_numpy`` carve is
 another storage object on the same bytes); :func:`graphsafe.contract._freshness.judge_noted` judges a marked slot whose
 bytes changed while its own version counter did not move (no write went through the slot's tensor: the loader
-wrote the arena) by its inputs instead (``stale`` where they changed). A slot that is an autograd view of the
-parameter shares its version counter, so the loader's write moves it too: nothing left at the end of a reload tells
-that write from PWAL's (a documented gap; a view of a weight, ``w_t = weight.t()``, is rightly changed by the
-loader). Cost: nothing per reload on a model without such a slot (one attribute read per slot whose sample
-changed).
+wrote the arena) by its inputs instead (``stale`` where they changed). A slot that may share the parameter's version
+counter (an autograd view of it, or of a ``detach()`` of it: :attr:`SealedSlot.shares_version`, set here) moves with
+the loader's write too: nothing left at the end of a reload tells that write from PWAL's, so such a slot whose bytes
+changed is judged by its inputs whatever its counter says (``stale`` where they changed: fails closed, also after a
+PWAL that did refresh it; carve it with ``.data`` or hold it in a tensor of its own). A view of a whole weight
+(``w_t = weight.t()``) is an alias, not a carve. Cost: nothing per reload on a model without such a slot (one
+attribute read per slot whose sample changed); at seal, two path reads per carved slot.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from graphsafe.contract._copy import overlapping_pairs
 from graphsafe.outcome import Finding, FindingKind, Origin, SlotRef
@@ -47,12 +51,40 @@ def mark_inside_loaded(layers: Sequence[SealedLayer]) -> None:
         if first_loaded == second_loaded:
             continue
         owner, owner_slot, carved = (first_layer, first, second) if first_loaded else (second_layer, second, first)
+        carved_layer = second_layer if first_loaded else first_layer
         if carved.inside is None:
             carved.inside = str(SlotRef(owner.qualname, owner_slot.path.text))
+            carved.shares_version = _may_share_version(_at(carved_layer, carved), _at(owner, owner_slot))
+
+
+def _at(sealed: SealedLayer, slot: SealedSlot) -> Any:
+    layer = sealed.layer_ref()
+    return slot.get(layer) if layer is not None else None
+
+
+def _may_share_version(carved: Any, owner: Any) -> bool:
+    """Whether ``carved`` may share ``owner``'s version counter: its view chain's root is ``owner``, or another
+    tensor (a ``detach()``) whose counter reads the same as ``owner``'s (a ``.data`` alias counts its own writes;
+    an equal count by chance fails closed). No write is made to tell (torch has no read-only way)."""
+    if not isinstance(carved, torch.Tensor) or not isinstance(owner, torch.Tensor):
+        return False
+    root = carved._base if carved._base is not None else carved
+    if root is owner:
+        return True
+    if root is carved or carved.is_inference() or owner.is_inference():
+        return False  # no view chain (a DLPack or from_numpy carve), or no counter to share
+    return root.untyped_storage() is owner.untyped_storage() and root._version == owner._version
 
 
 def inside_detail(slot: SealedSlot, changed: Sequence[str]) -> str:
     """The ``stale`` finding's text for a carved slot whose bytes changed while its inputs changed."""
+    if slot.shares_version:
+        return (
+            f"it lies inside the memory of {slot.inside}, which the loader writes, and may share its version "
+            f"counter (an autograd view of it), and its input(s) {', '.join(changed)} changed: a write of the loader "
+            "cannot be told from PWAL's refresh there, so the graph may read the checkpoint's bytes instead of "
+            "PWAL's values. Carve it with .data (a version counter of its own) or hold it in a tensor of its own"
+        )
     return (
         f"it lies inside the memory of {slot.inside}, which the loader writes, and its input(s) "
         f"{', '.join(changed)} changed: its bytes changed, but a write of the loader cannot be told from PWAL's "

@@ -233,9 +233,10 @@ def judge_noted(snapshots: Sequence[LayerSnapshot]) -> None:
             snapshot.fresh_due.append(entry[:4])
         else:
             snapshot.resampled.add(entry[0])
-            if entry[1].inside is not None and not entry[3]:
+            if entry[1].inside is not None and (not entry[3] or entry[1].shares_version):
                 # Inside a loaded arena, changed by no write through the slot's own tensor (its version counter, not
-                # the arena's, stayed): the loader's write, or one PWAL hid (``.data``). Judged by its inputs.
+                # the arena's, stayed; or it is the arena's): the loader's write, or one PWAL hid (``.data``).
+                # Judged by its inputs.
                 snapshot.fresh_due.append((entry[0], entry[1], entry[2], False))
 
 

@@ -87,6 +87,9 @@ class SealedSlot:
     #: A freshness-tracked slot inside a parameter's or buffer's captured memory: that one's ``layer:path`` (set at
     #: seal by :func:`~graphsafe.contract._carved.mark_inside_loaded`); a change of its bytes is no proof of PWAL.
     inside: str | None = None
+    #: With :attr:`inside`: the slot's tensor may share that parameter's version counter (an autograd view of it,
+    #: or of a ``detach()`` of it), so a write through the slot cannot be told from the loader's write either.
+    shares_version: bool = False
     key: tuple[Any, ...] = field(init=False)
     # The compiled plan (derived from the fields above at construction):
     get: Getter = field(init=False, repr=False)
