@@ -81,6 +81,8 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     "tests/fuzz/test_fuzz_skip.py": {"graphsafe.collectors._kernelscan"},
     # a copy that raises halfway is injected into the copy batch
     "tests/contract/test_adversarial.py": {"graphsafe.contract._copy"},
+    # the collector pause's own rule (what user code inside toggles stays), driven directly with nested pauses
+    "tests/contract/test_gcpause.py": {"graphsafe.contract._gcpause"},
     # the snapshot's per-layer steps are wrapped to see that no collection runs inside them
     "tests/contract/test_contract.py": {"graphsafe.contract._snapshot"},
     # the value sample, taken alone or in a batch, against its definition (a reference implementation in the test)

@@ -934,9 +934,10 @@ def test_no_collection_runs_inside_the_contracts_own_code_and_the_collector_runs
                 where["inside"] = False
 
         monkeypatch.setattr(LayerSnapshot, name, classmethod(inside) if isinstance(original, classmethod) else inside)
-    enabled_in_pwal: list[bool] = []
-    enabled_in_listener: list[bool] = []
-    contract.on_outcome(lambda outcome: enabled_in_listener.append(gc.isenabled()))
+    # the collector's switch and first threshold: the caller's (on, 1) outside the contract's own code
+    enabled_in_pwal: list[tuple[bool, int]] = []
+    enabled_in_listener: list[tuple[bool, int]] = []
+    contract.on_outcome(lambda outcome: enabled_in_listener.append((gc.isenabled(), gc.get_threshold()[0])))
     threshold = gc.get_threshold()
     gc.callbacks.append(on_collection)
     gc.set_threshold(1)  # a collection at every allocation: any left on inside the contract would run there
@@ -946,18 +947,19 @@ def test_no_collection_runs_inside_the_contracts_own_code_and_the_collector_runs
         if layerwise:
             for layer in model.layers:
                 txn.before_layer(layer)
-        enabled_in_pwal.append(gc.isenabled())
+        enabled_in_pwal.append((gc.isenabled(), gc.get_threshold()[0]))
         tiny.reload(model, 1)
         if layerwise:
             for layer in model.layers:
                 txn.after_layer(layer)
         outcome = txn.finish()
+        after = (gc.isenabled(), gc.get_threshold()[0])
     finally:
         gc.set_threshold(*threshold)
         gc.callbacks.remove(on_collection)
     assert outcome.status is Status.COMMITTED
     assert inside_runs == []
-    assert enabled_in_pwal == [True] and enabled_in_listener == [True] and gc.isenabled()
+    assert enabled_in_pwal == [(True, 1)] and enabled_in_listener == [(True, 1)] and after == (True, 1)
 
 
 def test_a_restore_that_raises_leaves_the_collector_on_and_one_the_caller_disabled_stays_off(

@@ -382,23 +382,28 @@ def test_holder_of_the_captured_views_base_is_never_written(detect: str, mode: s
     assert outcome is not None and not outcome.committed
 
 
-# -- 6. (low severity, not the reload promise) the collector pause overrides a disable made by user code it runs ----
-# collections_paused() documents "a collector the caller disabled stays disabled". The restore's rebind runs the
-# layer's own __setattr__ inside the paused block; a hook there that turns the collector off (an engine that serves
-# with gc disabled) is undone when the block's finally calls gc.enable().
+# -- 6. (low severity, not the reload promise) the collector pause keeps what user code it runs did to the collector --
+# The restore's rebind runs the layer's own __setattr__ inside the contract's collector pause; a hook there that
+# turns the collector off (an engine that serves with gc disabled) or on must find it so after the reload. The
+# pause holds collections off by the threshold and never flips the switch, so it cannot undo the user's.
 
 
-class _DisablesCollector(nn.Module):
-    def __init__(self) -> None:
+class _TogglesCollector(nn.Module):
+    def __init__(self, toggle: str) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(4), requires_grad=False)
+        self.toggle = toggle
         self.armed = False
         self.setter_saw_paused = False
 
     def __setattr__(self, name: str, value: object) -> None:
         if name == "cur" and self.__dict__.get("armed"):
-            self.__dict__["setter_saw_paused"] = not gc.isenabled()
-            gc.disable()  # user code: serve with the collector off from now on
+            # automatic collections held off, by the threshold or by the switch
+            self.__dict__["setter_saw_paused"] = gc.get_threshold()[0] == 0 or not gc.isenabled()
+            if self.__dict__["toggle"] == "disable":
+                gc.disable()  # user code: serve with the collector off from now on
+            else:
+                gc.enable()  # user code: the collector back on from now on
         super().__setattr__(name, value)
 
     @graph_visible("cur")
@@ -406,24 +411,36 @@ class _DisablesCollector(nn.Module):
         self.cur = self.weight * 2
 
 
-@pytest.mark.xfail(
-    strict=True, reason="known gap: the collector pause enables the collector again after the restore's own code"
-)
-def test_a_collector_disable_made_by_a_slot_setter_during_restore_stays() -> None:
-    model = _DisablesCollector()
+def _reload_with_the_setter_armed(toggle: str, enabled_before: bool) -> bool:
+    """Reload with the rebind's setter toggling the collector; what ``gc.isenabled()`` says after."""
+    model = _TogglesCollector(toggle)
     model.process_weights_after_loading()
     contract = GraphContract(model, "strict", detect="declared-only").seal()
     with torch.no_grad(), record_capture(contract):
         model.cur.sum()
-    was = gc.isenabled()
-    gc.enable()
+    was, threshold = gc.isenabled(), gc.get_threshold()
+    (gc.enable if enabled_before else gc.disable)()
     try:
         with contract.reload(), torch.no_grad():
             model.weight.copy_(torch.full((4,), 5.0))
             model.process_weights_after_loading()
             model.__dict__["armed"] = True  # the rebind at finish() runs the setter
         assert model.setter_saw_paused, "the rebind did not run inside the pause (probe invalid)"
-        assert not gc.isenabled(), "graphsafe re-enabled the collector that user code disabled"
+        assert gc.get_threshold() == threshold, "the pause left its thresholds behind"
+        outcome = contract.last_outcome
+        assert outcome is not None and outcome.committed
+        return gc.isenabled()
     finally:
-        if was:
-            gc.enable()
+        (gc.enable if was else gc.disable)()
+
+
+def test_a_collector_disable_made_by_a_slot_setter_during_restore_stays() -> None:
+    assert not _reload_with_the_setter_armed("disable", enabled_before=True), (
+        "graphsafe re-enabled the collector that user code disabled"
+    )
+
+
+def test_a_collector_enable_made_by_a_slot_setter_during_restore_stays() -> None:
+    assert _reload_with_the_setter_armed("enable", enabled_before=False), (
+        "graphsafe disabled again the collector that user code enabled"
+    )
