@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import functools
 import io
+import math
 import types
 import weakref
 from collections import Counter
@@ -452,12 +453,9 @@ def test_leaf_types_are_never_entered() -> None:
     class Holder:
         planted = torch.ones(1)
 
-    module = types.ModuleType("fake")
-    module.planted = torch.ones(2)  # type: ignore[attr-defined]
     holder = Obj(t=torch.ones(3))
     t_gen = torch.ones(4)
     layer = Layer()
-    layer.mod = module
     layer.dtype = torch.float16
     layer.device = torch.device("cpu")
     layer.size = torch.Size([1, 2])
@@ -485,6 +483,17 @@ def test_leaf_types_are_never_entered() -> None:
     del layer.cls
     result = walk(layer, budget=WalkBudget(max_depth=1))
     assert result.objects_visited == 2 and result.exhausted is None
+    # A Python module is no leaf: one made at run time (a kernel namespace) is read for its globals, restorable by
+    # attribute; a library's (math) only for its direct device tensors, one object whatever its size.
+    del layer.color
+    module = types.ModuleType("fake")
+    module.planted = torch.ones(2)  # type: ignore[attr-defined]
+    layer.mod = module
+    layer.lib = math
+    result = walk(layer)
+    assert [(ref.path, ref.restorable) for ref in result.refs] == [("mod.planted", True)]
+    assert result.objects_visited == 3 and result.notes == ()
+    check_refs(layer, result)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -8,13 +8,17 @@ What is walked: the layer's own instance attributes that are not torch's ``nn.Mo
 buffers and child modules are someone else's business), then, recursively, plain objects (``__dict__`` and
 ``__slots__``), dicts (``str``/``int`` keys), lists, deques, tuples, NamedTuples, ``functools.partial``
 (``func``, ``args``, ``keywords``), functions (closure cells, ``__defaults__``, ``__kwdefaults__``), bound
-methods (``__func__``, and ``__self__`` unless it is a module), builtin methods (``__self__``) and
-mappingproxies; a class held as a value for its class attributes (never restorable); instances of user subclasses
-of enums, threads, loggers, handlers and files for their ``__dict__``. Untrackable (read, but no slot path can name
-what they hold): a weak reference's referent, what a C object without instance state holds (a generator's frame,
-a ``staticmethod``/``property`` over anything but code), the items of a numpy object array, and a raw
-storage (``UntypedStorage``) on a walked device. Never entered: child modules (each is its own reload unit),
-Python modules, the builtin and stdlib enum, thread, logger and file classes' own instances, slices,
+methods (``__func__`` and ``__self__``), builtin methods (``__self__``) and
+mappingproxies; a class held as a value for its class attributes (never restorable), and for its methods that hold
+a tensor themselves (a closure cell, a default: ``kernel.scale.__closure__[0]``); instances of user subclasses
+of enums, threads, loggers, handlers and files for their ``__dict__``; the stdlib's own threads for the arguments
+they were given (``_args``, ``_kwargs``), never their target; Python modules for the device tensors among their
+globals only (``ops.workspace``: one pass over the namespace, no global entered, so ``torch`` or ``numpy`` costs
+one object). Untrackable (read, but no slot path can name what they hold): a weak reference's referent, what a C
+object without instance state holds (a generator's frame, a ``staticmethod``/``property`` over anything but code
+without tensors), a method holding a tensor read through an instance (a descriptor), the items of a numpy object
+array, and a raw storage (``UntypedStorage``) on a walked device. Never entered: child modules (each is its own
+reload unit), the builtin and stdlib enum, logger and file classes' own instances, slices,
 streams/events/graphs, dtypes, devices, scalars, strings and code, nor
 compiled artifacts: instances of classes defined by torch.compile (``torch._dynamo``, ``torch._inductor``,
 ``torch._functorch``, ``torch._guards``, ``torch.fx``) or by ``vllm.compilation``. A compiled callable runs on

@@ -117,6 +117,9 @@ WPROXY, OPAQUE = range(21, 23)
 # (a storage pool): no path can name a tensor in it, so the walk reports it like an unprintable tensor. A numpy
 # array: its items, when it holds Python objects (numpy does not expose them to the GC protocol).
 KLASS, STORAGE, NDARRAY = range(23, 26)
+# A Python module (the device tensors among its globals, no global entered), and a thread of the stdlib's own
+# classes (the arguments it was given): see ``read_module`` and ``read_thread``.
+PYMODULE, THREAD = range(26, 28)
 
 
 def _resolve_names(dotted: tuple[str, ...]) -> list[type]:
@@ -134,7 +137,6 @@ def _resolve_names(dotted: tuple[str, ...]) -> list[type]:
 
 _LEAF_BASES: Final[tuple[type, ...]] = (
     CopyHook,  # the declarations' copy hook in a declaring layer's __dict__ (it holds the layer weakly)
-    types.ModuleType,
     str,
     bytes,
     bytearray,
@@ -192,6 +194,10 @@ _LEAF_BASES: Final[tuple[type, ...]] = (
             # dicts). Through its weak references it reaches registries such as dynamo's bytecode hooks.
             "torch.utils.hooks.RemovableHandle",
             "torch._ops._OpNamespace",
+            # torch's own module objects of operator and class namespaces (``torch.ops``, ``torch.classes``):
+            # registries of operators, no state of a model.
+            "torch._ops._Ops",
+            "torch._classes._Classes",
             "torch.SymInt",
             "torch.SymFloat",
             "torch.SymBool",
@@ -218,6 +224,7 @@ KIND_BASES: Final[tuple[tuple[type, int], ...]] = (
     (property, OPAQUE),
     (types.CellType, OPAQUE),
     *((base, LEAF) for base in _LEAF_BASES),
+    (types.ModuleType, PYMODULE),  # after the leaves: torch's own module subclasses above stay leaves
     (dict, DICT),
     (list, LIST),
     (collections.deque, DEQUE),
@@ -247,7 +254,7 @@ _CONTAINERS: Final[dict[int, type]] = {
 # Leaf bases whose subclasses' instances carry state of their own in ``__dict__`` (an enum member with a workspace
 # hung on it, a prefetch thread keeping its buffer): instances of a subclass defined outside the base's own modules
 # are read as plain objects. The bases themselves (and the stdlib's subclasses) stay leaves: a logger reaches the
-# whole logging tree, a thread its target's object.
+# whole logging tree, a thread its target's object (the stdlib's threads are read for their arguments only: THREAD).
 _STATEFUL_LEAVES: Final[dict[int, tuple[str, ...]]] = {
     id(enum.Enum): ("enum",),
     id(threading.Thread): ("threading",),
@@ -404,6 +411,8 @@ class Plan:
         if kind == LEAF and _stateful_subclass(mro, dicts[0]):
             kind = OBJECT
             self.internals = _STATEFUL_INTERNALS
+        elif kind == LEAF and any(klass is threading.Thread for klass in mro):
+            kind = THREAD  # the stdlib's own thread classes: the arguments a thread was given
         elif kind == OBJECT and _is_ndarray(mro):
             kind = NDARRAY
 
@@ -440,8 +449,11 @@ class Plan:
         self.shadowed_slots: tuple[tuple[str, Any], ...] = ()  # (why no path names it, getter)
         self.data_descriptors: frozenset[str] = frozenset()
         # Instance state of plain objects, modules, tensors (attributes set on a parameter, a wrapper subclass's
-        # inner tensors), lru_cache wrappers, and of user subclasses of containers (builtin containers have none).
-        if kind in (OBJECT, MODULE, TENSOR, LRU) or (kind in _CONTAINERS and _CONTAINERS[kind] is not cls):
+        # inner tensors), lru_cache wrappers, and of user subclasses of containers (builtin containers have none);
+        # of Python modules and stdlib threads, which their readers read (``attrs`` stays False for them).
+        if kind in (OBJECT, MODULE, TENSOR, LRU, PYMODULE, THREAD) or (
+            kind in _CONTAINERS and _CONTAINERS[kind] is not cls
+        ):
             dict_descr: Any = first.get("__dict__")
             if any(type(dict_descr) is t for t in _DESCRIPTOR_TYPES):
                 self.dict_get = dict_descr.__get__
@@ -469,7 +481,9 @@ class Plan:
             if kind == OBJECT and self.dict_get is None and not slots and not shadowed:
                 # A C type without instance state we could read; what it holds (gc.get_referents) is read, unnamed.
                 self.kind = OPAQUE
-        self.attrs = self.dict_get is not None or bool(self.slots) or bool(self.shadowed_slots)
+        self.attrs = kind not in (PYMODULE, THREAD) and (
+            self.dict_get is not None or bool(self.slots) or bool(self.shadowed_slots)
+        )
         # Class attributes of plain objects and modules: the dicts of the classes along the MRO that are neither
         # builtin nor torch's own (whose class state is no model's), read at every walk since they can change.
         self.class_dicts: tuple[tuple[str, dict[str, Any]], ...] = ()
