@@ -217,20 +217,35 @@ def test_only_ops_inside_a_cuda_capture_count_once_one_ran(monkeypatch: pytest.M
     assert {id(e.storage_ref()) for e in manifest.entries("eager")} == storage_ids(rng_state, weight)
 
 
-def test_garbage_collection_is_paused_while_recording() -> None:
+@pytest.mark.parametrize("backend", ["dispatch", "kernel"])
+def test_garbage_collection_is_paused_while_recording_and_the_user_s_switch_stays(
+    backend: str, fake_cuda: dict[str, Any]
+) -> None:
+    """No automatic collection while a capture records (the first threshold is 0), and the collector's switch is
+    the user's: a ``gc.disable()`` or ``gc.enable()`` made by the forward inside stays after the capture."""
     import gc
 
-    assert gc.isenabled()
-    with record_capture(None, manifest=Manifest()):
-        assert not gc.isenabled()
-    assert gc.isenabled()
-    gc.disable()
+    from _graph_tables import FakeGraph
+
+    def capture() -> Any:
+        graph = FakeGraph() if backend == "kernel" else None
+        if backend == "kernel":
+            fake_cuda["table"] = {"root": 1, "graphs": {"1": []}}
+        return record_capture(None, manifest=Manifest(), graph=graph, backend=backend)
+
+    found = gc.get_threshold()
+    assert gc.isenabled() and found[0]
     try:
-        with record_capture(None, manifest=Manifest()):
-            pass
-        assert not gc.isenabled()  # left as the caller had it
+        with capture():
+            assert gc.get_threshold()[0] == 0 and gc.isenabled()
+            gc.disable()  # the user's forward turns the collector off for good
+        assert not gc.isenabled() and gc.get_threshold() == found
+        with capture():
+            gc.enable()  # and on again
+        assert gc.isenabled() and gc.get_threshold() == found
     finally:
         gc.enable()
+        gc.set_threshold(*found)
 
 
 def test_device_filter() -> None:

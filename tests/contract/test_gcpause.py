@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphsafe.contract._gcpause import collections_paused
+from graphsafe._gcpause import collections_paused
 
 Thresholds = tuple[int, int, int]
 

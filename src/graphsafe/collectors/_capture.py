@@ -5,7 +5,6 @@ the captured kernels really point at."""
 
 from __future__ import annotations
 
-import gc
 import itertools
 import warnings
 import weakref
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphsafe._gcpause import collections_paused
 from graphsafe.collectors import _kernelscan as kscan
 from graphsafe.collectors._dataflow import _VIEW, _WRITE, _schema_access, _tensors
 from graphsafe.collectors._manifest import (
@@ -309,27 +309,17 @@ def record_capture(
     capture = name if name is not None else f"capture-{next(_NAMES)}"
     ignore = list(ignore)
     if _kernel_backend(capture, graph, backend, manifest):
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with collections_paused():
             yield manifest
-        finally:
-            if gc_was_enabled:
-                gc.enable()
         record_scan(contract, graph, name=capture, ignore=ignore, reindex=reindex, manifest=manifest)
         return
     wanted = tuple(torch.device(d) for d in devices) if devices is not None else None
     recorder = _Recorder(capture, wanted, ignore)
     # A cyclic collection inside a capture could destroy an unrelated CUDA graph (or free its pool), which
-    # invalidates the capture; the recorder's own bookkeeping allocates enough to trigger one. Pause it.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        with recorder:
-            yield manifest
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    # invalidates the capture; the recorder's own bookkeeping allocates enough to trigger one. Pause it (by the
+    # threshold: the user's forward runs inside, and its own gc.enable()/gc.disable() must stay as it left them).
+    with collections_paused(), recorder:
+        yield manifest
     entries = recorder.external
     if recorder.saw_capture:
         entries = {key: entry for key, entry in entries.items() if key in recorder.in_capture}

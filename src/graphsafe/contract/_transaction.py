@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from graphsafe._gcpause import collections_paused
 from graphsafe.collectors import Dataflow
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._freshness import ClosedLayer, check_closed, permuted_deferred
-from graphsafe.contract._gcpause import collections_paused
 from graphsafe.contract._late import LateModule, late_stale
 from graphsafe.contract._order import LoadStamp, changed_since, load_stamps, loaded_early
 from graphsafe.contract._repeat import Repeat, late_loads, note_repeat
