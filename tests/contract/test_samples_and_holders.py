@@ -961,3 +961,33 @@ def test_weight_replaced_by_another_parameter_with_a_skipped_pwal(mode: str, kin
         assert l1.w_t.shape == exp.shape and torch.equal(l1.w_t, exp.to(l1.w_t.dtype)), "COMMITTED stale"
     elif out.status is Status.NEEDS_RECAPTURE:
         assert l1.w_t.shape == exp.shape and torch.equal(l1.w_t, exp), "a recapture would read a stale w_t"
+
+
+class WholeView(nn.Module):
+    """A derived slot that is the whole of a parameter's bytes (the parameter itself, or a view of all of it), as
+    vLLM's StaticSinkAttention is handed its sink value: what the loader writes is its value."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.param = nn.Parameter(torch.randn(4, 2, 8), requires_grad=False)
+        self.process_weights_after_loading()
+        register_derived(self, "held")
+
+    def process_weights_after_loading(self) -> None:
+        self.held = self.param if self.how == "same" else self.param.view(8, 8)
+
+
+@pytest.mark.parametrize("how", ["same", "view"])
+def test_a_derived_slot_on_the_whole_of_a_parameter_the_loader_wrote_commits(how: str) -> None:
+    """Not a carve of a part the loader's write could pass for PWAL's refresh in: the loader's values are its own,
+    whatever the shared version counter says (``contract._carved``)."""
+    layer = WholeView(how)
+    contract = GraphContract(layer, "strict").seal()
+    new = torch.randn(4, 2, 8)
+    with torch.no_grad(), contract.reload():
+        layer.param.copy_(new)
+        layer.process_weights_after_loading()
+    outcome = contract.last_outcome
+    assert outcome is not None and outcome.status is Status.COMMITTED, outcome.summary()
+    assert torch.equal(layer.held.reshape(4, 2, 8), new)

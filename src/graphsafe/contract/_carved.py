@@ -54,7 +54,12 @@ def mark_inside_loaded(layers: Sequence[SealedLayer]) -> None:
         carved_layer = second_layer if first_loaded else first_layer
         if carved.inside is None:
             carved.inside = str(SlotRef(owner.qualname, owner_slot.path.text))
-            carved.shares_version = _may_share_version(_at(carved_layer, carved), _at(owner, owner_slot))
+            # the whole of the parameter's bytes (the parameter itself, or a view of all of it) holds what the
+            # loader wrote, which is its value: no carve of a part whose write could pass for PWAL's
+            whole = carved.fp.storage_ptr + carved.span[0] == owner_slot.fp.storage_ptr + owner_slot.span[0] and (
+                carved.span[1] - carved.span[0] == owner_slot.span[1] - owner_slot.span[0]
+            )
+            carved.shares_version = not whole and _may_share_version(_at(carved_layer, carved), _at(owner, owner_slot))
 
 
 def _at(sealed: SealedLayer, slot: SealedSlot) -> Any:
