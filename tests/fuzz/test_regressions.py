@@ -1032,3 +1032,25 @@ def test_a_skipped_tail_of_a_rotated_tensor_is_not_left_to_a_recapture() -> None
         ),
     )
     _assert_honest(Scenario(layers=(layer0, layer1), mode="migrate", manifest=True, layerwise="plain"))
+
+
+def test_a_layer_swapping_a_slot_with_its_child_layer_s_undeclared_slot_twice_is_not_left_to_a_recapture() -> None:
+    """Found by the long fuzz run (5 silent in one run: ``layerwise:repwal`` + a swap across a layer and its child
+    layer + a tie), shrunk. Layerwise; layers.0's PWAL swaps its declared ``d1`` with ``sub.d0`` (undeclared, in
+    the child layer, which a tie from layers.1 makes wait for ``finish()``) and runs again after its
+    ``after_layer()``. That step's copy went into ``d1``'s captured memory, which the pending child's undeclared
+    slot held as its new tensor: not restored in recapture mode, it kept the values the copy wrote, both slots
+    ended on one tensor, and the recapture read them. A pending layer's undeclared slot that its restore will not
+    copy is a reader of that memory (``_holders._protect_pending``)."""
+    layer0 = LayerSpec(
+        rows=1,
+        cols=1,
+        cycle=(0, 1),
+        slots=(
+            SlotSpec("d0", source="complex", factor=2, holder="child"),
+            SlotSpec("d1", source="complex", factor=1, declare="register_derived"),
+        ),
+    )
+    layer1 = LayerSpec(rows=1, cols=1, slots=(SlotSpec("d0", kind="tie", of=0),))
+    for mode in ("recapture", "strict"):
+        _assert_honest(Scenario(layers=(layer0, layer1), mode=mode, layerwise="repwal", touch=0))

@@ -261,6 +261,7 @@ def _protect_pending(self: ReloadTransaction, plan: RestorePlan, group: list[Lay
     by the plan as a reader of that memory like this step's own kept tensors. Costs a path lookup per slot of
     such layers, which a plain ``before_layer``/``after_layer`` pairing has none of."""
     readers: list[torch.Tensor] = []
+    migrate = self.contract.mode == "migrate"  # the restore's auto_restore
     in_group = {id(snapshot) for snapshot in group}
     tensor_type = torch.Tensor
     for snapshot in self._snapshots.values():
@@ -283,7 +284,7 @@ def _protect_pending(self: ReloadTransaction, plan: RestorePlan, group: list[Lay
                 continue  # no tensors to read: its restore says why
             if any(plan.overlaps_destination(part) for part in parts):
                 snapshot.overrides[index] = (current, tuple(clone_laid_out(part) for part in parts))
-                if (
+                if (slot.origin is Origin.WALKER and (not migrate or not slot.restorable)) or (
                     len(parts) == 1
                     and parts[0] is current
                     and (
@@ -291,7 +292,8 @@ def _protect_pending(self: ReloadTransaction, plan: RestorePlan, group: list[Lay
                         or current.storage_offset() != captured.storage_offset()
                     )
                 ):
-                    # Its restore will leave it at its path (respecified), reading what this plan writes there.
+                    # Its restore will leave it at its path (undeclared and not auto-restored: moved; or
+                    # respecified), reading what this plan writes there.
                     readers.append(current)
     return readers
 
