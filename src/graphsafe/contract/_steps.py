@@ -14,7 +14,7 @@ from torch import nn
 
 from graphsafe.collectors import UNTRACKABLE_ADVICE
 from graphsafe.contract._access import submodule_is
-from graphsafe.contract._copy import CopyBatch
+from graphsafe.contract._copy import CopyBatch, byte_span
 from graphsafe.contract._fast import Rebinds, plan_common, step_conditions
 from graphsafe.contract._freshness import ClosedLayer, check_freshness, judge_noted
 from graphsafe.contract._memory import address_range
@@ -27,7 +27,7 @@ from graphsafe.contract._snapshot import LayerSnapshot
 from graphsafe.contract._unnamed import note_unnamed
 from graphsafe.contract._unread import skip_unread
 from graphsafe.errors import hide_frames_in_pytest
-from graphsafe.outcome import Finding, FindingKind, memory_tensors
+from graphsafe.outcome import Finding, FindingKind, memory_tensors, storage_ids
 
 #: pytest shows the test's line and graphsafe's message, not this module's frames (``errors.hide_frames_in_pytest``).
 __tracebackhide__ = hide_frames_in_pytest
@@ -148,7 +148,7 @@ def _snapshot(self: ReloadTransaction, sealed: SealedLayer, *, flush: bool = Tru
     )
     if unnamed and id(sealed) not in self._unnamed:  # (the first snapshot's: the state before the load)
         # memory a slot path also reaches (a closure cell, a weight) is that slot's to judge
-        slots = {id(part.untyped_storage()) for t in snapshot.captured if t is not None for part in _memory_of(t)}
+        slots = {ident for t in snapshot.captured if t is not None for ident in _storage_ids(t)}
         note = note_unnamed(
             sealed, layer, unnamed, snapshot.inputs, self._samples, lambda: self._weight_storages() | slots, outer
         )
@@ -188,13 +188,19 @@ def _memory_of(tensor: torch.Tensor) -> list[torch.Tensor]:
         return []
 
 
+def _storage_ids(tensor: torch.Tensor) -> list[int]:
+    """:func:`~graphsafe.outcome.storage_ids`, none where the tensor has no memory of its own."""
+    try:
+        return storage_ids(tensor)
+    except (TypeError, RuntimeError):
+        return []
+
+
 def _weight_storages(self: ReloadTransaction) -> set[int]:
     """ids of the storages of the model's parameters and buffers (read once per reload, where asked)."""
     if self._weights is None:
         model = self.contract.model
-        self._weights = set()
-        for tensor in (*model.parameters(), *model.buffers()):
-            self._weights.update(id(part.untyped_storage()) for part in _memory_of(tensor))
+        self._weights = {ident for t in (*model.parameters(), *model.buffers()) for ident in _storage_ids(t)}
     return self._weights
 
 
@@ -408,9 +414,8 @@ def _note_earlier_new(self: ReloadTransaction, plan: RestorePlan) -> None:
         for part in _memory_of(move.new):
             if part.layout is torch.strided and part.device.type != "meta":
                 storage = part.untyped_storage()
-                _, start, end = address_range(part)
-                noted = (weakref.ref(storage), start - storage.data_ptr(), end - start)
-                self._earlier.setdefault(id(storage), []).append(noted)
+                start, end = byte_span(part)  # what _overlap compares the later step's slots by
+                self._earlier.setdefault(id(storage), []).append((weakref.ref(storage), start, end - start))
 
 
 def _earlier_new(self: ReloadTransaction, work: Rebinds) -> list[torch.Tensor]:

@@ -19,8 +19,9 @@ read old values; so the reload notes them before the load and judges them when i
 
 Tensors on the memory of a parameter or buffer of the model (a weak reference to a weight) are their slots' own and
 left out. Cost: nothing unless a layer holds an unnamed device tensor or the manifest an unowned read storage (such
-a reload never commits); then one walk of each such layer at the end (and one at its snapshot where the mode no
-longer walks after the seal), one value sample per tensor, and one digest per unowned storage at the start and end.
+a reload never commits); then one walk at the end of each such layer whose inputs changed (and one at its snapshot
+where the mode no longer walks after the seal), one value sample per tensor, and one digest per unowned storage at
+the start and end.
 """
 
 from __future__ import annotations
@@ -136,9 +137,19 @@ def note_unnamed(
 
 def unnamed_stale(notes: Iterable[UnnamedNote], walk: Callable[[nn.Module], Unnamed]) -> list[Finding]:
     """``stale`` findings for the noted unnamed tensors PWAL left unwritten while their layer's inputs changed;
-    ``walk`` gives what a walk of a layer finds behind unnamed steps now."""
+    ``walk`` gives what a walk of a layer finds behind unnamed steps now (asked only of a layer whose inputs
+    changed: every input of every note judged first, in one batch)."""
+    notes = list(notes)
+    asked = [(note, key) for note in notes for key in note.keys]
+    pairs = [(note.inputs.inputs[key][2], note.inputs.inputs[key][1]()) for note, key in asked]
+    changed: dict[int, list[str]] = {}  # id(note) -> the names of its inputs that changed
+    for (note, key), change in zip(asked, _input_changes(pairs), strict=True):
+        if change != _UNCHANGED:
+            changed.setdefault(id(note), []).append(note.inputs.inputs[key][0])
     left: list[tuple[UnnamedNote, _Held, torch.Tensor]] = []
     for note in notes:
+        if id(note) not in changed:
+            continue
         now: dict[int, list[torch.Tensor]] = {}
         for _, _, tensor in walk(note.layer):
             if _strided(tensor):
@@ -155,32 +166,18 @@ def unnamed_stale(notes: Iterable[UnnamedNote], walk: Callable[[nn.Module], Unna
     if not left:
         return []
     same = unchanged([(held.sample, tensor) for _, held, tensor in left], SLOT_ELEMENTS)
-    left = [entry for entry, kept in zip(left, same, strict=True) if kept]
-    # each layer's inputs judged once, all in one batch
-    asked: dict[tuple[int, Any], tuple[UnnamedNote, Any]] = {}
-    for note, _, _ in left:
-        for key in note.keys:
-            asked.setdefault((id(note), key), (note, key))
-    pairs = [(note.inputs.inputs[key][2], note.inputs.inputs[key][1]()) for note, key in asked.values()]
-    changed = {
-        position: change for position, change in zip(asked, _input_changes(pairs), strict=True) if change != _UNCHANGED
-    }
-    findings: list[Finding] = []
-    for note, held, _ in left:
-        names = [note.inputs.inputs[key][0] for key in note.keys if (id(note), key) in changed]
-        if not names:
-            continue
-        findings.append(
-            note.sealed.layer_finding(
-                FindingKind.STALE,
-                f"{held.where}: {held.what} is a tensor no slot path can name, and PWAL neither rebuilt nor wrote "
-                f"it while the layer's input(s) {', '.join(names)} changed: a recapture would read its old values. "
-                "Rebuild it in PWAL (a new value for the variable), or hold it where a slot path reaches it and "
-                "declare it",
-                declared=False,
-            )
+    return [
+        note.sealed.layer_finding(
+            FindingKind.STALE,
+            f"{held.where}: {held.what} is a tensor no slot path can name, and PWAL neither rebuilt nor wrote it "
+            f"while the layer's input(s) {', '.join(changed[id(note)])} changed: a recapture would read its old "
+            "values. Rebuild it in PWAL (a new value for the variable), or hold it where a slot path reaches it and "
+            "declare it",
+            declared=False,
         )
-    return findings
+        for (note, held, _), kept in zip(left, same, strict=True)
+        if kept
+    ]
 
 
 @dataclass(slots=True, eq=False)
