@@ -7,10 +7,9 @@ an undeclared spare) makes the captured storage another path's tensor; copying t
 write into that path. Covered: nested layers, whole-model and layerwise, holders deep in objects or in a module kept
 in a plain list, a raw ``UntypedStorage`` spare, a holder of the captured view's base.
 
-A tracked pool tied to the captured view is an alias PWAL wrote (contract._owned). Known gaps, strict xfails
-(documented in docs/fault-matrix.md): a holder the model walk cannot reach (a dict key, a table outside the model) is
-not told from a caller's own reference to the slot; a slot setter that disables the collector inside the restore
-sees it enabled again.
+A tracked pool tied to the captured view is an alias PWAL wrote (contract._owned). A holder the model walk cannot
+reach (a dict key, a table outside the model) is told from a caller's own reference to the slot by a write to the
+captured memory during the reload (its version counter, or its value sample where it has no counter).
 """
 
 from __future__ import annotations
@@ -191,22 +190,13 @@ class _RootPingPong(nn.Module):
         self.cur.copy_(self.weight * 2)
 
 
-_UNREACHABLE = pytest.mark.xfail(
-    strict=True,
-    reason="known gap: a holder no model walk reaches (a dict key, a table outside the model) is not told from a "
-    "caller's reference to the slot, which the slot's new values rightly reach; its write to the captured memory "
-    "during the reload is no tell either (a loader that writes a slot in place before PWAL replaces it, with a "
-    "caller's reference, leaves the same evidence: test_random_permutations_never_commit_wrong_memory)",
-)
-
-
 @pytest.mark.parametrize(
     "where",
     [
         "deep-object",
         "module-in-plain-list",
-        pytest.param("dict-key", marks=_UNREACHABLE),
-        pytest.param("outside-the-model", marks=_UNREACHABLE),
+        "dict-key",
+        "outside-the-model",
     ],
 )
 def test_pingpong_holder_the_walk_misses_is_never_written(where: str) -> None:
@@ -217,6 +207,47 @@ def test_pingpong_holder_the_walk_misses_is_never_written(where: str) -> None:
         pp.weight.copy_(torch.full((4,), 5.0))
         pp.process_weights_after_loading()
     _assert_promise(contract, pp, captured_cur)  # type: ignore[arg-type]
+
+
+class _SilentPingPong(nn.Module):
+    """The ping-pong with the holder outside the model, written without moving the old tensor's version counter:
+    through ``.data`` (``data``), or as an inference tensor that counts no writes (``inference``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4), requires_grad=False)
+        self.how = how
+        self.table: dict[torch.Tensor, str] = {}  # a dict key: no walk reaches it
+
+    @graph_visible("cur")
+    def process_weights_after_loading(self) -> None:
+        with torch.inference_mode(self.how == "inference"):
+            if not hasattr(self, "cur"):
+                self.cur = self.weight * 2
+                self.table = {self.weight * 0: "spare"}
+                return
+            (other,) = self.table
+            old, self.cur = self.cur, other
+            self.table = {old: "spare"}
+            target = old.data if self.how == "data" else old
+            target.copy_(self.weight * 3)
+            self.cur.copy_(self.weight * 2)
+
+
+@pytest.mark.parametrize("how", ["data", "inference"])
+@pytest.mark.parametrize("detect", DETECTS)
+def test_a_holder_outside_the_model_written_without_a_version_is_never_written(how: str, detect: str) -> None:
+    layer = _SilentPingPong(how)
+    contract = _seal_and_capture(layer, layer, detect)  # type: ignore[arg-type]
+    captured_cur = layer.cur
+    with contextlib.suppress(ContractViolation), contract.reload(), torch.no_grad():
+        layer.weight.copy_(torch.full((4,), 5.0))
+        layer.process_weights_after_loading()
+    (held,) = layer.table
+    assert held is captured_cur
+    assert torch.equal(held, torch.full((4,), 15.0)), f"graphsafe wrote {held.tolist()} into the holder's tensor"
+    outcome = contract.last_outcome
+    assert outcome is not None and not outcome.committed
 
 
 class _Plain(nn.Module):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -105,8 +106,8 @@ def _spy(contract: GraphContract) -> list[Finding]:
     seen: list[Finding] = []
     check = manifest.check
 
-    def spying(c: GraphContract) -> list[Finding]:
-        found = check(c)
+    def spying(c: GraphContract, *args: Any, **kwargs: Any) -> list[Finding]:
+        found = check(c, *args, **kwargs)
         seen.extend(found)
         return found
 

@@ -12,7 +12,7 @@ from graphsafe.collectors import walk
 from graphsafe.contract._copy import clone_laid_out
 from graphsafe.contract._memory import address_range, reads_as_captured
 from graphsafe.contract._plan import RestorePlan
-from graphsafe.contract._samples import version_of
+from graphsafe.contract._samples import SLOT_ELEMENTS, Sample, unchanged, version_of
 from graphsafe.contract._slots import SealedLayer, SealedSlot
 from graphsafe.contract._snapshot import LayerSnapshot
 from graphsafe.contract._tensorref import TensorRef
@@ -44,9 +44,9 @@ def _block_foreign_holders(
     holder's values there; recapture). Asked only when :func:`held_outside` saw another holder; then every
     module of the model is walked once. A storage is blocked when the walk finds it at a path the contract does
     not track, when the walk was cut short, or when its storage object is held (a storage pool). A tensor or
-    view held outside every model path (a dict key, a table outside the model) is not told from a caller's
-    reference to the slot, which the slot's new values rightly reach: that one is let be
-    (docs/fault-matrix.md).
+    view held outside every model path (a dict key, a table outside the model) is blocked where the reload wrote
+    it (:func:`_written_since_left`); one nothing wrote is a caller's reference to the slot, which the slot's new
+    values rightly reach.
     """
     contract = self.contract
     suspects: dict[int, Any] = {}
@@ -70,6 +70,7 @@ def _block_foreign_holders(
         for slot in sealed.slots
     }
     why: dict[int, str] = {}
+    at_tracked: set[int] = set()  # held at a tracked path: another slot's new tensor (a swap, a rotation)
     # The same memory can lie under another storage object (a DLPack import): matched by address too.
     spans = [
         (str(storage.device), storage.data_ptr(), storage.data_ptr() + storage.nbytes(), key)
@@ -97,6 +98,8 @@ def _block_foreign_holders(
                 if path not in tracked:
                     for found in keys:
                         why.setdefault(found, f"{path!r}, which the contract does not track, holds it")
+                else:
+                    at_tracked.update(keys)
         for where, pool in result.storages:  # a raw storage (a pool), also one made over the bytes by an import
             key = id(pool)
             first = pool.data_ptr()
@@ -115,6 +118,10 @@ def _block_foreign_holders(
     for key in suspects:
         if key not in why and "storage-object" in seen[key]:
             why[key] = "its storage object is held (a storage pool, or a reference outside every model path)"
+    # Memory an earlier step's copies read as a slot's new tensor: the reload wrote it as that slot's values.
+    earlier = {key for key in suspects if any(ref() is suspects[key] for ref, _, _ in self._earlier.get(key, ()))}
+    unexplained = {key for key in suspects if key not in why and key not in at_tracked and key not in earlier}
+    why.update(_written_since_left(work, unexplained))
     del suspects, seen
     if not why:
         return work
@@ -127,6 +134,56 @@ def _block_foreign_holders(
             if m.storage in why
         },
     )
+
+
+def _written_since_left(
+    work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]], unexplained: set[int]
+) -> dict[int, str]:
+    """Of the captured storages held outside every walked path (``unexplained``: storage ids), the ones a
+    derived slot left and something wrote during the reload.
+
+    The walk cannot tell a holder outside the model (a dict key, an engine-level table) from a caller's own
+    reference to the slot. A write to that memory during the reload can: a caller's reference to a derived slot
+    is not written after PWAL gives the slot a new tensor, a ping-pong holder is. A loader writing the slot in
+    place before PWAL replaces it leaves the same evidence, and is refused too: the copy would be safe there, but
+    nothing tells the two apart (fail closed). A registered parameter or buffer, or memory inside one, is what a
+    loader writes, so its write is no such evidence; it keeps the walk's answer.
+    """
+    if not unexplained:
+        return {}
+    written: dict[int, str] = {}
+    resample: list[tuple[int, Sample, torch.Tensor]] = []
+    for snapshot, _ in work:
+        for index, _held, which in snapshot.suspects:
+            captured = snapshot.captured[index]
+            slot = snapshot.slots[index]
+            if captured is None or which is not None or slot.origin.is_state or slot.inside is not None:
+                continue
+            if slot.origin is Origin.ALIAS:
+                continue  # a path to a parameter's or buffer's memory: the loader writes it
+            key = id(captured.untyped_storage())
+            if key not in unexplained or key in written:
+                continue
+            before = snapshot.versions[index] if index < len(snapshot.versions) else -1
+            if before >= 0 and version_of(captured) != before:
+                written[key] = _WRITTEN_SINCE_LEFT
+                continue
+            entry = snapshot.freshness.get(index)
+            if entry is not None and entry[0] is captured:
+                resample.append((key, entry[2], captured))  # no counter (inference tensor), or a ``.data`` write
+    if resample:
+        same = unchanged([(sample, tensor) for _, sample, tensor in resample], SLOT_ELEMENTS)
+        for (key, _, _), kept in zip(resample, same, strict=True):
+            if not kept:
+                written.setdefault(key, _WRITTEN_SINCE_LEFT)
+    return written
+
+
+_WRITTEN_SINCE_LEFT = (
+    "no path the contract walks holds it (a dict key, a table outside the model, a caller's reference), and it "
+    "was written during the reload although the slot left it (a ping-pong holder writes it; so does a loader "
+    "writing the slot in place before PWAL replaces it, which nothing tells apart)"
+)
 
 
 def _take_back(
