@@ -495,6 +495,33 @@ def test_a_digest_changes_with_any_one_element_and_not_otherwise(
     assert base[:offset].equal((torch.arange(offset) % 7).to(dtype))  # nothing but the view was read or written
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    picks=st.lists(st.integers(0, 3), min_size=1, max_size=12),
+    sizes=st.lists(st.integers(1, 300_000), min_size=4, max_size=4),
+    batches=st.integers(1, 3),
+)
+def test_a_batch_digests_each_tensor_as_it_was_at_its_flush(picks: list[int], sizes: list[int], batches: int) -> None:
+    """A tensor noted several times in one batch (a weight that is a layer's own and a derived slot's input) is
+    read once and every handle holds :func:`digest` of it as at that flush; written between flushes, the next
+    batch's handles hold the new bytes (small and over-1-MiB tensors)."""
+    from graphsafe.contract._samples import SampleBatch, digest, same_digests
+
+    tensors = [torch.arange(n, dtype=torch.float32) * (k + 1) for k, n in enumerate(sizes)]
+    batch = SampleBatch()
+    for round_ in range(batches):
+        handles = [(pick, batch.digest(tensors[pick])) for pick in picks]
+        expected = [digest(t) for t in tensors]
+        batch.flush()
+        for pick, handle in handles:
+            got, want = handle.get(), expected[pick]
+            assert got is not None and want is not None
+            assert same_digests([(got, want)]) == [True], (round_, pick)
+        with torch.no_grad():
+            for tensor in tensors:
+                tensor[-1] += 1  # the next batch must see this write
+
+
 # ----------------------------------------------------------------------------------------------------
 # Freshness from what PWAL really reads
 # ----------------------------------------------------------------------------------------------------

@@ -160,17 +160,23 @@ class SampleBatch:
     only a promise.
     """
 
-    __slots__ = ("_digests", "_pending")
+    __slots__ = ("_digests", "_handles", "_pending")
 
     def __init__(self) -> None:
         # (dtype, device, whole) -> the tensors and their samples; ``whole``: the sample is the whole tensor, which
         # is joined in C++ (flatten_dense_tensors) without a Python view per tensor.
         self._pending: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[Sample]]] = {}
         self._digests: tuple[list[torch.Tensor], list[Digest]] = ([], [])
+        self._handles: dict[int, Digest] = {}  # id(tensor) -> its handle, for the tensors in ``_digests``
 
     def digest(self, tensor: torch.Tensor) -> Digest:
-        """The :func:`digest` of ``tensor``, taken at the next :meth:`flush` with every other one noted."""
-        handle = Digest()
+        """The :func:`digest` of ``tensor``, taken at the next :meth:`flush` with every other one noted. A tensor
+        noted twice before a flush (a weight that is both a layer's own and a derived slot's input) is read once:
+        both get one handle (the batch holds the tensor, so its ``id`` is not reused meanwhile)."""
+        handle = self._handles.get(id(tensor))
+        if handle is not None:
+            return handle
+        handle = self._handles[id(tensor)] = Digest()
         self._digests[0].append(tensor)
         self._digests[1].append(handle)
         return handle
@@ -204,6 +210,7 @@ class SampleBatch:
         """Take every pending sample (one copy per dtype, device and kind) and every pending digest."""
         pending, self._pending = self._pending, {}
         (tensors, handles), self._digests = self._digests, ([], [])
+        self._handles = {}
         if tensors:
             for handle, value in zip(handles, digests(tensors), strict=True):
                 handle.value, handle.taken = value, True
@@ -329,6 +336,11 @@ def _raw(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     plain = _dense(tensor)
     if plain is None or plain.device.type == "meta":
         return None
+    return _raw_dense(plain)
+
+
+def _raw_dense(plain: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """:func:`_raw` of a tensor :func:`_dense` already gave (not on the meta device)."""
     # Contiguous: its elements lie one after another from its offset (a one-element tensor may still carry any
     # stride, which a byte view refuses), so one flat view of them reads every byte.
     raw = plain.detach().as_strided((plain.numel(),), (1,), plain.storage_offset()).view(torch.uint8)
@@ -396,9 +408,7 @@ def digests(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
             count = plain.numel() * plain.element_size()
             width = 4 if count % 4 == 0 else 2 if count % 2 == 0 else 1
             if count > DIGEST_JOIN_BYTES:
-                raw = _raw(plain)
-                assert raw is not None
-                result[position] = _digest_raw(*raw)
+                result[position] = _digest_raw(*_raw_dense(plain))
                 continue
             key = (plain.device, plain.dtype, width)
             members = joined.get(key)
