@@ -1054,3 +1054,19 @@ def test_a_layer_swapping_a_slot_with_its_child_layer_s_undeclared_slot_twice_is
     layer1 = LayerSpec(rows=1, cols=1, slots=(SlotSpec("d0", kind="tie", of=0),))
     for mode in ("recapture", "strict"):
         _assert_honest(Scenario(layers=(layer0, layer1), mode=mode, layerwise="repwal", touch=0))
+
+
+@pytest.mark.parametrize("mode", ("recapture", "migrate"))
+def test_watched_slots_permuted_again_after_after_layer_with_a_tie_in_a_later_layer_fail_closed(mode: str) -> None:
+    """Found by the fuzzer (shrunk): under ``declared-only`` layer 0's undeclared slots are watched only (the
+    capture manifest saw them); layer 1 ties to layer 0's ``d1``. PWAL swaps layer 0's tensors, and runs again after
+    every ``after_layer()``, swapping them back: layer 1's tie now holds the tensor of ``d0``'s role. The manifest
+    sees that storage left layer 1's path (a recapture), but a recapture would read ``d0``'s values there."""
+    layer0 = LayerSpec(
+        rows=1, cols=1, cycle=(0, 1), slots=(SlotSpec("d0", source="sum", factor=2), SlotSpec("d1", source="sum"))
+    )
+    layer1 = LayerSpec(rows=1, cols=1, slots=(SlotSpec("d0", kind="tie", of=1),))
+    scenario = Scenario(
+        layers=(layer0, layer1), mode=mode, detect="declared-only", manifest=True, layerwise="repwal", touch=0
+    )
+    _assert_honest(scenario)

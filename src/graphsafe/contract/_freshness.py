@@ -118,6 +118,18 @@ class ClosedLayer:
                     "pass. Call after_layer() once, when the layer is loaded and processed for the last time",
                 )
             )
+        for index, slot in enumerate(snapshot.slots):
+            # A watched slot (the manifest's path, never restored here) holding what another slot held at the close:
+            # the same second PWAL, and a later layer tied to the tensor it moved reads the values of another role.
+            if not slot.watch_only or index in flagged:
+                continue
+            try:
+                current = slot.get(layer)
+            except Exception:
+                continue  # a path gone: the manifest's check speaks
+            if current is not self.at_close_held[index] and others.get(id(current), index) != index:
+                flagged.add(index)
+                findings.append(permuted_after_close(sealed, slot))
         if self.kept and stamp(layer) != self.own:
             # The layer's weights changed after its close; a slot the restore left on its new tensor (a view of a
             # Parameter the restore rebound to the captured one, say) and nothing wrote since holds the old values.
