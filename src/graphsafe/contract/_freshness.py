@@ -93,6 +93,11 @@ class ClosedLayer:
         )  # (a layer deferred to finish() is restored after this: nothing was kept yet)
         return cls(snapshot, confirmed, inputs, keys, at_close, held, kept, stamp(snapshot.layer) if kept else ())
 
+    def holds_anothers(self, index: int, current: Any) -> bool:
+        """Whether slot ``index`` now holds ``current``, what another slot of the layer held at the close (not this
+        slot's own: slots sharing one tensor held the same): PWAL ran again and permuted them."""
+        return current is not self.at_close_held[index] and id(current) in self.at_close
+
     def check(self, changes: Mapping[Any, int]) -> list[Finding]:
         """Findings for what changed since the layer was closed; ``changes`` says how each input changed."""
         snapshot = self.snapshot
@@ -127,7 +132,7 @@ class ClosedLayer:
                 current = slot.get(layer)
             except Exception:
                 continue  # a path gone: the manifest's check speaks
-            if current is not self.at_close_held[index] and others.get(id(current), index) != index:
+            if self.holds_anothers(index, current):
                 flagged.add(index)
                 findings.append(permuted_after_close(sealed, slot))
         if self.kept and stamp(layer) != self.own:
@@ -181,8 +186,7 @@ def permuted_deferred(closed: Iterable[ClosedLayer]) -> list[Finding]:
             continue
         for index, slot in enumerate(snapshot.slots):
             current = slot.get(snapshot.layer)
-            # another slot's tensor at the close, not this slot's own (slots sharing one tensor hold the same)
-            if current is not record.at_close_held[index] and id(current) in record.at_close:
+            if record.holds_anothers(index, current):
                 findings.append(permuted_after_close(snapshot.sealed, slot))
     return findings
 
