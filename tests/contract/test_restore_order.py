@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -305,21 +306,15 @@ def test_strict_mode_raises_on_tied_weights_bound_apart() -> None:
 
 
 # -- random permutations with repeats and ties -------------------------------------------------------------------
-@st.composite
-def permutations(draw: st.DrawFn) -> tuple[Scenario, bool]:
-    layers = draw(st.integers(1, 3))
-    per_layer = draw(st.integers(1, 3))
-    keys = [(i, f"s{j}") for i in range(layers) for j in range(per_layer)]
-    # Ties: at seal, several slots (in any layers) may hold one tensor.
-    ties = [draw(st.integers(0, k)) for k in range(len(keys))]
-    tie_of = {}
-    for k, key in enumerate(keys):
-        tie_of[key] = tie_of[keys[ties[k]]] if ties[k] < k else key
-    # The reload: each slot keeps its tensor, takes another slot's (repeats allowed), or gets a fresh one.
-    choice = st.one_of(st.just("keep"), st.just("fresh"), st.sampled_from(keys))
-    plan = {key: draw(choice) for key in keys}
-    write = {key: draw(st.booleans()) for key in keys}  # the load writes new values in place first
-    layerwise = draw(st.booleans())
+def permuted(
+    keys: list[tuple[int, str]],
+    tie_of: dict[tuple[int, str], tuple[int, str]],
+    plan: dict[tuple[int, str], Any],
+    write: dict[tuple[int, str], bool],
+) -> Scenario:
+    """Slots ``keys`` tied at seal as ``tie_of`` says; the reload first writes new values in place where ``write``
+    says, then gives each slot its own tensor (``"keep"``), another slot's (a key) or a fresh one (``"fresh"``)."""
+    layers = 1 + max(index for index, _ in keys)
 
     def build() -> Net:
         tensors = {key: values(10 + k) for k, key in enumerate(keys)}
@@ -340,7 +335,25 @@ def permutations(draw: st.DrawFn) -> tuple[Scenario, bool]:
                 setattr(model.layers[key[0]], key[1], taken[key])
 
     describe = f"ties={tie_of} plan={plan} write={write}"
-    return Scenario(build, (Step(tuple(range(layers)), run),), describe), layerwise
+    return Scenario(build, (Step(tuple(range(layers)), run),), describe)
+
+
+@st.composite
+def permutations(draw: st.DrawFn) -> tuple[Scenario, bool]:
+    layers = draw(st.integers(1, 3))
+    per_layer = draw(st.integers(1, 3))
+    keys = [(i, f"s{j}") for i in range(layers) for j in range(per_layer)]
+    # Ties: at seal, several slots (in any layers) may hold one tensor.
+    ties = [draw(st.integers(0, k)) for k in range(len(keys))]
+    tie_of = {}
+    for k, key in enumerate(keys):
+        tie_of[key] = tie_of[keys[ties[k]]] if ties[k] < k else key
+    # The reload: each slot keeps its tensor, takes another slot's (repeats allowed), or gets a fresh one.
+    choice = st.one_of(st.just("keep"), st.just("fresh"), st.sampled_from(keys))
+    plan = {key: draw(choice) for key in keys}
+    write = {key: draw(st.booleans()) for key in keys}  # the load writes new values in place first
+    layerwise = draw(st.booleans())
+    return permuted(keys, tie_of, plan, write), layerwise
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -348,3 +361,25 @@ def permutations(draw: st.DrawFn) -> tuple[Scenario, bool]:
 def test_random_permutations_never_commit_wrong_memory(case: tuple[Scenario, bool]) -> None:
     scenario, layerwise = case
     reload(scenario, layerwise=layerwise)
+
+
+def test_a_slot_written_in_place_then_given_a_tensor_an_earlier_layer_restores_over_keeps_its_values() -> None:
+    """Found by the permutation test, layerwise: layer 1's ``s0`` is written in place (a caller holds it), then takes
+    layer 0's old ``s1`` tensor, which layer 0's restore fills with ``s1``'s fresh values. Its copy reads the values
+    saved before that; refusing the copy for the in-place write would leave it on ``s1``'s values."""
+    keys = [(layer, f"s{j}") for layer in range(3) for j in range(2)]
+    tie_of = {key: key for key in keys} | {(2, "s0"): (1, "s1"), (2, "s1"): (1, "s1")}
+    plan: dict[tuple[int, str], Any] = {key: "keep" for key in keys} | {(0, "s1"): "fresh", (1, "s0"): (0, "s1")}
+    write = {key: key == (1, "s0") for key in keys}
+    reload(permuted(keys, tie_of, plan, write), layerwise=True)
+
+
+def test_a_tie_written_in_place_whose_partner_takes_a_later_layers_tensor_keeps_its_values() -> None:
+    """Found by the permutation test, layerwise: layers 0 and 1 share one tensor, written in place through layer 1
+    (a caller holds it); layer 0 gets a fresh tensor, layer 1 takes layer 2's, which layer 2's restore then fills
+    with its fresh values. Refusing the copy into the shared memory would leave layer 1 on layer 2's values."""
+    keys = [(layer, "s0") for layer in range(3)]
+    tie_of = {(0, "s0"): (0, "s0"), (1, "s0"): (0, "s0"), (2, "s0"): (2, "s0")}
+    plan: dict[tuple[int, str], Any] = {(0, "s0"): "fresh", (1, "s0"): (2, "s0"), (2, "s0"): "fresh"}
+    write = {key: key == (1, "s0") for key in keys}
+    reload(permuted(keys, tie_of, plan, write), layerwise=True)

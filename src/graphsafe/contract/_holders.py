@@ -121,7 +121,11 @@ def _block_foreign_holders(
     # Memory an earlier step's copies read as a slot's new tensor: the reload wrote it as that slot's values.
     earlier = {key for key in suspects if any(ref() is suspects[key] for ref, _, _ in self._earlier.get(key, ()))}
     unexplained = {key for key in suspects if key not in why and key not in at_tracked and key not in earlier}
-    why.update(_written_since_left(work, unexplained))
+    if unexplained:
+        captured_memory = {
+            (str(slot.fp.device), slot.fp.storage_ptr) for sealed in contract._layers for slot in sealed.slots
+        }
+        why.update(_written_since_left(work, plan, unexplained, captured_memory))
     del suspects, seen
     if not why:
         return work
@@ -137,7 +141,10 @@ def _block_foreign_holders(
 
 
 def _written_since_left(
-    work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]], unexplained: set[int]
+    work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]],
+    plan: RestorePlan,
+    unexplained: set[int],
+    captured_memory: set[tuple[str, int]],
 ) -> dict[int, str]:
     """Of the captured storages held outside every walked path (``unexplained``: storage ids), the ones a
     derived slot left and something wrote during the reload.
@@ -147,10 +154,19 @@ def _written_since_left(
     is not written after PWAL gives the slot a new tensor, a ping-pong holder is. A loader writing the slot in
     place before PWAL replaces it leaves the same evidence, and is refused too: the copy would be safe there, but
     nothing tells the two apart (fail closed). A registered parameter or buffer, or memory inside one, is what a
-    loader writes, so its write is no such evidence; it keeps the walk's answer.
+    loader writes, so its write is no such evidence; it keeps the walk's answer. So does a storage one of whose
+    slots has a new tensor on a captured storage (``captured_memory``: device and storage address of every sealed
+    slot; a swap or rotation of captured tensors): that memory's own restore writes it, so a slot taken back onto
+    it would be left on another slot's values.
     """
-    if not unexplained:
-        return {}
+    # Storages a move fills for a slot whose new tensor another slot's restore writes: not taken back.
+    unexplained = unexplained - {
+        m.storage
+        for m in plan.moves
+        if any(
+            (str(part.device), part.untyped_storage().data_ptr()) in captured_memory for part in memory_tensors(m.new)
+        )
+    }
     written: dict[int, str] = {}
     resample: list[tuple[int, Sample, torch.Tensor]] = []
     for snapshot, _ in work:
