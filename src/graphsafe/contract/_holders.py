@@ -27,6 +27,7 @@ __tracebackhide__ = hide_frames_in_pytest
 from graphsafe.contract._landing import _gaps, _overlapping
 
 if TYPE_CHECKING:
+    from graphsafe.contract._departures import Departures
     from graphsafe.contract._transaction import ReloadTransaction
 
 __all__: list[str] = []
@@ -125,7 +126,7 @@ def _block_foreign_holders(
         captured_memory = {
             (str(slot.fp.device), slot.fp.storage_ptr) for sealed in contract._layers for slot in sealed.slots
         }
-        why.update(_written_since_left(work, plan, unexplained, captured_memory))
+        why.update(_written_since_left(work, plan, unexplained, captured_memory, self.departures))
     del suspects, seen
     if not why:
         return work
@@ -145,6 +146,7 @@ def _written_since_left(
     plan: RestorePlan,
     unexplained: set[int],
     captured_memory: set[tuple[str, int]],
+    departures: Departures,
 ) -> dict[int, str]:
     """Of the captured storages held outside every walked path (``unexplained``: storage ids), the ones a
     derived slot left and something wrote during the reload.
@@ -153,8 +155,9 @@ def _written_since_left(
     reference to the slot. A write to that memory during the reload can: a caller's reference to a derived slot
     is not written after PWAL gives the slot a new tensor, a ping-pong holder is. A loader writing the slot in
     place before PWAL replaces it leaves the same evidence, and is refused too: the copy would be safe there, but
-    nothing tells the two apart (fail closed). A registered parameter or buffer, or memory inside one, is what a
-    loader writes, so its write is no such evidence; it keeps the walk's answer. So does a storage one of whose
+    nothing tells the two apart (fail closed). A registered parameter or buffer is what a loader writes, so its
+    write is evidence only after a registration replaced it (``departures``: the loader's write comes before);
+    one not seen leaving, or memory inside one, keeps the walk's answer. So does a storage one of whose
     slots has a new tensor on a captured storage (``captured_memory``: device and storage address of every sealed
     slot; a swap or rotation of captured tensors): that memory's own restore writes it, so a slot taken back onto
     it would be left on another slot's values.
@@ -173,12 +176,16 @@ def _written_since_left(
         for index, _held, which in snapshot.suspects:
             captured = snapshot.captured[index]
             slot = snapshot.slots[index]
-            if captured is None or which is not None or slot.origin.is_state or slot.inside is not None:
+            if captured is None or which is not None or slot.inside is not None:
                 continue
-            if slot.origin is Origin.ALIAS:
-                continue  # a path to a parameter's or buffer's memory: the loader writes it
             key = id(captured.untyped_storage())
             if key not in unexplained or key in written:
+                continue
+            if slot.origin.is_state or slot.origin is Origin.ALIAS:
+                # A parameter or buffer (or a path to one's memory): the loader writes it; written after a
+                # registration replaced it, it was not the loader.
+                if departures.written_since_left(captured):
+                    written[key] = _WRITTEN_AFTER_REPLACED
                 continue
             before = snapshot.versions[index] if index < len(snapshot.versions) else -1
             if before >= 0 and version_of(captured) != before:
@@ -199,6 +206,12 @@ _WRITTEN_SINCE_LEFT = (
     "no path the contract walks holds it (a dict key, a table outside the model, a caller's reference), and it "
     "was written during the reload although the slot left it (a ping-pong holder writes it; so does a loader "
     "writing the slot in place before PWAL replaces it, which nothing tells apart)"
+)
+
+
+_WRITTEN_AFTER_REPLACED = (
+    "no path the contract walks holds it (a table outside the model), and it was written after the module took "
+    "another tensor in its place (a loader writes a parameter before that, not after)"
 )
 
 

@@ -5,12 +5,14 @@ outside the model in :mod:`~graphsafe.contract._holders` (functions of the trans
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import reprlib
 import threading
 import time
 import warnings
 import weakref
+from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,7 @@ from torch import nn
 from graphsafe._gcpause import collections_paused
 from graphsafe.collectors import Dataflow
 from graphsafe.contract._agreement import Agreement
+from graphsafe.contract._departures import Departures
 from graphsafe.contract._freshness import ClosedLayer, check_closed, permuted_deferred
 from graphsafe.contract._late import LateModule, late_stale
 from graphsafe.contract._order import LoadStamp, changed_since, load_stamps, loaded_early
@@ -27,6 +30,7 @@ from graphsafe.contract._repeat import Repeat, late_loads, note_repeat
 from graphsafe.contract._samples import Digest, SampleBatch
 from graphsafe.contract._slots import InputRef, SealedLayer
 from graphsafe.contract._snapshot import LayerSnapshot
+from graphsafe.contract._tensorref import TensorRef
 from graphsafe.contract._unnamed import UnnamedNote, UnownedNote, note_unowned, unnamed_stale, unwritten_unowned
 from graphsafe.contract._unread import SkipState
 from graphsafe.contract._unread_drift import excuse_unread_drift
@@ -99,6 +103,8 @@ class ReloadTransaction:
         #: begin(): judged when the reload finishes (contract._unnamed).
         self._unnamed: dict[int, UnnamedNote] = {}
         self._unowned: list[UnownedNote] = []
+        #: Captured parameters and buffers a registration replaced during the reload, as they left (_holders).
+        self.departures = Departures(self._captured_refs, self._unrecorded)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -148,6 +154,7 @@ class ReloadTransaction:
                 )
             contract._active = self
             self._begun = True
+            self.departures.__enter__()
             # Whole model: every layer now. Layer by layer: those whose captured storage another layer reads too
             # (a tie) now as well, since an earlier layer's PWAL can write that storage before their before_layer().
             early = [s for s in contract._layers if not self.layerwise or s.shared_across_layers]
@@ -177,6 +184,7 @@ class ReloadTransaction:
             self._findings.extend(contract._unsealed_modules(self._late))
         except BaseException as exc:
             # Nothing was loaded yet: leave the contract as it was, not stuck with an open transaction.
+            self.departures.__exit__()
             self._snapshots.clear()
             if contract._active is self:
                 contract._active = None
@@ -216,6 +224,23 @@ class ReloadTransaction:
                 "failed on every rank of the group"
             )
             return None
+
+    def _captured_refs(self) -> dict[int, TensorRef]:
+        """Every sealed slot's captured tensor object, by ``id()`` (what :class:`Departures` watches leave)."""
+        return {slot.tensor_ref.ident: slot.tensor_ref for sealed in self.contract._layers for slot in sealed.slots}
+
+    @contextlib.contextmanager
+    def _unrecorded(self) -> Iterator[None]:
+        """The contract's own tensor ops while PWAL runs: unseen by the recording of PWAL's reads."""
+        dataflow = self._dataflow
+        if dataflow is None or dataflow.paused:
+            yield
+            return
+        dataflow.paused = True
+        try:
+            yield
+        finally:
+            dataflow.paused = False
 
     def _stop_recording(self) -> Dataflow | None:
         dataflow, self._dataflow = self._dataflow, None
@@ -465,6 +490,7 @@ class ReloadTransaction:
         """Restore what is left, verify, and decide this rank's outcome (nothing outside the contract runs)."""
         contract = self.contract
         start = time.perf_counter()
+        self.departures.__exit__()  # the restore's own rebinds are no departures
         try:
             dataflow = self._stop_recording()
             if dataflow is not None and error is None:

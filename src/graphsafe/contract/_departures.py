@@ -1,0 +1,112 @@
+"""Captured parameters and buffers rebound away from their modules during a reload, and what they were when they left.
+
+A loader writes a parameter in place, and PWAL may then give the module a new one (``layer.weight =
+nn.Parameter(...)``): the old, captured parameter has the loader's write on it, which is the reload's own. A PWAL
+that hands the old parameter to a table outside the model (a spare for the next step, a ping-pong pair) and writes
+it there leaves the same evidence, except in time: that write comes after the parameter left. torch calls its
+global parameter and buffer registration hooks just before a module takes a new one, with the old one still in
+place, so the moment each captured tensor left is known: its version counter then (a value sample for an
+inference tensor, which has none). The restore asks :meth:`Departures.written_since_left` before it copies into
+such a tensor held outside every walked path.
+
+Only registrations through ``nn.Module.__setattr__``/``register_parameter``/``register_buffer`` are seen; a tensor
+that left another way (``del`` first, a write into ``module._parameters``) has no record, and the restore keeps
+its answer for parameters (the loader writes them). So does a write through ``.data`` after it left, which moves
+no counter: a value sample taken at every departure would see it, at 25-130 us of host time each (2-core CPU; a
+repacking PWAL replaces hundreds of parameters per reload), and loaders themselves write through ``.data``. Cost:
+two hook registrations per reload; per registration during it, a dict lookup; per captured tensor that leaves, a
+version read (and for an inference tensor one value sample).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from graphsafe.contract._samples import SLOT_ELEMENTS, signature, version_of
+from graphsafe.contract._tensorref import TensorRef
+
+__all__ = ["Departures"]
+
+
+class Departures:
+    """While entered, notes each tensor of ``captured()`` (the captured tensor objects, by ``id()``, asked once, at
+    the first registration seen) that a module registration replaces, as it was then (the latest such moment, for
+    one that left, came back and left again). Its samples are taken inside ``quiet()`` (the reload's recording of
+    PWAL must not take them for PWAL's reads)."""
+
+    __slots__ = ("__weakref__", "_captured", "_handles", "_ids", "_quiet", "left")
+
+    def __init__(
+        self, captured: Callable[[], dict[int, TensorRef]], quiet: Callable[[], AbstractContextManager[Any]]
+    ) -> None:
+        self._captured = captured
+        self._quiet = quiet
+        self._ids: dict[int, TensorRef] | None = None
+        self._handles: list[Any] = []
+        #: id(captured tensor) -> (version counter when it left, -1 for none; its value sample then, or None).
+        self.left: dict[int, tuple[int, torch.Tensor | None]] = {}
+
+    def __enter__(self) -> Departures:
+        ref = weakref.ref(self)
+
+        def on_parameter(module: nn.Module, name: str, value: Any) -> None:
+            departures = ref()
+            if departures is not None:
+                departures._note(module._parameters, name, value)
+
+        def on_buffer(module: nn.Module, name: str, value: Any) -> None:
+            departures = ref()
+            if departures is not None:
+                departures._note(module._buffers, name, value)
+
+        self._handles = [
+            torch_module.register_module_parameter_registration_hook(on_parameter),
+            torch_module.register_module_buffer_registration_hook(on_buffer),
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def _note(self, table: dict[str, Any], name: str, value: Any) -> None:
+        # Runs inside torch's own setattr: it must never make the user's assignment fail.
+        try:
+            old = table.get(name)
+            if old is value or not isinstance(old, torch.Tensor):
+                return
+            ids = self._ids
+            if ids is None:
+                ids = self._ids = self._captured()
+            leaving = ids.get(id(old))
+            if leaving is not None and leaving.holds(old):
+                version, sample = version_of(old), None
+                if version < 0 and old.layout is torch.strided and old.device.type != "meta":
+                    with self._quiet(), torch.no_grad():  # no counter: the values are the only witness
+                        sample = signature(old, SLOT_ELEMENTS)
+                self.left[id(old)] = (version, sample)
+        except Exception:  # no record: the restore keeps its answer for this tensor
+            self.left.pop(id(table.get(name)), None)
+
+    def written_since_left(self, tensor: torch.Tensor) -> bool | None:
+        """Whether ``tensor`` was written after a registration replaced it (its counter moved, or its value sample
+        changed); ``None`` where it was not seen leaving."""
+        record = self.left.get(id(tensor))
+        if record is None:
+            return None
+        version, sample = record
+        if version >= 0 and version_of(tensor) != version:
+            return True
+        if sample is None:
+            return None
+        with torch.no_grad():
+            now = signature(tensor, SLOT_ELEMENTS)
+        return not (now.shape == sample.shape and torch.equal(now, sample))
