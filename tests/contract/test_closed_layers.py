@@ -402,6 +402,71 @@ def test_a_wrapper_whose_inner_tensors_are_inference_tensors_is_restored_not_cra
 
 # ================================================================================================================
 # FALSE ALARMS on legitimate reloads
+# -- 3b. ClosedLayer: slots the restore left on their new tensors, permuted by PWAL run again ---------------------
+class _Tagged(torch.Tensor):
+    """A subclass: a tensor of it taking a plain slot's place cannot be copied into the captured one (respecified)."""
+
+
+class RotatingLayer(nn.Module):
+    """Each reload-time PWAL rotates the tensor objects of ``a``, ``b`` and ``c`` (``a`` takes ``b``'s, ``b``
+    ``c``'s, ``c`` ``a``'s) and writes each one's own values in place (``a`` and ``b`` compute the same values, in
+    two classes); ``b_view``, a view of ``b``, is made once (a "processed already" guard skips it afterwards)."""
+
+    def __init__(self, inference: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(w(1), requires_grad=False)
+        self.inference = inference
+        self.built = False
+
+    @graph_visible("a", "b_view")
+    def process_weights_after_loading(self) -> None:
+        with torch.inference_mode() if self.inference else contextlib.nullcontext(), torch.no_grad():
+            if not self.built:
+                self.a = self.weight * 3.0
+                self.b = (self.weight * 3.0).as_subclass(_Tagged)
+                self.c = self.weight * 4.0
+                self.b_view = self.b.view(-1)
+                self.built = True
+            else:
+                self.a, self.b, self.c = self.b, self.c, self.a
+                self.a.copy_(self.weight * 3.0)
+                self.b.copy_(self.weight * 3.0)
+                self.c.copy_(self.weight * 4.0)
+        register_derived(self, "c")
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["autograd", "inference_mode"])
+@pytest.mark.parametrize("mode", MODES)
+def test_slots_left_on_new_tensors_and_rotated_again_after_after_layer_are_not_left_to_a_recapture(
+    mode: str, inference: bool
+) -> None:
+    """Attacker: the first pass rotates the layer's tensors (``a`` takes ``b``'s subclass tensor: respecified, so
+    the restore leaves all three on their new tensors, the layer a recapture; the weight is not reloaded, so ``b``'s
+    memory got ``a``'s values, the same as its own, and ``b_view`` still reads right); PWAL runs again after
+    ``after_layer()`` and rotates them once more, writing each in place. ``b_view`` still views the memory that
+    ``b`` held at the capture, now ``c``'s tensor with ``c``'s values. Under inference mode no version counter shows
+    the writes.
+
+    Promise: NEEDS_RECAPTURE only if a recapture (of the model as it is) reads what a cold model computes: here
+    ``b_view`` would read ``c``'s values, so the reload must fail."""
+    model = RotatingLayer(inference)
+    model.process_weights_after_loading()
+    contract = GraphContract(model, mode).seal()  # type: ignore[arg-type]
+    with contextlib.suppress(GraphSafeError), contract.reload(layerwise=True) as txn:
+        txn.before_layer(model)  # a partial reload: this layer's weight is not in the shard
+        model.process_weights_after_loading()
+        txn.after_layer(model)
+        model.process_weights_after_loading()
+    outcome = contract.last_outcome
+    assert outcome is not None
+    assert outcome.status is not Status.COMMITTED, "COMMITTED, but the layer's captured tensors were rotated"
+    if outcome.status is Status.NEEDS_RECAPTURE:
+        assert torch.equal(model.b_view, w(1) * 3.0), (
+            f"NEEDS_RECAPTURE, but a recapture reads b_view = {model.b_view.tolist()}; a cold model's b is "
+            f"{(w(1) * 3.0).tolist()}"
+        )
+
+
 # ================================================================================================================
 
 

@@ -1072,13 +1072,11 @@ def test_watched_slots_permuted_again_after_after_layer_with_a_tie_in_a_later_la
     _assert_honest(scenario)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (found by the long fuzz run, present before): layerwise, PWAL under inference mode rotates a "
-    "layer's tensors and runs again after after_layer(); a declared alias of the rotated undeclared slot, skipped, "
-    "is left to a recapture that reads another role's values (docs/fault-matrix.md)",
-)
 def test_an_alias_of_a_rotated_inference_slot_in_a_repwal_layer_is_not_left_to_a_recapture() -> None:
+    """Found by the long fuzz run (shrunk): PWAL, under inference mode (no version counters), rotates three slots'
+    tensors on every pass; the restore at ``after_layer()`` leaves them on their new tensors (respecified, class
+    changes). PWAL runs again and rotates them once more, writing each in place: the memory a skipped declared alias
+    of ``d1`` reads now holds ``d2``'s values, and a recapture would read them there."""
     layer = LayerSpec(
         rows=1,
         cols=1,

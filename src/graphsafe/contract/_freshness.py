@@ -123,10 +123,13 @@ class ClosedLayer:
                     "pass. Call after_layer() once, when the layer is loaded and processed for the last time",
                 )
             )
+        left_new = {index for index, _ in self.kept}
         for index, slot in enumerate(snapshot.slots):
-            # A watched slot (the manifest's path, never restored here) holding what another slot held at the close:
-            # the same second PWAL, and a later layer tied to the tensor it moved reads the values of another role.
-            if not slot.watch_only or index in flagged:
+            # A watched slot (the manifest's path, never restored here) or one the restore left on its new tensor
+            # (respecified) holding what another slot held at the close: the same second PWAL, which moved memory a
+            # later layer's tie or a skipped alias still reads and wrote another role's values there. (A slot the
+            # restore rebinds after the close, a tie's deferred layer, holds its captured tensor: not asked here.)
+            if index in flagged or not (slot.watch_only or index in left_new):
                 continue
             try:
                 current = slot.get(layer)
