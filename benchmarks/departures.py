@@ -1,11 +1,12 @@
-"""What the departure hooks cost a module registration during a reload, and what a value sample per departure
-would cost on top (the witness of a ``.data`` write, which ``contract._departures`` does without).
+"""What the departure hooks cost a module registration while a reload is open, and what a value sample per
+departure would cost on top (the witness of a ``.data`` write, which ``contract._departures`` does without).
 
     PYTHONPATH=src python3 benchmarks/departures.py [--device cpu|cuda] [--rounds 8]
 
 Every captured parameter of a model of linear layers is replaced by a new one (``layer.weight = nn.Parameter(...)``:
-what a repacking PWAL or a rebinding loader does), with the hooks of a :class:`Departures` entered and without,
-rounds alternating; then ``signature`` of each parameter alone. Host time per registration (median over rounds);
+what a repacking PWAL or a rebinding loader does), with a :class:`Departures` entered (a reload open) and without
+(the hooks, installed at import, find no open reload), rounds alternating; then ``signature`` of each parameter
+alone. Host time per registration (median over rounds);
 on CUDA the sample's copy is a launch, timed to its host return as the hook would pay it.
 """
 
@@ -26,12 +27,12 @@ from graphsafe.contract._tensorref import TensorRef
 SHAPES = (((64, 64), 2000), ((4096, 1024), 50))
 
 
-def _per_registration(model: nn.Sequential, news: list[nn.Parameter], hooks: bool) -> float:
+def _per_registration(model: nn.Sequential, news: list[nn.Parameter], open_reload: bool) -> float:
     refs = {id(layer.weight): TensorRef.of(layer.weight) for layer in model}
     olds = [layer.weight for layer in model]
     departures = Departures(lambda: refs, contextlib.nullcontext)
     start = time.perf_counter()
-    with departures if hooks else contextlib.nullcontext():
+    with departures if open_reload else contextlib.nullcontext():
         for layer, new in zip(model, news, strict=True):
             layer.weight = new
     seconds = time.perf_counter() - start
@@ -54,7 +55,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args()
     device = torch.device(args.device)
-    print("| parameter | count | us/registration, no hooks | with hooks | a value sample each (not taken) |")
+    print("| parameter | count | us/registration, no reload open | reload open | a value sample each (not taken) |")
     print("|---|---|---|---|---|")
     for (rows, cols), count in SHAPES:
         model = nn.Sequential(*[nn.Linear(cols, rows, bias=False, device=device) for _ in range(count)])
@@ -63,8 +64,8 @@ def main() -> None:
         timings: dict[bool, list[float]] = {True: [], False: []}
         samples: list[float] = []
         for index in range(args.rounds):
-            hooks = index % 2 == 0
-            timings[hooks].append(_per_registration(model, news, hooks))
+            open_reload = index % 2 == 0
+            timings[open_reload].append(_per_registration(model, news, open_reload))
             samples.append(_per_sample(model))
         off, on, sample = (statistics.median(x) for x in (timings[False], timings[True], samples))
         print(f"| {rows}x{cols} | {count} | {off:.1f} | {on:.1f} | +{sample:.1f} |")

@@ -8,6 +8,7 @@
   ``torch.__future__.set_swap_module_params_on_conversion(True)``, work on a sealed model (graphsafe holds no weak
   reference to a model's tensors, which swap_tensors refuses), and the reload does not commit while the graph's
   captured memory no longer holds the new values.
+* A reload adds or removes no torch global hook (torch iterates them on every registration, in every thread).
 """
 
 from __future__ import annotations
@@ -289,3 +290,60 @@ def test_a_captured_tensor_pwal_replaces_after_its_after_layer_is_restored_as_th
         txn.after_layer(layer)
     assert txn.outcome is not None and txn.outcome.committed, txn.outcome
     assert layer.w_t is captured and torch.equal(captured, layer.weight.t())
+
+
+def _global_hook_tables() -> list[dict[Any, Any]]:
+    from torch.nn.modules import module as torch_module
+
+    return [
+        dict(torch_module._global_parameter_registration_hooks),
+        dict(torch_module._global_buffer_registration_hooks),
+        dict(torch_module._global_module_registration_hooks),
+    ]
+
+
+def test_a_reload_adds_or_removes_no_torch_global_hook() -> None:
+    """torch iterates its global registration hooks on every ``register_parameter``: a hook added or removed while
+    another thread registers one raises ``OrderedDict mutated during iteration`` there (found by the fuzzer's
+    two-ranks-as-threads class). graphsafe's hooks are installed once, at import."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    contract = GraphContract(model, "recapture").seal()
+    before = _global_hook_tables()
+    with contract.reload():
+        during = _global_hook_tables()
+        model[0].weight = nn.Parameter(torch.ones(2, 2))
+    assert during == before and _global_hook_tables() == before
+
+
+def test_two_threads_reloading_with_rebinding_loaders_never_break_a_registration() -> None:
+    """Two ranks as threads, each reloading its own contract with a loader that binds new parameters: no
+    registration in either thread fails because of the other's reload."""
+    import sys
+    import threading
+
+    errors: list[BaseException] = []
+
+    def rank() -> None:
+        model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+        contract = GraphContract(model, "recapture").seal()
+        try:
+            for step in range(300):
+                with contract.reload():
+                    for layer in model:
+                        layer.weight = nn.Parameter(torch.full((2, 2), float(step)))
+                if errors:
+                    return
+        except BaseException as exc:
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can: the race needs a switch mid-loop
+    try:
+        threads = [threading.Thread(target=rank) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, repr(errors[0])

@@ -12,14 +12,16 @@ such a tensor held outside every walked path.
 Only registrations through ``nn.Module.__setattr__``/``register_parameter``/``register_buffer`` are seen; a tensor
 that left another way (``del`` first, a write into ``module._parameters``) has no record, and the restore keeps
 its answer for parameters (the loader writes them). So does a write through ``.data`` after it left, which moves
-no counter: a value sample taken at every departure would see it, at 25-130 us of host time each (2-core CPU; a
-repacking PWAL replaces hundreds of parameters per reload), and loaders themselves write through ``.data``. Cost:
-two hook registrations per reload; per registration during it, a dict lookup; per captured tensor that leaves, a
-version read (and for an inference tensor one value sample).
+no counter: a value sample taken at every departure would see it, at 9-97 us of host time each (2-core CPU,
+``benchmarks/departures.py``; a repacking PWAL replaces hundreds of parameters per reload), and loaders
+themselves write through ``.data``. Cost: two process-wide hooks installed at import (an empty loop per
+registration while no reload is open); per registration during a reload, a dict lookup; per captured tensor that
+leaves, a version read (and for an inference tensor one value sample).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -35,13 +37,40 @@ from graphsafe.contract._tensorref import TensorRef
 __all__ = ["Departures"]
 
 
+#: The open reloads' departure records, by weak reference (a transaction never finished must not stay alive here).
+#: Replaced whole, never changed in place, so a hook running in one thread never sees it change under it.
+_OPEN: tuple[weakref.ReferenceType[Departures], ...] = ()
+_OPEN_LOCK = threading.Lock()
+
+
+def _on_parameter(module: nn.Module, name: str, value: Any) -> None:
+    for ref in _OPEN:
+        departures = ref()
+        if departures is not None:
+            departures._note(module._parameters, name, value)
+
+
+def _on_buffer(module: nn.Module, name: str, value: Any) -> None:
+    for ref in _OPEN:
+        departures = ref()
+        if departures is not None:
+            departures._note(module._buffers, name, value)
+
+
+# Installed once, at import, and never removed: torch iterates its hook table on every registration, so adding or
+# removing a hook per reload raises "OrderedDict mutated during iteration" in a thread registering a parameter
+# meanwhile (two ranks as threads, each reloading). While no reload is open a hook is one empty loop.
+torch_module.register_module_parameter_registration_hook(_on_parameter)
+torch_module.register_module_buffer_registration_hook(_on_buffer)
+
+
 class Departures:
     """While entered, notes each tensor of ``captured()`` (the captured tensor objects, by ``id()``, asked once, at
     the first registration seen) that a module registration replaces, as it was then (the latest such moment, for
     one that left, came back and left again). Its samples are taken inside ``quiet()`` (the reload's recording of
     PWAL must not take them for PWAL's reads)."""
 
-    __slots__ = ("__weakref__", "_captured", "_handles", "_ids", "_quiet", "left")
+    __slots__ = ("__weakref__", "_captured", "_ids", "_quiet", "left")
 
     def __init__(
         self, captured: Callable[[], dict[int, TensorRef]], quiet: Callable[[], AbstractContextManager[Any]]
@@ -49,33 +78,19 @@ class Departures:
         self._captured = captured
         self._quiet = quiet
         self._ids: dict[int, TensorRef] | None = None
-        self._handles: list[Any] = []
         #: id(captured tensor) -> (version counter when it left, -1 for none; its value sample then, or None).
         self.left: dict[int, tuple[int, torch.Tensor | None]] = {}
 
     def __enter__(self) -> Departures:
-        ref = weakref.ref(self)
-
-        def on_parameter(module: nn.Module, name: str, value: Any) -> None:
-            departures = ref()
-            if departures is not None:
-                departures._note(module._parameters, name, value)
-
-        def on_buffer(module: nn.Module, name: str, value: Any) -> None:
-            departures = ref()
-            if departures is not None:
-                departures._note(module._buffers, name, value)
-
-        self._handles = [
-            torch_module.register_module_parameter_registration_hook(on_parameter),
-            torch_module.register_module_buffer_registration_hook(on_buffer),
-        ]
+        global _OPEN
+        with _OPEN_LOCK:
+            _OPEN = (*_OPEN, weakref.ref(self))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        handles, self._handles = self._handles, []
-        for handle in handles:
-            handle.remove()
+        global _OPEN
+        with _OPEN_LOCK:
+            _OPEN = tuple(ref for ref in _OPEN if ref() is not None and ref() is not self)
 
     def _note(self, table: dict[str, Any], name: str, value: Any) -> None:
         # Runs inside torch's own setattr: it must never make the user's assignment fail.

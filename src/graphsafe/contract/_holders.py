@@ -126,7 +126,7 @@ def _block_foreign_holders(
         captured_memory = {
             (str(slot.fp.device), slot.fp.storage_ptr) for sealed in contract._layers for slot in sealed.slots
         }
-        why.update(_written_since_left(work, plan, unexplained, captured_memory, self.departures))
+        why.update(_written_since_left(work, plan, unexplained, captured_memory, self._departures))
     del suspects, seen
     if not why:
         return work

@@ -104,7 +104,7 @@ class ReloadTransaction:
         self._unnamed: dict[int, UnnamedNote] = {}
         self._unowned: list[UnownedNote] = []
         #: Captured parameters and buffers a registration replaced during the reload, as they left (_holders).
-        self.departures = Departures(self._captured_refs, self._unrecorded)
+        self._departures = Departures(self._captured_refs, self._unrecorded)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -154,7 +154,7 @@ class ReloadTransaction:
                 )
             contract._active = self
             self._begun = True
-            self.departures.__enter__()
+            self._departures.__enter__()
             # Whole model: every layer now. Layer by layer: those whose captured storage another layer reads too
             # (a tie) now as well, since an earlier layer's PWAL can write that storage before their before_layer().
             early = [s for s in contract._layers if not self.layerwise or s.shared_across_layers]
@@ -184,7 +184,7 @@ class ReloadTransaction:
             self._findings.extend(contract._unsealed_modules(self._late))
         except BaseException as exc:
             # Nothing was loaded yet: leave the contract as it was, not stuck with an open transaction.
-            self.departures.__exit__()
+            self._departures.__exit__()
             self._snapshots.clear()
             if contract._active is self:
                 contract._active = None
@@ -490,7 +490,7 @@ class ReloadTransaction:
         """Restore what is left, verify, and decide this rank's outcome (nothing outside the contract runs)."""
         contract = self.contract
         start = time.perf_counter()
-        self.departures.__exit__()  # the restore's own rebinds are no departures
+        self._departures.__exit__()  # the restore's own rebinds are no departures
         try:
             dataflow = self._stop_recording()
             if dataflow is not None and error is None:
