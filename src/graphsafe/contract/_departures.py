@@ -10,13 +10,13 @@ inference tensor, which has none). The restore asks :meth:`Departures.written_si
 such a tensor held outside every walked path.
 
 Only registrations through ``nn.Module.__setattr__``/``register_parameter``/``register_buffer`` are seen; a tensor
-that left another way (``del`` first, a write into ``module._parameters``) has no record, and the restore keeps
-its answer for parameters (the loader writes them). So does a write through ``.data`` after it left, which moves
-no counter: a value sample taken at every departure would see it, at 9-97 us of host time each (2-core CPU,
-``benchmarks/departures.py``; a repacking PWAL replaces hundreds of parameters per reload), and loaders
-themselves write through ``.data``. Cost: two process-wide hooks installed at import (an empty loop per
-registration while no reload is open); per registration during a reload, a dict lookup; per captured tensor that
-leaves, a version read (and for an inference tensor one value sample).
+that left another way (``del`` or ``= None`` first, for which torch calls no hook; a write into
+``module._parameters``) has no record, and the restore keeps its answer for parameters (the loader writes them). So
+does a write through ``.data`` after it left, which moves no counter: a value sample taken at every departure would
+see it, at 9-97 us of host time each (2-core CPU, ``benchmarks/departures.py``; a repacking PWAL replaces hundreds
+of parameters per reload), and loaders themselves write through ``.data``. Cost: two process-wide hooks installed at
+import (an empty loop per registration while no reload is open); per registration during a reload, a dict lookup;
+per captured tensor that leaves, a version read (and for an inference tensor one value sample).
 """
 
 from __future__ import annotations
