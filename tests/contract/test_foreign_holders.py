@@ -257,9 +257,8 @@ _SPARES: dict[str, torch.Tensor] = {}  # an engine-level table of spare paramete
 class _StatePingPong(nn.Module):
     """PWAL swaps the parameter (or buffer) ``weight`` with a spare an engine-level table holds (``none_first``:
     setting it to None first), then writes both: the old, captured one gets 7 (in place, through ``.data``, or under
-    inference mode). A loader's write to a
-    parameter before PWAL replaces it leaves the same evidence on the old one, except that it comes before the
-    module takes the spare."""
+    inference mode). A loader's write to a parameter before PWAL replaces it leaves the same evidence on the old
+    one, except that it comes before the module takes the spare."""
 
     def __init__(self, how: str = "copy", kind: str = "parameter") -> None:
         super().__init__()
