@@ -467,6 +467,42 @@ def test_slots_left_on_new_tensors_and_rotated_again_after_after_layer_are_not_l
         )
 
 
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4), requires_grad=False)
+
+    @graph_visible("a", "b")
+    def process_weights_after_loading(self) -> None:
+        self.a = self.weight * 2
+        self.b = self.weight * 3
+
+
+@pytest.mark.parametrize("how", ["objects", "swap_tensors", "data"])
+def test_two_restored_slots_whose_memory_is_swapped_after_after_layer_are_stale(how: str) -> None:
+    """Attacker: after ``after_layer()`` restored ``a`` and ``b``, their memory is exchanged (the objects, their
+    memory through ``torch.utils.swap_tensors``, or ``.data``): each captured address now holds the other's values.
+    A recapture would read the values of two passes, so the reload must fail, not ask for one."""
+    layer = _Pair()
+    layer.process_weights_after_loading()
+    contract = GraphContract(layer, "recapture").seal()
+    with contextlib.suppress(GraphSafeError), contract.reload(layerwise=True) as txn:
+        txn.before_layer(layer)
+        with torch.no_grad():
+            layer.weight.copy_(w(2))
+        layer.process_weights_after_loading()
+        txn.after_layer(layer)
+        if how == "objects":
+            layer.a, layer.b = layer.b, layer.a
+        elif how == "swap_tensors":
+            torch.utils.swap_tensors(layer.a, layer.b)
+        else:
+            layer.a.data, layer.b.data = layer.b.data, layer.a.data
+    outcome = contract.last_outcome
+    assert outcome is not None
+    assert outcome.status is Status.FAILED, [(f.kind.value, f.path) for f in outcome.problems]
+
+
 # ================================================================================================================
 
 

@@ -337,6 +337,79 @@ def test_a_parameter_pingpong_with_a_holder_outside_the_model_is_never_written(
     assert outcome is not None and not outcome.committed
 
 
+class _LargeInferencePingPong(nn.Module):
+    """The ping-pong of an inference-mode parameter of 8,192 elements whose holder writes every second element: a
+    value sample of 4,096 elements would read the even ones only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.inference_mode():
+            self.weight = nn.Parameter(torch.ones(8192), requires_grad=False)
+            _SPARES["spare"] = nn.Parameter(torch.zeros(8192), requires_grad=False)
+
+    def process_weights_after_loading(self) -> None:
+        old = self.weight
+        self.weight = _SPARES["spare"]
+        _SPARES["spare"] = old
+        with torch.inference_mode():
+            self.weight.copy_(old * 2)
+            old[1::2] = 7.0  # the holder's own values, between a sample's elements
+
+
+def test_an_inference_parameter_written_after_it_left_between_sampled_elements_is_never_written() -> None:
+    layer = _LargeInferencePingPong()
+    contract = GraphContract(layer, "recapture").seal()
+    with torch.no_grad(), record_capture(contract):
+        layer.weight.sum()
+    captured = layer.weight
+    with contextlib.suppress(ContractViolation), contract.reload():
+        with torch.inference_mode():
+            layer.weight.copy_(torch.full((8192,), 5.0))
+        layer.process_weights_after_loading()
+    assert _SPARES["spare"] is captured
+    assert captured[1].item() == 7.0, f"graphsafe wrote {captured[1].item()} over the holder's 7.0"
+    outcome = contract.last_outcome
+    assert outcome is not None and not outcome.committed
+
+
+class _FlatViews(nn.Module):
+    """Two parameters that are views of one flat buffer (one version counter): PWAL repacks ``w1``, scales ``w2`` in
+    place, then repacks it; a caller's table holds the old ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        flat = torch.ones(8)
+        self.w1 = nn.Parameter(flat[0:4], requires_grad=False)
+        self.w2 = nn.Parameter(flat[4:8], requires_grad=False)
+
+    def process_weights_after_loading(self) -> None:
+        with torch.no_grad():
+            self.w1 = nn.Parameter(self.w1 * 2, requires_grad=False)
+            self.w2.mul_(3)
+            self.w2 = nn.Parameter(self.w2 + 0, requires_grad=False)
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["unheld", "held"])
+def test_views_of_one_buffer_repacked_after_an_in_place_write_to_one_commit(held: bool) -> None:
+    """The write to ``w2`` moves the counter ``w1`` shares with it, after ``w1`` left: no write to ``w1``'s bytes."""
+    layer = _FlatViews()
+    contract = GraphContract(layer, "recapture").seal()
+    with torch.no_grad(), record_capture(contract):
+        layer.w1.sum()
+        layer.w2.sum()
+    for step in (5.0, 6.0):
+        kept = {"w1": layer.w1, "w2": layer.w2} if held else {}
+        with contract.reload(), torch.no_grad():
+            layer.w1.copy_(torch.full((4,), step))
+            layer.w2.copy_(torch.full((4,), step + 1))
+            layer.process_weights_after_loading()
+        outcome = contract.last_outcome
+        assert outcome is not None and outcome.committed, outcome
+        assert torch.equal(layer.w1, torch.full((4,), step * 2))
+        assert torch.equal(layer.w2, torch.full((4,), step * 3 + 3))
+        del kept
+
+
 class _Repacked(nn.Module):
     """PWAL replaces the loaded parameter with a new one computed from it (a repack: the common vLLM pattern), and
     leaves the old one alone."""

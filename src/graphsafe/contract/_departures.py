@@ -3,10 +3,11 @@
 A loader writes a parameter in place, and PWAL may then give the module a new one (``layer.weight =
 nn.Parameter(...)``): the old, captured parameter has the loader's write on it, which is the reload's own. A PWAL
 that hands the old parameter to a table outside the model (a spare for the next step, a ping-pong pair) and writes
-it there leaves the same evidence, except in time: that write comes after the parameter left. torch calls its
-global parameter and buffer registration hooks just before a module takes a new one, with the old one still in
-place, so the moment each captured tensor left is known: its version counter then (a value sample for an
-inference tensor, which has none). The restore asks :meth:`Departures.written_since_left` before it copies into
+it there leaves the same evidence, except in time: that write comes after the parameter left. torch calls its global
+parameter and buffer registration hooks just before a module takes a new one, with the old one still in place, so
+the moment each captured tensor left is known: its version counter then (for an inference tensor, which has none, a
+digest of every byte). A view among others of one buffer shares their counter, so a write to a sibling's bytes would
+read as its own: it gets no record. The restore asks :meth:`Departures.written_since_left` before it copies into
 such a tensor held outside every walked path.
 
 Only registrations through ``nn.Module.__setattr__``/``register_parameter``/``register_buffer`` are seen; a tensor
@@ -16,7 +17,7 @@ does a write through ``.data`` after it left, which moves no counter: a value sa
 see it, at 9-97 us of host time each (2-core CPU, ``benchmarks/departures.py``; a repacking PWAL replaces hundreds
 of parameters per reload), and loaders themselves write through ``.data``. Cost: two process-wide hooks installed at
 import (an empty loop per registration while no reload is open); per registration during a reload, a dict lookup;
-per captured tensor that leaves, a version read (and for an inference tensor one value sample).
+per captured tensor that leaves, a version read (and for an inference tensor one digest).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from graphsafe.contract._samples import SLOT_ELEMENTS, signature, version_of
+from graphsafe.contract._samples import SLOT_ELEMENTS, digest, same_digests, signature, version_of
 from graphsafe.contract._tensorref import TensorRef
 
 __all__ = ["Departures"]
@@ -78,7 +79,8 @@ class Departures:
         self._captured = captured
         self._quiet = quiet
         self._ids: dict[int, TensorRef] | None = None
-        #: id(captured tensor) -> (version counter when it left, -1 for none; its value sample then, or None).
+        #: id(captured tensor) -> (version counter when it left, -1 for none; where it has none, its bytes then as
+        #: :func:`_witness` gives them).
         self.left: dict[int, tuple[int, torch.Tensor | None]] = {}
 
     def __enter__(self) -> Departures:
@@ -103,11 +105,15 @@ class Departures:
                 ids = self._ids = self._captured()
             leaving = ids.get(id(old))
             if leaving is not None and leaving.holds(old):
-                version, sample = version_of(old), None
+                if _shares_its_storage(old):
+                    # Views of one buffer share a version counter: a write to a sibling's bytes moves it too.
+                    self.left.pop(id(old), None)
+                    return
+                version, witness = version_of(old), None
                 if version < 0 and old.layout is torch.strided and old.device.type != "meta":
-                    with self._quiet(), torch.no_grad():  # no counter: the values are the only witness
-                        sample = signature(old, SLOT_ELEMENTS)
-                self.left[id(old)] = (version, sample)
+                    with self._quiet(), torch.no_grad():  # no counter: its bytes are the only witness
+                        witness = _witness(old)
+                self.left[id(old)] = (version, witness)
         except Exception:  # no record: the restore keeps its answer for this tensor
             self.left.pop(id(table.get(name)), None)
 
@@ -117,11 +123,27 @@ class Departures:
         record = self.left.get(id(tensor))
         if record is None:
             return None
-        version, sample = record
+        version, witness = record
         if version >= 0 and version_of(tensor) != version:
             return True
-        if sample is None:
+        if witness is None:
             return None
         with torch.no_grad():
-            now = signature(tensor, SLOT_ELEMENTS)
-        return not (now.shape == sample.shape and torch.equal(now, sample))
+            now = _witness(tensor)
+        return not (now.dtype == witness.dtype and same_digests([(witness, now)])[0])
+
+
+def _witness(tensor: torch.Tensor) -> torch.Tensor:
+    """What stands for ``tensor``'s bytes: the digest of every byte of a dense tensor, else its value sample (as
+    bytes: a digest's words and a sample's never compare equal)."""
+    found = digest(tensor)
+    return found if found is not None else signature(tensor, SLOT_ELEMENTS)
+
+
+def _shares_its_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` spans less than its whole storage (a view among others of one buffer)."""
+    try:
+        storage = tensor.untyped_storage()
+        return tensor.storage_offset() != 0 or tensor.numel() * tensor.element_size() != storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # no storage of its own (a wrapper subclass): no counter to trust
+        return True

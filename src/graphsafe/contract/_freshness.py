@@ -105,14 +105,18 @@ class ClosedLayer:
         findings: list[Finding] = []
         flagged: set[int] = set()
         others = self.at_close
+        # The captured memory of each confirmed slot: a captured object now on another slot's memory (swap_tensors,
+        # ``.data =``) is the same permutation as another slot's object at its path.
+        memory = {(str(slot.fp.device), slot.fp.data_ptr): i for i, _ in self.confirmed if (slot := snapshot.slots[i])}
         for index, captured in self.confirmed:
             slot = snapshot.slots[index]
             current = slot.get(layer)
             if current is captured and captured.data_ptr() == slot.fp.data_ptr and _view(captured) == slot.layout:
                 continue
             flagged.add(index)
-            if others.get(id(current), index) != index:  # what another slot held at the close: a permutation
-                findings.append(permuted_after_close(sealed, slot))
+            on = memory.get((str(current.device), current.data_ptr())) if isinstance(current, torch.Tensor) else None
+            if others.get(id(current), index) != index or on not in (None, index):
+                findings.append(permuted_after_close(sealed, slot))  # what another slot held at the close
                 continue
             findings.append(
                 sealed.finding(
