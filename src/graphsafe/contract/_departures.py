@@ -44,18 +44,19 @@ _OPEN: tuple[weakref.ReferenceType[Departures], ...] = ()
 _OPEN_LOCK = threading.Lock()
 
 
-def _on_parameter(module: nn.Module, name: str, value: Any) -> None:
+def _note_open(table: dict[str, Any], name: str, value: Any) -> None:
     for ref in _OPEN:
         departures = ref()
         if departures is not None:
-            departures._note(module._parameters, name, value)
+            departures._note(table, name, value)
+
+
+def _on_parameter(module: nn.Module, name: str, value: Any) -> None:
+    _note_open(module._parameters, name, value)
 
 
 def _on_buffer(module: nn.Module, name: str, value: Any) -> None:
-    for ref in _OPEN:
-        departures = ref()
-        if departures is not None:
-            departures._note(module._buffers, name, value)
+    _note_open(module._buffers, name, value)
 
 
 # Installed once, at import, and never removed: torch iterates its hook table on every registration, so adding or
@@ -68,7 +69,7 @@ torch_module.register_module_buffer_registration_hook(_on_buffer)
 class Departures:
     """While entered, notes each tensor of ``captured()`` (the captured tensor objects, by ``id()``, asked once, at
     the first registration seen) that a module registration replaces, as it was then (the latest such moment, for
-    one that left, came back and left again). Its samples are taken inside ``quiet()`` (the reload's recording of
+    one that left, came back and left again). Its witnesses are taken inside ``quiet()`` (the reload's recording of
     PWAL must not take them for PWAL's reads)."""
 
     __slots__ = ("__weakref__", "_captured", "_ids", "_quiet", "left")
@@ -118,8 +119,8 @@ class Departures:
             self.left.pop(id(table.get(name)), None)
 
     def written_since_left(self, tensor: torch.Tensor) -> bool | None:
-        """Whether ``tensor`` was written after a registration replaced it (its counter moved, or its value sample
-        changed); ``None`` where it was not seen leaving."""
+        """Whether ``tensor`` was written after a registration replaced it (its counter moved, or, with none, its
+        bytes as :func:`_witness` reads them changed); ``None`` where it was not seen leaving."""
         record = self.left.get(id(tensor))
         if record is None:
             return None

@@ -105,16 +105,22 @@ class ClosedLayer:
         findings: list[Finding] = []
         flagged: set[int] = set()
         others = self.at_close
-        # The captured memory of each confirmed slot: a captured object now on another slot's memory (swap_tensors,
-        # ``.data =``) is the same permutation as another slot's object at its path.
-        memory = {(str(slot.fp.device), slot.fp.data_ptr): i for i, _ in self.confirmed if (slot := snapshot.slots[i])}
+        memory: dict[tuple[str, int], int] | None = None  # confirmed slots by captured memory, made where needed
         for index, captured in self.confirmed:
             slot = snapshot.slots[index]
             current = slot.get(layer)
             if current is captured and captured.data_ptr() == slot.fp.data_ptr and _view(captured) == slot.layout:
                 continue
             flagged.add(index)
-            on = memory.get((str(current.device), current.data_ptr())) if isinstance(current, torch.Tensor) else None
+            # A captured object now on another slot's captured memory (swap_tensors, ``.data =``) is the same
+            # permutation as another slot's object at this path.
+            on = None
+            if isinstance(current, torch.Tensor):
+                if memory is None:
+                    memory = {
+                        (str(snapshot.slots[i].fp.device), snapshot.slots[i].fp.data_ptr): i for i, _ in self.confirmed
+                    }
+                on = memory.get((str(current.device), current.data_ptr()))
             if others.get(id(current), index) != index or on not in (None, index):
                 findings.append(permuted_after_close(sealed, slot))  # what another slot held at the close
                 continue

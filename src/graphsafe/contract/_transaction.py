@@ -231,7 +231,8 @@ class ReloadTransaction:
 
     @contextlib.contextmanager
     def _unrecorded(self) -> Iterator[None]:
-        """The contract's own tensor ops while PWAL runs: unseen by the recording of PWAL's reads."""
+        """The contract's own tensor ops during the reload (snapshots, restores, departure witnesses): unseen by the
+        recording of what PWAL reads. Leaves a recording paused by someone else paused."""
         dataflow = self._dataflow
         if dataflow is None or dataflow.paused:
             yield
@@ -321,27 +322,21 @@ class ReloadTransaction:
         """
         self._require_open("before_layer()")
         start = time.perf_counter()
-        if self._dataflow is not None:
-            self._dataflow.paused = True  # the snapshot's own reads are not PWAL's
-        try:
-            with collections_paused():
-                for sealed in self._layer_entries("before_layer()", layer):
-                    pending = self._snapshots.get(id(sealed))
-                    if pending is not None and not pending.done:
-                        # Snapshotted and not restored yet (a second before_layer for the layer, or its parent's
-                        # after the child was loaded): a snapshot now would take the loaded state for the old one.
-                        if id(sealed) in self._called:  # a repeat: a load after it needs PWAL after it (_repeat)
-                            repeat = note_repeat(pending)
-                            if repeat is not None:
-                                self._repeats[id(sealed)] = repeat
-                        self._called.add(id(sealed))  # (a tie's snapshot is taken at begin(): not a repeat)
-                        continue
-                    self._called.add(id(sealed))
-                    self._snapshot(sealed, flush=False)
-                self._samples.flush()
-        finally:
-            if self._dataflow is not None:
-                self._dataflow.paused = False
+        with self._unrecorded(), collections_paused():  # the snapshot's own reads are not PWAL's
+            for sealed in self._layer_entries("before_layer()", layer):
+                pending = self._snapshots.get(id(sealed))
+                if pending is not None and not pending.done:
+                    # Snapshotted and not restored yet (a second before_layer for the layer, or its parent's
+                    # after the child was loaded): a snapshot now would take the loaded state for the old one.
+                    if id(sealed) in self._called:  # a repeat: a load after it needs PWAL after it (_repeat)
+                        repeat = note_repeat(pending)
+                        if repeat is not None:
+                            self._repeats[id(sealed)] = repeat
+                    self._called.add(id(sealed))  # (a tie's snapshot is taken at begin(): not a repeat)
+                    continue
+                self._called.add(id(sealed))
+                self._snapshot(sealed, flush=False)
+            self._samples.flush()
         self._seconds += time.perf_counter() - start
 
     def after_layer(self, layer: nn.Module) -> None:
@@ -354,9 +349,7 @@ class ReloadTransaction:
         self._require_open("after_layer()")
         start = time.perf_counter()
         dataflow = self._dataflow
-        if dataflow is not None:
-            dataflow.paused = True  # restore's copies are the contract's, not PWAL's
-        try:
+        with self._unrecorded():  # restore's copies are the contract's, not PWAL's
             group: list[LayerSnapshot] = []
             for sealed in self._layer_entries("after_layer()", layer):
                 snapshot = self._snapshots.get(id(sealed))
@@ -388,9 +381,6 @@ class ReloadTransaction:
                     self._learn_inputs(dataflow, group)
                 self._restore_group(group, close=True)
                 self._samples.flush()  # the closed layers' input samples, before the load goes on
-        finally:
-            if dataflow is not None:
-                dataflow.paused = False
         self._seconds += time.perf_counter() - start
 
     def finish(self, error: BaseException | None = None) -> ReloadOutcome:
