@@ -1095,12 +1095,6 @@ def test_an_alias_of_a_rotated_inference_slot_in_a_repwal_layer_is_not_left_to_a
     _assert_honest(scenario)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (found by the long fuzz run, present before): layerwise, the weight written again with other values "
-    "after after_layer() and PWAL not run again; an attribute PWAL hangs on the slot only when a condition on the "
-    "weight holds keeps the first pass's tensor, and strict commits (docs/fault-matrix.md)",
-)
 def test_a_conditional_attribute_of_an_inference_slot_after_a_late_rewrite_does_not_commit() -> None:
     layer = LayerSpec(
         rows=4,
@@ -1131,12 +1125,6 @@ def test_a_conditional_attribute_of_an_inference_slot_after_a_late_rewrite_does_
     _assert_honest(scenario)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (found by the long fuzz run, present before): layerwise, the weight written again with other values "
-    "after after_layer(); PWAL set a ContextVar-held tensor from the first values and is not run again: "
-    "NEEDS_RECAPTURE, and the recapture reads the first pass's value (docs/fault-matrix.md)",
-)
 def test_a_contextvar_set_by_pwal_before_a_late_rewrite_is_not_left_to_a_recapture() -> None:
     import fuzz.classes  # noqa: F401  (registers the class's model maker)
 

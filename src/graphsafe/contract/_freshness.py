@@ -20,6 +20,7 @@ from graphsafe.contract._inputs import (
     _input_change,
     _input_changes,
     _InputBefore,
+    _Inputs,
 )
 from graphsafe.contract._memory import _overlap
 from graphsafe.contract._order import Stamp, stamp
@@ -59,6 +60,14 @@ class ClosedLayer:
     #: the layer's own parameters and buffers at the close: weights written afterwards leave such a slot stale.
     kept: list[tuple[int, int]] = field(default_factory=list)
     own: Stamp = ()
+    #: What PWAL left that no input judges: indices of slots whose tensor carries Python attributes PWAL may have
+    #: computed from the weights (``-1``: holders no slot path names, ``untrackable``). Judged by ``weights``.
+    opaque: tuple[int, ...] = ()
+    #: The keys (in ``inputs``) of the layer's own weights, sampled at the close, where ``opaque`` is not empty: a
+    #: weight written with other values afterwards, with no PWAL the contract could watch, leaves that state old.
+    weights: tuple[Any, ...] = ()
+    #: Input key -> its name and how to resolve it now.
+    named: dict[Any, tuple[str, Callable[[], Any]]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, snapshot: LayerSnapshot, samples: SampleBatch) -> ClosedLayer:
@@ -69,7 +78,6 @@ class ClosedLayer:
             for index, (captured, ok) in enumerate(zip(snapshot.captured, snapshot.confirmed, strict=False))
             if ok and captured is not None
         ]
-        inputs: dict[Any, _InputBefore] = {}
         keys: dict[int, tuple[Any, ...]] = {}
         watched = snapshot.inputs
         if watched is not None and snapshot.freshness:
@@ -77,9 +85,16 @@ class ClosedLayer:
                 recorded = snapshot.slots[index].inputs
                 learned = watched._recorded_keys(recorded) if recorded and all(map(watched._resolves, recorded)) else ()
                 keys[index] = tuple(dict.fromkeys((*entry[3], *learned)))
-            for key in {key for found in keys.values() for key in found}:
-                inputs[key] = _input_before(watched.inputs[key][1](), samples)
         held = [slot.get(snapshot.layer) for slot in snapshot.slots]
+        named = {key: watched.inputs[key][:2] for found in keys.values() for key in found} if watched else {}
+        opaque = _opaque(snapshot, held, keys)
+        weights: tuple[Any, ...] = ()
+        if opaque:
+            # Their own watch, not the snapshot's (whose values before the load a deferred restore still judges by).
+            own = _Inputs(snapshot.layer, snapshot.sealed.qualname, samples)
+            weights = tuple(key for key in own.layer_keys() if key in own.loaded)
+            named.update((key, own.inputs[key][:2]) for key in weights)
+        inputs = {key: _input_before(resolve(), samples) for key, (_, resolve) in named.items()}
         at_close = {id(value): index for index, value in enumerate(held) if isinstance(value, torch.Tensor)}
         done = {index for index, _ in confirmed}
         kept = (
@@ -91,7 +106,8 @@ class ClosedLayer:
             if snapshot.done
             else []
         )  # (a layer deferred to finish() is restored after this: nothing was kept yet)
-        return cls(snapshot, confirmed, inputs, keys, at_close, held, kept, stamp(snapshot.layer) if kept else ())
+        stamped = stamp(snapshot.layer) if kept else ()
+        return cls(snapshot, confirmed, inputs, keys, at_close, held, kept, stamped, opaque, weights, named)
 
     def holds_anothers(self, index: int, current: Any) -> bool:
         """Whether slot ``index`` now holds ``current``, what another slot of the layer held at the close (not this
@@ -154,7 +170,12 @@ class ClosedLayer:
             for index, version in self.kept:
                 slot = snapshot.slots[index]
                 current = slot.get(layer)
-                if index in flagged or current is not self.at_close_held[index] or version_of(current) != version:
+                if (
+                    index in flagged
+                    or slot.static  # its contents depend on no weight (its attributes: ``opaque``)
+                    or current is not self.at_close_held[index]
+                    or version_of(current) != version
+                ):
                     continue
                 flagged.add(index)
                 findings.append(
@@ -166,13 +187,14 @@ class ClosedLayer:
                         "read the old values. Call after_layer() once the layer's last weight is loaded and PWAL ran",
                     )
                 )
-        if not snapshot.inputs or not self.inputs:
+        if not self.inputs:
             return findings
         changed = {key for key in self.inputs if changes.get(key, _UNCHANGED) == _CHANGED}
         if not changed:
             return findings
+        findings.extend(self._opaque_findings(changed, flagged))
         for index, found in self.keys.items():
-            names = [snapshot.inputs.inputs[key][0] for key in found if key in changed]
+            names = [self.named[key][0] for key in found if key in changed]
             if not names or index in flagged:
                 continue
             findings.append(
@@ -185,6 +207,73 @@ class ClosedLayer:
                 )
             )
         return findings
+
+    def _opaque_findings(self, changed: set[Any], flagged: set[int]) -> list[Finding]:
+        """``stale`` for what PWAL left that no input judges (``opaque``) where a weight of the layer changed after
+        the close: PWAL computed it from the values before."""
+        names = [self.named[key][0] for key in self.weights if key in changed]
+        if not names:
+            return []
+        sealed, shown = (
+            self.snapshot.sealed,
+            ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else ""),
+        )
+        advice = "Call after_layer() once the layer's last weight is loaded and PWAL ran"
+        findings: list[Finding] = []
+        for index in self.opaque:
+            if index < 0:
+                findings.append(
+                    sealed.layer_finding(
+                        FindingKind.STALE,
+                        f"its weight(s) {shown} changed after its after_layer(), and it holds tensors no slot path "
+                        f"names (untrackable): nothing tells whether PWAL's values there are still right. {advice}",
+                        declared=False,
+                    )
+                )
+            elif index not in flagged:
+                flagged.add(index)
+                slot = self.snapshot.slots[index]
+                findings.append(
+                    sealed.finding(
+                        FindingKind.STALE,
+                        slot,
+                        detail=f"carries Python attributes PWAL set, and the layer's weight(s) {shown} changed after "
+                        f"its after_layer(): they may have been computed from the earlier values. {advice}",
+                    )
+                )
+        return findings
+
+
+def _opaque(snapshot: LayerSnapshot, held: Sequence[Any], judged: Mapping[int, tuple[Any, ...]]) -> tuple[int, ...]:
+    """What PWAL left in a layer that no input judges (see :attr:`ClosedLayer.opaque`): slots that are not the
+    layer's parameters or buffers, judged by no inputs (declared static, say), whose tensor carries Python
+    attributes other than a tensor subclass's own parts; ``-1`` where the layer holds untrackable tensors."""
+    found: list[int] = []
+    for index, (slot, value) in enumerate(zip(snapshot.slots, held, strict=True)):
+        if (
+            slot.origin.is_state
+            or slot.origin is Origin.ALIAS
+            or index in judged
+            or not isinstance(value, torch.Tensor)
+        ):
+            continue
+        attributes = getattr(value, "__dict__", None)
+        if attributes and set(attributes) - _parts(value):
+            found.append(index)
+    if any(finding.kind is FindingKind.UNTRACKABLE for finding in snapshot.findings):
+        found.append(-1)
+    return tuple(found)
+
+
+def _parts(value: torch.Tensor) -> set[str]:
+    """The attribute names a traceable tensor subclass keeps its inner tensors under (its data, not PWAL's notes)."""
+    flatten = getattr(value, "__tensor_flatten__", None)
+    if flatten is None:
+        return set()
+    try:
+        return set(flatten()[0])
+    except Exception:
+        return set()
 
 
 def permuted_deferred(closed: Iterable[ClosedLayer]) -> list[Finding]:
@@ -233,10 +322,8 @@ def check_closed(
     closed = kept
     asked: list[tuple[int, Any, _InputBefore, Any]] = []
     for position, record in enumerate(closed):
-        inputs = record.snapshot.inputs
-        assert inputs is not None or not record.inputs
         for key, before in record.inputs.items():
-            asked.append((position, key, before, inputs.inputs[key][1]() if inputs is not None else None))
+            asked.append((position, key, before, record.named[key][1]()))
     verdicts: list[dict[Any, int]] = [{} for _ in closed]
     for (position, key, _, _), change in zip(asked, _input_changes([(b, v) for _, _, b, v in asked]), strict=True):
         verdicts[position][key] = change

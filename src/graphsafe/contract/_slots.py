@@ -125,6 +125,11 @@ class SealedSlot:
             self.origin is Origin.DECLARED and declaration is not None and not declaration.static
         ) or self.origin is Origin.WALKER
 
+    @property
+    def static(self) -> bool:
+        """Whether the author declared the slot's contents fixed: no weight they are computed from."""
+        return self.declaration is not None and self.declaration.static
+
     def captured(self, current: Any = MISSING) -> torch.Tensor | None:
         """The captured tensor: the original object where ``current`` (what the path holds now) is it, else a new
         view on the captured storage, or ``None`` if freed."""
