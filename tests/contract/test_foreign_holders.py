@@ -256,9 +256,9 @@ _SPARES: dict[str, torch.Tensor] = {}  # an engine-level table of spare paramete
 
 class _StatePingPong(nn.Module):
     """PWAL swaps the parameter (or buffer) ``weight`` with a spare an engine-level table holds (``none_first``:
-    setting it to None first), then writes both: the old, captured one gets 7 (in place, through ``.data``, or under
-    inference mode). A loader's write to a parameter before PWAL replaces it leaves the same evidence on the old
-    one, except that it comes before the module takes the spare."""
+    setting it to None first, ``del_first``: deleting it first), then writes both: the old, captured one gets 7 (in
+    place, through ``.data``, or under inference mode). A loader's write to a parameter before PWAL replaces it
+    leaves the same evidence on the old one, except that it comes before the module takes the spare."""
 
     def __init__(self, how: str = "copy", kind: str = "parameter") -> None:
         super().__init__()
@@ -276,6 +276,8 @@ class _StatePingPong(nn.Module):
         old = self.weight
         if self.how == "none_first":
             self.weight = None  # torch calls no registration hook for None
+        elif self.how == "del_first":
+            del self.weight  # nor for a name deleted first
         self.weight = _SPARES["spare"]
         _SPARES["spare"] = old
         with torch.no_grad(), torch.inference_mode() if self.how == "inference" else contextlib.nullcontext():
@@ -294,10 +296,6 @@ _DATA_AFTER_LEFT = (
     "known gap (docs/fault-matrix.md): a parameter's or buffer's write through .data after a registration replaced "
     "it moves no version counter, and a value sample at every departure costs more than the rule is worth"
 )
-_NONE_FIRST = (
-    "known gap (docs/fault-matrix.md): a parameter set to None before its replacement leaves with no registration "
-    "hook call (torch calls none for a None parameter), so nothing records when it left"
-)
 
 
 def _gap(how: str, kind: str, reason: str) -> Any:
@@ -312,7 +310,8 @@ def _gap(how: str, kind: str, reason: str) -> Any:
         ("inference", "parameter"),
         ("inference", "buffer"),
         ("none_first", "buffer"),  # torch calls the buffer hooks for None too
-        _gap("none_first", "parameter", _NONE_FIRST),
+        ("none_first", "parameter"),  # left unseen: not written whatever happened after
+        ("del_first", "parameter"),
         _gap("data", "parameter", _DATA_AFTER_LEFT),
         _gap("data", "buffer", _DATA_AFTER_LEFT),
     ],

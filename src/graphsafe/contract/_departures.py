@@ -12,12 +12,12 @@ such a tensor held outside every walked path.
 
 Only registrations through ``nn.Module.__setattr__``/``register_parameter``/``register_buffer`` are seen; a tensor
 that left another way (``del`` or ``= None`` first, for which torch calls no hook; a write into
-``module._parameters``) has no record, and the restore keeps its answer for parameters (the loader writes them). So
-does a write through ``.data`` after it left, which moves no counter: a value sample taken at every departure would
-see it, at 9-97 us of host time each (2-core CPU, ``benchmarks/departures.py``; a repacking PWAL replaces hundreds
-of parameters per reload), and loaders themselves write through ``.data``. Cost: two process-wide hooks installed at
-import (an empty loop per registration while no reload is open); per registration during a reload, a dict lookup;
-per captured tensor that leaves, a version read (and for an inference tensor one digest).
+``module._parameters``) has no record (:meth:`Departures.left_unseen`), and the restore does not copy into it where
+something outside the model holds it. A write through ``.data`` after it left moves no counter and is not seen: a
+value sample taken at every departure would see it, at 9-97 us of host time each (2-core CPU,
+``benchmarks/departures.py``; a repacking PWAL replaces hundreds of parameters per reload). Cost: two process-wide
+hooks installed at import (an empty loop per registration while no reload is open); per registration during a
+reload, a dict lookup; per captured tensor that leaves, a version read (and for an inference tensor one digest).
 """
 
 from __future__ import annotations
@@ -132,6 +132,13 @@ class Departures:
         with torch.no_grad():
             now = _witness(tensor)
         return not (now.dtype == witness.dtype and same_digests([(witness, now)])[0])
+
+    def left_unseen(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``, a captured parameter or buffer its module no longer holds, left with no registration
+        seen (``del``, ``= None`` first, a write into ``module._parameters``): nothing says when, so nothing tells
+        a write after it from the loader's. A view among others of one buffer never has a record (see
+        :meth:`_note`): not unseen."""
+        return id(tensor) not in self.left and not _shares_its_storage(tensor)
 
 
 def _witness(tensor: torch.Tensor) -> torch.Tensor:

@@ -157,7 +157,8 @@ def _written_since_left(
     place before PWAL replaces it leaves the same evidence, and is refused too: the copy would be safe there, but
     nothing tells the two apart (fail closed). A registered parameter or buffer is what a loader writes, so its
     write is evidence only after a registration replaced it (``departures``: the loader's write comes before);
-    one not seen leaving, or memory inside one, keeps the walk's answer. So does a storage one of whose
+    one that left with no registration seen (``del``, ``= None``) is refused (nothing tells when it left), and
+    memory inside one keeps the walk's answer. So does a storage one of whose
     slots has a new tensor on a captured storage (``captured_memory``: device and storage address of every sealed
     slot; a swap or rotation of captured tensors): that memory's own restore writes it, so a slot taken back onto
     it would be left on another slot's values.
@@ -186,6 +187,8 @@ def _written_since_left(
                 # registration replaced it, it was not the loader.
                 if departures.written_since_left(captured):
                     written[key] = _WRITTEN_AFTER_REPLACED
+                elif slot.origin.is_state and departures.left_unseen(captured):
+                    written[key] = _LEFT_UNSEEN
                 continue
             before = snapshot.versions[index] if index < len(snapshot.versions) else -1
             if before >= 0 and version_of(captured) != before:
@@ -206,6 +209,13 @@ _WRITTEN_SINCE_LEFT = (
     "no path the contract walks holds it (a dict key, a table outside the model, a caller's reference), and it "
     "was written during the reload although the slot left it (a ping-pong holder writes it; so does a loader "
     "writing the slot in place before PWAL replaces it, which nothing tells apart)"
+)
+
+
+_LEFT_UNSEEN = (
+    "no path the contract walks holds it (a table outside the model), and it left its module with no registration "
+    "of a new tensor in its place (del, = None, a write into module._parameters), so nothing tells the loader's "
+    "write from a holder's after it; give the module its new tensor by assignment (module.name = new)"
 )
 
 
