@@ -1,6 +1,7 @@
-"""A layer's weight written with other values after ``after_layer()``, with no PWAL after it: the state PWAL left
-that no input judges (Python attributes on a slot judged by no inputs, tensors no slot path names) was computed
-from the values before, so the reload must not commit, nor ask for a recapture that would read it.
+"""A layer's weight written with other values after ``after_layer()``, with no PWAL after it: whatever PWAL
+computed from the weight (tensors no slot path names, Python attributes on a slot, on a parameter or on the module,
+in the layer or in a module beside it) holds the values before, so the reload must not commit, nor ask for a
+recapture that would read it.
 
 Every reload loads DIFFERENT weights. The oracle is a cold layer built with the final weights (load, then PWAL):
 what its forward reads is what the reloaded layer must read. Writing the same values again, or nothing, is a
@@ -26,90 +27,133 @@ def w(seed: int) -> torch.Tensor:
     return (torch.arange(4, dtype=torch.float32) + 10.0 * abs(seed) + 0.5) * (1 if seed > 0 else -1)
 
 
-class Flagged(nn.Module):
-    """``table`` holds fixed contents (declared static); PWAL hangs on it what the forward reads besides: the
-    weight itself where the weights sum positive (a fast path), a scale computed from the weight, or nothing."""
+class Derives(nn.Module):
+    """A weight, and what PWAL computes from it that no derived slot's inputs judge, by ``kind``:
 
-    def __init__(self, attribute: str) -> None:
+    - ``static_fast``: a fixed table (declared static) carrying the weight as its ``fast`` path where the weights
+      sum positive (elsewhere no attribute: the slower path reads ``-weight``);
+    - ``static_scale``: the table carrying a scale of the weight as a Python float;
+    - ``parameter``: that scale hung on the weight parameter itself;
+    - ``buffer``: on a registered buffer;
+    - ``module``: a plain attribute of the module;
+    - ``child``: on a table of a child module that holds no weight of its own;
+    - ``parent``: the weight in a child module, the table and its scale on the parent;
+    - ``nothing``: PWAL computes nothing (the forward reads the weight alone).
+    """
+
+    def __init__(self, kind: str) -> None:
         super().__init__()
-        self.weight = nn.Parameter(w(1), requires_grad=False)
-        self.attribute = attribute
+        self.kind = kind
+        if kind == "parent":
+            self.inner = nn.Module()
+            self.inner.weight = nn.Parameter(w(1), requires_grad=False)
+        else:
+            self.weight = nn.Parameter(w(1), requires_grad=False)
+        if kind == "buffer":
+            self.register_buffer("table", torch.arange(4, dtype=torch.float32))
+        if kind == "child":
+            self.sub = nn.Module()
+
+    @property
+    def source(self) -> nn.Parameter:
+        return self.inner.weight if self.kind == "parent" else self.weight
+
+    def _table(self) -> torch.Tensor:
+        owner = self.sub if self.kind == "child" else self
+        if not hasattr(owner, "table"):
+            owner.table = torch.arange(4, dtype=torch.float32)
+            register_derived(owner, "table", static=True)
+        table: torch.Tensor = owner.table
+        return table
 
     def process_weights_after_loading(self) -> None:
-        if not hasattr(self, "table"):
-            self.table = torch.arange(4, dtype=torch.float32)
-            register_derived(self, "table", static=True)
-        if self.attribute == "conditional":
-            if bool(self.weight.sum() > 0):
-                self.table.fast = self.weight
+        scale = float(self.source.abs().max())
+        if self.kind == "static_fast":
+            table = self._table()
+            if bool(self.source.sum() > 0):
+                table.fast = self.source
             else:
-                self.table.__dict__.pop("fast", None)
-        else:
-            self.table.scale = float(self.weight.abs().max())
+                table.__dict__.pop("fast", None)
+        elif self.kind in ("static_scale", "child", "parent"):
+            self._table().scale = scale
+        elif self.kind == "parameter":
+            self.weight.scale = scale
+        elif self.kind == "buffer":
+            self.table.scale = scale
+        elif self.kind == "module":
+            self.scale = scale
 
     def forward(self) -> torch.Tensor:
-        if self.attribute == "conditional":
+        kind = self.kind
+        if kind == "nothing":
+            return self.source * 2
+        if kind == "static_fast":
             fast = getattr(self.table, "fast", None)
-            return self.table + (fast if fast is not None else -self.weight)
-        return self.table * self.table.scale + self.weight
+            return self.table + (fast if fast is not None else -self.source)
+        if kind == "parameter":
+            return self.weight * self.weight.scale
+        if kind == "module":
+            return self.weight * self.scale
+        table = self.sub.table if kind == "child" else self.table
+        return table * table.scale + self.source
 
 
 def _reload(layer: nn.Module, contract: GraphContract, first: torch.Tensor, late: torch.Tensor | None) -> None:
     """A layerwise reload: ``first`` loaded and processed, ``after_layer()``, then ``late`` written (no PWAL)."""
     with contextlib.suppress(GraphSafeError), contract.reload(layerwise=True) as txn, torch.no_grad():
         txn.before_layer(layer)
-        layer.weight.copy_(first)
+        layer.source.copy_(first)
         layer.process_weights_after_loading()
         txn.after_layer(layer)
         if late is not None:
-            layer.weight.copy_(late)
+            layer.source.copy_(late)
 
 
 def _cold(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        layer.weight.copy_(weight)
+        layer.source.copy_(weight)
     layer.process_weights_after_loading()
     out: torch.Tensor = layer()
     return out
 
 
-@pytest.mark.parametrize("attribute", ["conditional", "scale"])
+KINDS = ("static_fast", "static_scale", "parameter", "buffer", "module", "child", "parent")
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "nothing"])
 @pytest.mark.parametrize("mode", MODES)
-def test_an_attribute_of_a_static_slot_is_stale_when_the_weight_is_written_after_after_layer(
-    mode: str, attribute: str
-) -> None:
+def test_a_weight_written_with_other_values_after_after_layer_fails_the_reload(mode: str, kind: str) -> None:
     """Attacker: the weight is written again with other values after ``after_layer()`` (a late shard), PWAL does not
-    run again: ``table``'s contents are fixed (right), its attribute is the first pass's (the fast path taken for a
-    weight that no longer sums positive; a scale of the old values). Promise: not COMMITTED, and no recapture of a
-    model whose forward differs from a cold one's."""
-    layer = Flagged(attribute)
+    run again: what it computed from the weight is the first pass's (the fast path taken for a weight that no longer
+    sums positive; a scale of the old values), wherever it lives. Promise: not COMMITTED, and no recapture of a
+    model whose forward differs from a cold one's; a ``stale`` finding names the weight. A layer whose PWAL computes
+    nothing fails too: nothing can tell what a PWAL computed (fail closed, documented)."""
+    layer = Derives(kind)
     layer.process_weights_after_loading()
     contract = GraphContract(layer, mode).seal()
     _reload(layer, contract, w(2), w(-3))
     outcome = contract.last_outcome
     assert outcome is not None
-    cold = _cold(Flagged(attribute), w(-3))
-    assert not torch.equal(layer(), cold), "the scenario must leave the layer's forward wrong"
+    right = torch.equal(layer(), _cold(Derives(kind), w(-3)))
+    assert right is (kind == "nothing"), "the scenario must leave the layer's forward wrong exactly where PWAL derives"
     assert outcome.status is Status.FAILED, (outcome.status, [(f.kind.value, f.path) for f in outcome.problems])
-    assert any(f.kind is FindingKind.STALE and f.path == "table" for f in outcome.problems)
+    assert any(f.kind is FindingKind.STALE and "weight" in f.detail for f in outcome.problems), outcome.problems
 
 
 @pytest.mark.parametrize("late", ["same", "none"])
-@pytest.mark.parametrize("attribute", ["conditional", "scale"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", MODES)
-def test_an_attribute_of_a_static_slot_commits_when_no_other_value_is_written_after_after_layer(
-    mode: str, attribute: str, late: str
-) -> None:
+def test_no_other_value_written_after_after_layer_commits(mode: str, kind: str, late: str) -> None:
     """Legitimate: the weight written again with the values it has (a duplicate shard), or not at all: the forward
     is a cold one's, the reload commits."""
-    layer = Flagged(attribute)
+    layer = Derives(kind)
     layer.process_weights_after_loading()
     contract = GraphContract(layer, mode).seal()
     _reload(layer, contract, w(2), w(2) if late == "same" else None)
     outcome = contract.last_outcome
     assert outcome is not None
     assert outcome.status is Status.COMMITTED, [(f.kind.value, f.path, f.detail) for f in outcome.problems]
-    assert torch.equal(layer(), _cold(Flagged(attribute), w(2)))
+    assert torch.equal(layer(), _cold(Derives(kind), w(2)))
 
 
 class Scaled(nn.Module):
@@ -119,6 +163,10 @@ class Scaled(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(w(1), requires_grad=False)
         self.held: contextvars.ContextVar[torch.Tensor] = contextvars.ContextVar("scaled")
+
+    @property
+    def source(self) -> nn.Parameter:
+        return self.weight
 
     def process_weights_after_loading(self) -> None:
         self.held.set(self.weight * 2.0)
@@ -144,67 +192,6 @@ def test_a_contextvar_tensor_pwal_set_is_not_left_to_a_recapture_after_a_late_wr
     assert right is (late != "other"), "the scenario must leave the layer's forward wrong exactly after other values"
     if late == "other":
         assert outcome.status is Status.FAILED, (outcome.status, [(f.kind.value, f.path) for f in outcome.problems])
-        assert any(f.kind is FindingKind.STALE and "untrackable" in f.detail for f in outcome.problems)
+        assert any(f.kind is FindingKind.STALE and "weight" in f.detail for f in outcome.problems)
     else:
         assert outcome.status is Status.NEEDS_RECAPTURE, [(f.kind.value, f.detail) for f in outcome.problems]
-
-
-class _Packed(torch.Tensor):
-    """A wrapper subclass keeping its parts as attributes (``codes``, ``lut``): its contents, not PWAL's notes."""
-
-    codes: torch.Tensor
-    lut: torch.Tensor
-
-    @staticmethod
-    def __new__(cls, codes: torch.Tensor, lut: torch.Tensor) -> _Packed:
-        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
-            cls, codes.shape, dtype=torch.float32, device=codes.device, requires_grad=False
-        )
-
-    def __init__(self, codes: torch.Tensor, lut: torch.Tensor) -> None:
-        self.codes = codes
-        self.lut = lut
-
-    def __tensor_flatten__(self) -> tuple[list[str], None]:
-        return ["codes", "lut"], None
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: None, size: object, stride: object) -> _Packed:
-        return _Packed(inner["codes"], inner["lut"])
-
-    def __repr__(self) -> str:  # type: ignore[override]
-        return "_Packed()"
-
-    @classmethod
-    def __torch_dispatch__(
-        cls, func: object, types: object, args: tuple[object, ...] = (), kwargs: object = None
-    ) -> object:
-        raise NotImplementedError(f"_Packed does not compute ({func})")
-
-
-class PackedTable(nn.Module):
-    """A fixed lookup table packed in a wrapper subclass (declared static), beside a weight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(w(1), requires_grad=False)
-
-    def process_weights_after_loading(self) -> None:
-        if not hasattr(self, "table"):
-            self.table = _Packed(torch.arange(4, dtype=torch.int8), torch.linspace(0.0, 1.0, 4))
-            register_derived(self, "table", static=True)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_the_parts_of_a_static_wrapper_slot_are_no_attributes_a_late_write_leaves_stale(mode: str) -> None:
-    """Legitimate: a static wrapper slot's parts live in its ``__dict__`` (``__tensor_flatten__`` names them); they
-    do not depend on the weight, so a weight written after ``after_layer()`` leaves nothing stale: COMMITTED."""
-    layer = PackedTable()
-    layer.process_weights_after_loading()
-    codes, lut = layer.table.codes, layer.table.lut
-    contract = GraphContract(layer, mode).seal()
-    _reload(layer, contract, w(2), w(3))
-    outcome = contract.last_outcome
-    assert outcome is not None
-    assert outcome.status is Status.COMMITTED, [(f.kind.value, f.path, f.detail) for f in outcome.problems]
-    assert layer.table.codes is codes and layer.table.lut is lut and torch.equal(layer.weight, w(3))

@@ -16,11 +16,11 @@ from graphsafe.contract._inputs import (
     _CHANGED,
     _MAYBE,
     _UNCHANGED,
+    _attribute,
     _input_before,
     _input_change,
     _input_changes,
     _InputBefore,
-    _Inputs,
 )
 from graphsafe.contract._memory import _overlap
 from graphsafe.contract._order import Stamp, stamp
@@ -60,11 +60,8 @@ class ClosedLayer:
     #: the layer's own parameters and buffers at the close: weights written afterwards leave such a slot stale.
     kept: list[tuple[int, int]] = field(default_factory=list)
     own: Stamp = ()
-    #: What PWAL left that no input judges: indices of slots whose tensor carries Python attributes PWAL may have
-    #: computed from the weights (``-1``: holders no slot path names, ``untrackable``). Judged by ``weights``.
-    opaque: tuple[int, ...] = ()
-    #: The keys (in ``inputs``) of the layer's own weights, sampled at the close, where ``opaque`` is not empty: a
-    #: weight written with other values afterwards, with no PWAL the contract could watch, leaves that state old.
+    #: The keys (in ``inputs``) of the layer's own parameters and buffers, sampled at the close: one written with
+    #: other values afterwards leaves whatever PWAL computed from it old (tensors, Python attributes, plain values).
     weights: tuple[Any, ...] = ()
     #: Input key -> its name and how to resolve it now.
     named: dict[Any, tuple[str, Callable[[], Any]]] = field(default_factory=dict)
@@ -87,13 +84,18 @@ class ClosedLayer:
                 keys[index] = tuple(dict.fromkeys((*entry[3], *learned)))
         held = [slot.get(snapshot.layer) for slot in snapshot.slots]
         named = {key: watched.inputs[key][:2] for found in keys.values() for key in found} if watched else {}
-        opaque = _opaque(snapshot, held, keys)
-        weights: tuple[Any, ...] = ()
-        if opaque:
-            # Their own watch, not the snapshot's (whose values before the load a deferred restore still judges by).
-            own = _Inputs(snapshot.layer, snapshot.sealed.qualname, samples)
-            weights = tuple(key for key in own.layer_keys() if key in own.loaded)
-            named.update((key, own.inputs[key][:2]) for key in weights)
+        # The layer's own parameters and buffers, watched from the close (one a derived slot reads is sampled once);
+        # not through the snapshot's watch, whose values before the load a deferred restore still judges by.
+        layer = snapshot.layer
+        weights = tuple(
+            (id(layer), name)
+            for table in (layer._parameters, layer._buffers)
+            for name, v in table.items()
+            if v is not None
+        )
+        for key in weights:
+            if key not in named:
+                named[key] = (key[1], _attribute(layer, key[1]))
         inputs = {key: _input_before(resolve(), samples) for key, (_, resolve) in named.items()}
         at_close = {id(value): index for index, value in enumerate(held) if isinstance(value, torch.Tensor)}
         done = {index for index, _ in confirmed}
@@ -107,7 +109,7 @@ class ClosedLayer:
             else []
         )  # (a layer deferred to finish() is restored after this: nothing was kept yet)
         stamped = stamp(snapshot.layer) if kept else ()
-        return cls(snapshot, confirmed, inputs, keys, at_close, held, kept, stamped, opaque, weights, named)
+        return cls(snapshot, confirmed, inputs, keys, at_close, held, kept, stamped, weights, named)
 
     def holds_anothers(self, index: int, current: Any) -> bool:
         """Whether slot ``index`` now holds ``current``, what another slot of the layer held at the close (not this
@@ -172,7 +174,7 @@ class ClosedLayer:
                 current = slot.get(layer)
                 if (
                     index in flagged
-                    or slot.static  # its contents depend on no weight (its attributes: ``opaque``)
+                    or slot.static  # its contents depend on no weight (what else PWAL left: ``weights``)
                     or current is not self.at_close_held[index]
                     or version_of(current) != version
                 ):
@@ -192,7 +194,6 @@ class ClosedLayer:
         changed = {key for key in self.inputs if changes.get(key, _UNCHANGED) == _CHANGED}
         if not changed:
             return findings
-        findings.extend(self._opaque_findings(changed, flagged))
         for index, found in self.keys.items():
             names = [self.named[key][0] for key in found if key in changed]
             if not names or index in flagged:
@@ -206,74 +207,21 @@ class ClosedLayer:
                     "last weight is loaded and PWAL ran",
                 )
             )
-        return findings
-
-    def _opaque_findings(self, changed: set[Any], flagged: set[int]) -> list[Finding]:
-        """``stale`` for what PWAL left that no input judges (``opaque``) where a weight of the layer changed after
-        the close: PWAL computed it from the values before."""
-        names = [self.named[key][0] for key in self.weights if key in changed]
-        if not names:
-            return []
-        sealed, shown = (
-            self.snapshot.sealed,
-            ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else ""),
-        )
-        advice = "Call after_layer() once the layer's last weight is loaded and PWAL ran"
-        findings: list[Finding] = []
-        for index in self.opaque:
-            if index < 0:
-                findings.append(
-                    sealed.layer_finding(
-                        FindingKind.STALE,
-                        f"its weight(s) {shown} changed after its after_layer(), and it holds tensors no slot path "
-                        f"names (untrackable): nothing tells whether PWAL's values there are still right. {advice}",
-                        declared=False,
-                    )
+        written = [self.named[key][0] for key in self.weights if key in changed]
+        if written and not any(finding.kind is FindingKind.STALE for finding in findings):
+            # What else PWAL computed from them (a Python attribute, a plain value, a tensor no path names) no check
+            # can name: the layer as a whole.
+            findings.append(
+                sealed.layer_finding(
+                    FindingKind.STALE,
+                    f"its weight(s) {', '.join(written)} were written with other values after its after_layer() "
+                    "restored it, and PWAL did not run on them: what it computed from them (tensors, Python "
+                    "attributes, plain values) holds the earlier ones. Call after_layer() once the layer's last "
+                    "weight is loaded and PWAL ran",
+                    declared=True,
                 )
-            elif index not in flagged:
-                flagged.add(index)
-                slot = self.snapshot.slots[index]
-                findings.append(
-                    sealed.finding(
-                        FindingKind.STALE,
-                        slot,
-                        detail=f"carries Python attributes PWAL set, and the layer's weight(s) {shown} changed after "
-                        f"its after_layer(): they may have been computed from the earlier values. {advice}",
-                    )
-                )
+            )
         return findings
-
-
-def _opaque(snapshot: LayerSnapshot, held: Sequence[Any], judged: Mapping[int, tuple[Any, ...]]) -> tuple[int, ...]:
-    """What PWAL left in a layer that no input judges (see :attr:`ClosedLayer.opaque`): slots that are not the
-    layer's parameters or buffers, judged by no inputs (declared static, say), whose tensor carries Python
-    attributes other than a tensor subclass's own parts; ``-1`` where the layer holds untrackable tensors."""
-    found: list[int] = []
-    for index, (slot, value) in enumerate(zip(snapshot.slots, held, strict=True)):
-        if (
-            slot.origin.is_state
-            or slot.origin is Origin.ALIAS
-            or index in judged
-            or not isinstance(value, torch.Tensor)
-        ):
-            continue
-        attributes = getattr(value, "__dict__", None)
-        if attributes and set(attributes) - _parts(value):
-            found.append(index)
-    if any(finding.kind is FindingKind.UNTRACKABLE for finding in snapshot.findings):
-        found.append(-1)
-    return tuple(found)
-
-
-def _parts(value: torch.Tensor) -> set[str]:
-    """The attribute names a traceable tensor subclass keeps its inner tensors under (its data, not PWAL's notes)."""
-    flatten = getattr(value, "__tensor_flatten__", None)
-    if flatten is None:
-        return set()
-    try:
-        return set(flatten()[0])
-    except Exception:
-        return set()
 
 
 def permuted_deferred(closed: Iterable[ClosedLayer]) -> list[Finding]:
