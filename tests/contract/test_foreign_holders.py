@@ -256,15 +256,18 @@ _SPARES: dict[str, torch.Tensor] = {}  # an engine-level table of spare paramete
 
 class _StatePingPong(nn.Module):
     """PWAL swaps the parameter (or buffer) ``weight`` with a spare an engine-level table holds (``none_first``:
-    setting it to None first, ``del_first``: deleting it first), then writes both: the old, captured one gets 7 (in
-    place, through ``.data``, or under inference mode). A loader's write to a parameter before PWAL replaces it
-    leaves the same evidence on the old one, except that it comes before the module takes the spare."""
+    setting it to None first, ``del_first``: deleting it first; ``view``: each a view of a flat buffer), then writes
+    both: the old, captured one gets 7 (in place, through ``.data``, or under inference mode). A loader's write to a
+    parameter before PWAL replaces it leaves the same evidence on the old one, except that it comes before the module
+    takes the spare."""
 
     def __init__(self, how: str = "copy", kind: str = "parameter") -> None:
         super().__init__()
         self.how = how
         with torch.inference_mode() if how == "inference" else contextlib.nullcontext():
             weight, spare = torch.ones(4), torch.zeros(4)
+        if how.startswith("view"):  # each a view of a flat buffer of its own (one version counter per buffer)
+            weight, spare = torch.ones(8)[:4], torch.zeros(8)[:4]
         if kind == "parameter":
             self.weight = nn.Parameter(weight, requires_grad=False)
             _SPARES["spare"] = nn.Parameter(spare, requires_grad=False)
@@ -276,7 +279,7 @@ class _StatePingPong(nn.Module):
         old = self.weight
         if self.how == "none_first":
             self.weight = None  # torch calls no registration hook for None
-        elif self.how == "del_first":
+        elif self.how.endswith("del_first"):
             del self.weight  # nor for a name deleted first
         self.weight = _SPARES["spare"]
         _SPARES["spare"] = old
@@ -312,6 +315,9 @@ def _gap(how: str, kind: str, reason: str) -> Any:
         ("none_first", "buffer"),  # torch calls the buffer hooks for None too
         ("none_first", "parameter"),  # left unseen: not written whatever happened after
         ("del_first", "parameter"),
+        ("view", "parameter"),
+        ("view", "buffer"),
+        ("view_del_first", "parameter"),
         _gap("data", "parameter", _DATA_AFTER_LEFT),
         _gap("data", "buffer", _DATA_AFTER_LEFT),
     ],

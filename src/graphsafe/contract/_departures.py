@@ -6,9 +6,9 @@ that hands the old parameter to a table outside the model (a spare for the next 
 it there leaves the same evidence, except in time: that write comes after the parameter left. torch calls its global
 parameter and buffer registration hooks just before a module takes a new one, with the old one still in place, so
 the moment each captured tensor left is known: its version counter then (for an inference tensor, which has none, a
-digest of every byte). A view among others of one buffer shares their counter, so a write to a sibling's bytes would
-read as its own: it gets no record. The restore asks :meth:`Departures.written_since_left` before it copies into
-such a tensor held outside every walked path.
+digest of every byte; so for a view among others of one buffer, whose counter a write to a sibling's bytes moves
+too). The restore asks :meth:`Departures.written_since_left` before it copies into such a tensor held outside
+every walked path.
 
 Only registrations through ``nn.Module.__setattr__``/``register_parameter``/``register_buffer`` are seen; a tensor
 that left another way (``del`` or ``= None`` first, for which torch calls no hook; a write into
@@ -17,7 +17,8 @@ something outside the model holds it. A write through ``.data`` after it left mo
 value sample taken at every departure would see it, at 9-97 us of host time each (2-core CPU,
 ``benchmarks/departures.py``; a repacking PWAL replaces hundreds of parameters per reload). Cost: two process-wide
 hooks installed at import (an empty loop per registration while no reload is open); per registration during a
-reload, a dict lookup; per captured tensor that leaves, a version read (and for an inference tensor one digest).
+reload, a dict lookup; per captured tensor that leaves, a version read (for an inference tensor or a view among
+others, one digest).
 """
 
 from __future__ import annotations
@@ -106,13 +107,11 @@ class Departures:
                 ids = self._ids = self._captured()
             leaving = ids.get(id(old))
             if leaving is not None and leaving.holds(old):
-                if _shares_its_storage(old):
-                    # Views of one buffer share a version counter: a write to a sibling's bytes moves it too.
-                    self.left.pop(id(old), None)
-                    return
-                version, witness = version_of(old), None
+                # Views of one buffer share a version counter: a write to a sibling's bytes moves it too, so such a
+                # view, like a tensor with no counter, is witnessed by its bytes.
+                version, witness = -1 if _shares_its_storage(old) else version_of(old), None
                 if version < 0 and old.layout is torch.strided and old.device.type != "meta":
-                    with self._quiet(), torch.no_grad():  # no counter: its bytes are the only witness
+                    with self._quiet(), torch.no_grad():
                         witness = _witness(old)
                 self.left[id(old)] = (version, witness)
         except Exception:  # no record: the restore keeps its answer for this tensor
@@ -136,9 +135,8 @@ class Departures:
     def left_unseen(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``, a captured parameter or buffer its module no longer holds, left with no registration
         seen (``del``, ``= None`` first, a write into ``module._parameters``): nothing says when, so nothing tells
-        a write after it from the loader's. A view among others of one buffer never has a record (see
-        :meth:`_note`): not unseen."""
-        return id(tensor) not in self.left and not _shares_its_storage(tensor)
+        a write after it from the loader's."""
+        return id(tensor) not in self.left
 
 
 def _witness(tensor: torch.Tensor) -> torch.Tensor:

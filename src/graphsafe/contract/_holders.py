@@ -215,7 +215,8 @@ _WRITTEN_SINCE_LEFT = (
 _LEFT_UNSEEN = (
     "no path the contract walks holds it (a table outside the model), and it left its module with no registration "
     "of a new tensor in its place (del, = None, a write into module._parameters), so nothing tells the loader's "
-    "write from a holder's after it; give the module its new tensor by assignment (module.name = new)"
+    "write from a holder's after it; give the module its new tensor by assignment (module.name = new), or let go "
+    "of the old one before the reload ends"
 )
 
 
