@@ -114,7 +114,7 @@ class Departures:
                     with self._quiet(), torch.no_grad():
                         witness = _witness(old)
                 self.left[id(old)] = (version, witness)
-        except Exception:  # no record: the restore keeps its answer for this tensor
+        except Exception:  # no record: left unseen, so not copied into where something outside holds it
             self.left.pop(id(table.get(name)), None)
 
     def written_since_left(self, tensor: torch.Tensor) -> bool | None:
