@@ -195,3 +195,41 @@ def test_a_contextvar_tensor_pwal_set_is_not_left_to_a_recapture_after_a_late_wr
         assert any(f.kind is FindingKind.STALE and "weight" in f.detail for f in outcome.problems)
     else:
         assert outcome.status is Status.NEEDS_RECAPTURE, [(f.kind.value, f.detail) for f in outcome.problems]
+
+
+class Large(nn.Module):
+    """A weight of 100,003 elements; PWAL hangs its largest magnitude on the module (what the forward scales by)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1.0, 1.0, 100_003), requires_grad=False)
+
+    def process_weights_after_loading(self) -> None:
+        self.peak = float(self.weight.abs().max())
+
+    def forward(self) -> torch.Tensor:
+        return self.weight / self.peak
+
+
+@pytest.mark.parametrize("through", ["data", "inference_mode"])
+def test_one_element_written_after_after_layer_past_the_version_counter_fails_the_reload(through: str) -> None:
+    """Attacker: a loader writes through ``.data`` (or under inference mode on an inference weight): no version
+    counter moves; the late write changes one element, between any sample's elements, and it is the peak PWAL
+    scaled by. Promise: not COMMITTED (the weights are compared by a digest of every byte)."""
+    layer = Large()
+    if through == "inference_mode":
+        with torch.inference_mode():
+            layer.weight = nn.Parameter(layer.weight.detach().clone(), requires_grad=False)
+    layer.process_weights_after_loading()
+    contract = GraphContract(layer, "recapture").seal()
+    index = 50_001  # not an element any sample of 4,096 spread over the weight reads
+    with contextlib.suppress(GraphSafeError), contract.reload(layerwise=True) as txn, torch.no_grad():
+        txn.before_layer(layer)
+        layer.process_weights_after_loading()  # a partial reload: the weight is not in this shard
+        txn.after_layer(layer)
+        with torch.inference_mode() if through == "inference_mode" else contextlib.nullcontext():
+            layer.weight.data[index] = 9.0  # the new peak
+    outcome = contract.last_outcome
+    assert outcome is not None
+    assert layer.peak != 9.0, "the scenario must leave PWAL's peak stale"
+    assert outcome.status is Status.FAILED, (outcome.status, [(f.kind.value, f.path) for f in outcome.problems])
