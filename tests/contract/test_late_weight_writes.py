@@ -233,3 +233,37 @@ def test_one_element_written_after_after_layer_past_the_version_counter_fails_th
     assert outcome is not None
     assert layer.peak != 9.0, "the scenario must leave PWAL's peak stale"
     assert outcome.status is Status.FAILED, (outcome.status, [(f.kind.value, f.path) for f in outcome.problems])
+
+
+class _Tied(nn.Module):
+    """One weight registered in two layers (an embedding and a head), neither PWAL computing anything from it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Parameter(torch.arange(8.0).reshape(2, 4), requires_grad=False)
+        self.embed, self.head = nn.Module(), nn.Module()
+        self.embed.weight = shared
+        self.head.weight = shared
+
+
+@pytest.mark.parametrize("loaded_in", ["first", "second", "both"])
+def test_a_tied_weight_is_loaded_while_the_first_layer_holding_it_is_open(loaded_in: str) -> None:
+    """The late-write rule's documented refusal of a correct model (docs/fault-matrix.md): a tied weight loaded only
+    while its second layer is open reaches the first layer after that one was closed, so the first fails ``stale``
+    (nothing can tell that its PWAL computed nothing); loaded while the first layer is open, it commits."""
+    model = _Tied()
+    contract = GraphContract(model, "strict").seal()
+    new = torch.full((2, 4), 7.0)
+    with contextlib.suppress(GraphSafeError), contract.reload(layerwise=True) as txn, torch.no_grad():
+        for position, layer in enumerate((model.embed, model.head)):
+            txn.before_layer(layer)
+            if loaded_in == "both" or (loaded_in == "first") == (position == 0):
+                layer.weight.copy_(new)
+            txn.after_layer(layer)
+    outcome = contract.last_outcome
+    assert outcome is not None and torch.equal(model.head.weight, new)
+    if loaded_in == "second":
+        assert outcome.status is Status.FAILED
+        assert [(f.kind, f.layer) for f in outcome.problems] == [(FindingKind.STALE, "embed")], outcome.problems
+    else:
+        assert outcome.status is Status.COMMITTED, [(f.kind.value, f.layer, f.detail) for f in outcome.problems]
