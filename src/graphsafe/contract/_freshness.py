@@ -16,11 +16,11 @@ from graphsafe.contract._inputs import (
     _CHANGED,
     _MAYBE,
     _UNCHANGED,
-    _attribute,
     _input_before,
     _input_change,
     _input_changes,
     _InputBefore,
+    state_inputs,
 )
 from graphsafe.contract._memory import _overlap
 from graphsafe.contract._order import Stamp, stamp
@@ -86,16 +86,10 @@ class ClosedLayer:
         named = {key: watched.inputs[key][:2] for found in keys.values() for key in found} if watched else {}
         # The layer's own parameters and buffers, watched from the close (one a derived slot reads is sampled once);
         # not through the snapshot's watch, whose values before the load a deferred restore still judges by.
-        layer = snapshot.layer
-        weights = tuple(
-            (id(layer), name)
-            for table in (layer._parameters, layer._buffers)
-            for name, v in table.items()
-            if v is not None
-        )
-        for key in weights:
-            if key not in named:
-                named[key] = (key[1], _attribute(layer, key[1]))
+        own = state_inputs(snapshot.layer)
+        weights = tuple(key for key, _, _ in own)
+        for key, name, resolve in own:
+            named.setdefault(key, (name, resolve))
         inputs = {key: _input_before(resolve(), samples) for key, (_, resolve) in named.items()}
         at_close = {id(value): index for index, value in enumerate(held) if isinstance(value, torch.Tensor)}
         done = {index for index, _ in confirmed}

@@ -190,17 +190,31 @@ def _attribute(module: nn.Module, name: str) -> Callable[[], Any]:
     return resolve
 
 
+def _input(module: nn.Module, name: str, prefix: str = "") -> tuple[Any, str, Callable[[], Any]]:
+    """``(key, name, resolve)`` of the tensor at ``module.name``: one key however it is reached, so that an input two
+    watches share is sampled once."""
+    return (id(module), name), f"{prefix}.{name}" if prefix else name, _attribute(module, name)
+
+
+def state_inputs(module: nn.Module, prefix: str = "") -> list[tuple[Any, str, Callable[[], Any]]]:
+    """:func:`_input` of each of ``module``'s own parameters and buffers (not its children's)."""
+    return [
+        _input(module, name, prefix)
+        for table in (module._parameters, module._buffers)
+        for name, v in table.items()
+        if v is not None
+    ]
+
+
 def _layer_inputs(layer: nn.Module) -> list[tuple[Any, str, Callable[[], Any]]]:
     """The fallback inputs of ``layer``: ``(key, name, resolve)`` for every parameter, buffer and plain tensor
     attribute of the layer and the modules under it, except each module's own declared slots."""
     found: list[tuple[Any, str, Callable[[], Any]]] = []
     for prefix, module in layer.named_modules():
         declared = declarations_of(module)
-        names: list[str] = [n for n, p in module._parameters.items() if p is not None]
-        names += [n for n, b in module._buffers.items() if b is not None]
-        names += [n for n, v in vars(module).items() if isinstance(v, torch.Tensor) and n not in declared]
-        for name in names:
-            found.append(((id(module), name), f"{prefix}.{name}" if prefix else name, _attribute(module, name)))
+        found += state_inputs(module, prefix)
+        plain = [n for n, v in vars(module).items() if isinstance(v, torch.Tensor) and n not in declared]
+        found.extend(_input(module, name, prefix) for name in plain)
     return found
 
 

@@ -122,7 +122,7 @@ class SealedSlot:
         # Declared derived slots, and tensors only the walker found (see LayerSnapshot.take for when those are
         # watched): a reload that changes the weights and leaves them as they were must not commit.
         self.tracks_freshness = (
-            self.origin is Origin.DECLARED and declaration is not None and not declaration.static
+            self.origin is Origin.DECLARED and declaration is not None and not self.static
         ) or self.origin is Origin.WALKER
 
     @property
