@@ -625,16 +625,10 @@ class _CarvedFromFlat(nn.Module):
         return torch.cat([self.flat, self.w1, self.w2])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (docs/fault-matrix.md, restore sharing): a parameter carved from a plain tensor the graph reads, "
-    "repacked while PWAL writes that tensor in place; the plain tensor follows the parameter as its alias (the "
-    "loader writes carved parameters through it, and nothing tells its write from PWAL's), so the restore writes "
-    "the repacked values over the bytes PWAL wrote",
-)
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 @pytest.mark.parametrize("mode", ["strict", "recapture", "migrate"])
 def test_a_parameter_carved_from_a_read_flat_tensor_repacked_while_the_tensor_is_written_does_not_commit(
-    mode: str,
+    mode: str, layerwise: bool
 ) -> None:
     from graphsafe.collectors import record_capture
 
@@ -643,11 +637,48 @@ def test_a_parameter_carved_from_a_read_flat_tensor_repacked_while_the_tensor_is
     with torch.no_grad(), record_capture(contract):
         layer()
     flat = layer.flat
-    with contextlib.suppress(GraphSafeError), contract.reload(), torch.no_grad():
+    with contextlib.suppress(GraphSafeError), contract.reload(layerwise=layerwise) as txn, torch.no_grad():
+        if layerwise:
+            txn.before_layer(layer)
         layer.flat.copy_(torch.arange(8.0) + 100)
         layer.process_weights_after_loading()
+        if layerwise:
+            txn.after_layer(layer)
     outcome = contract.last_outcome
     assert outcome is not None
+    # Every commit is wrong: the graph reads w1 and flat[:4] from the same bytes, which now hold two sets of values.
+    assert outcome.status is not Status.COMMITTED, outcome.summary()
     expected = (torch.arange(8.0) + 100) * 3
-    if outcome.status is Status.COMMITTED:
-        assert torch.equal(flat, expected), f"COMMITTED, but the captured flat tensor holds {flat.tolist()}"
+    assert torch.equal(flat, expected), f"graphsafe wrote {flat.tolist()} over the values PWAL gave the flat tensor"
+
+
+class _CarvedRepacked(_CarvedFromFlat):
+    """The same model, whose PWAL repacks ``w1`` and leaves the flat tensor alone."""
+
+    def process_weights_after_loading(self) -> None:
+        with torch.no_grad():
+            self.w1 = nn.Parameter(self.w1 * 2, requires_grad=False)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+@pytest.mark.parametrize("mode", ["strict", "recapture", "migrate"])
+def test_a_parameter_carved_from_a_read_flat_tensor_repacked_alone_commits(mode: str, layerwise: bool) -> None:
+    """The flat tensor follows its parameter: after the restore it reads the repacked values where ``w1`` lies, in
+    the eager model as in the graph (one memory)."""
+    from graphsafe.collectors import record_capture
+
+    layer = _CarvedRepacked()
+    contract = GraphContract(layer, mode).seal()  # type: ignore[arg-type]
+    with torch.no_grad(), record_capture(contract):
+        layer()
+    flat = layer.flat
+    with contract.reload(layerwise=layerwise) as txn, torch.no_grad():
+        if layerwise:
+            txn.before_layer(layer)
+        layer.flat.copy_(torch.arange(8.0) + 100)
+        layer.process_weights_after_loading()
+        if layerwise:
+            txn.after_layer(layer)
+    outcome = contract.last_outcome
+    assert outcome is not None and outcome.status is Status.COMMITTED, outcome
+    assert torch.equal(flat[:4], (torch.arange(4.0) + 100) * 2) and torch.equal(flat[4:], torch.arange(4.0, 8.0) + 100)

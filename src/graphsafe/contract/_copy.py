@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from graphsafe.outcome import inner_tensors
+
 __all__ = [
     "FOREACH_MAX_BYTES",
     "CopyBatch",
@@ -33,6 +35,7 @@ __all__ = [
     "distinct_views",
     "overlapping_pairs",
     "plain_layout",
+    "span_bytes",
     "span_of",
     "spans_overlap",
 ]
@@ -126,6 +129,25 @@ def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     """The bytes ``[start, end)`` of its storage a tensor can read or write: its strided extent (a superset of the
     bytes it really touches, so two spans that do not overlap are certain not to share a byte)."""
     return span_of(tensor.shape, tensor.stride(), int(tensor.storage_offset()), tensor.element_size())
+
+
+def span_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A flat uint8 tensor over the bytes of its storage a strided tensor spans (:func:`byte_span`; for a dense
+    tensor, whatever its stride order, exactly its bytes), or ``None`` for another layout, an empty tensor or the
+    meta device. A digest of it witnesses every byte a write through any alias (``.data``, ``set_``) can change."""
+    if tensor.layout is not torch.strided or tensor.is_nested or tensor.device.type == "meta":
+        return None
+    try:
+        if inner_tensors(tensor) is not None:  # a wrapper subclass: its storage is no memory of its own
+            return None
+        storage = tensor.untyped_storage()
+    except (TypeError, RuntimeError, NotImplementedError):
+        return None
+    start, end = byte_span(tensor)
+    if end <= start or end > storage.nbytes():
+        return None
+    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    return raw.set_(storage, start, (end - start,), (1,))
 
 
 def spans_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:

@@ -5,20 +5,18 @@ nn.Parameter(...)``): the old, captured parameter has the loader's write on it, 
 that hands the old parameter to a table outside the model (a spare for the next step, a ping-pong pair) and writes
 it there leaves the same evidence, except in time: that write comes after the parameter left. torch calls its global
 parameter and buffer registration hooks just before a module takes a new one, with the old one still in place, so
-the moment each captured tensor left is known: its version counter then (for an inference tensor, which has none, a
-digest of every byte; so for a view among others of one buffer, whose counter a write to a sibling's bytes moves
-too). The restore asks :meth:`Departures.written_since_left` before it copies into such a tensor held outside
-every walked path.
+the moment each captured tensor left is known: its version counter then, and a digest of every byte (a write
+through ``.data``, ``set_``, a NumPy view or a DLPack import moves no counter; a view among others of one buffer
+shares its counter with its siblings; an inference tensor has none). The restore asks
+:meth:`Departures.written_since_left` before it copies into such a tensor held outside every walked path.
 
 Only registrations through ``nn.Module.__setattr__``/``register_parameter``/``register_buffer`` are seen; a tensor
 that left another way (``del`` or ``= None`` first, for which torch calls no hook; a write into
 ``module._parameters``) has no record (:meth:`Departures.left_unseen`), and the restore does not copy into it where
-something outside the model holds it. A write through ``.data`` after it left moves no counter and is not seen: a
-value sample taken at every departure would see it, at 9-97 us of host time each (2-core CPU,
-``benchmarks/departures.py``; a repacking PWAL replaces hundreds of parameters per reload). Cost: two process-wide
-hooks installed at import (an empty loop per registration while no reload is open); per registration during a
-reload, a dict lookup; per captured tensor that leaves, a version read (for an inference tensor or a view among
-others, one digest).
+something outside the model holds it. Cost: two process-wide hooks installed at import (an empty loop per
+registration while no reload is open); per registration during a reload, a dict lookup; per captured tensor that
+leaves, a version read and one digest (one reduction over its bytes: a launch on a GPU, a read of its bytes on a
+CPU, less than the PWAL work that made its replacement; ``benchmarks/departures.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from graphsafe.contract._samples import SLOT_ELEMENTS, digest, same_digests, signature, version_of
+from graphsafe.contract._samples import every_byte, same_digests, version_of
 from graphsafe.contract._tensorref import TensorRef
 
 __all__ = ["Departures"]
@@ -108,11 +106,11 @@ class Departures:
             leaving = ids.get(id(old))
             if leaving is not None and leaving.holds(old):
                 # Views of one buffer share a version counter: a write to a sibling's bytes moves it too, so such a
-                # view, like a tensor with no counter, is witnessed by its bytes.
-                version, witness = -1 if _shares_its_storage(old) else version_of(old), None
-                if version < 0 and old.layout is torch.strided and old.device.type != "meta":
-                    with self._quiet(), torch.no_grad():
-                        witness = _witness(old)
+                # view's counter says nothing. A write through ``.data``, ``set_`` or a NumPy view moves no counter
+                # at all: every departure is witnessed by its bytes too.
+                version = -1 if _shares_its_storage(old) else version_of(old)
+                with self._quiet():
+                    witness = _witness(old)
                 self.left[id(old)] = (version, witness)
         except Exception:  # no record: left unseen, so not copied into where something outside holds it
             self.left.pop(id(table.get(name)), None)
@@ -128,9 +126,8 @@ class Departures:
             return True
         if witness is None:
             return None
-        with torch.no_grad():
-            now = _witness(tensor)
-        return not (now.dtype == witness.dtype and same_digests([(witness, now)])[0])
+        now = _witness(tensor)
+        return now is None or not (now.shape == witness.shape and same_digests([(witness, now)])[0])
 
     def left_unseen(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``, a captured parameter or buffer its module no longer holds, left with no registration
@@ -139,11 +136,14 @@ class Departures:
         return id(tensor) not in self.left
 
 
-def _witness(tensor: torch.Tensor) -> torch.Tensor:
-    """What stands for ``tensor``'s bytes: the digest of every byte of a dense tensor, else its value sample (as
-    bytes: a digest's words and a sample's never compare equal)."""
-    found = digest(tensor)
-    return found if found is not None else signature(tensor, SLOT_ELEMENTS)
+#: A departing tensor of at most this many bytes is witnessed by a copy of them (a copy is cheaper than a digest's
+#: reduction on a host; one launch either way on a GPU); a larger one by its digest (about 1/1024 of its size).
+COPIED_BYTES = 1 << 16
+
+
+def _witness(tensor: torch.Tensor) -> torch.Tensor | None:
+    """What stands for every byte of ``tensor`` (:func:`every_byte`), or ``None`` where nothing can."""
+    return every_byte(tensor, COPIED_BYTES)
 
 
 def _shares_its_storage(tensor: torch.Tensor) -> bool:

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphsafe.collectors import walk
-from graphsafe.contract._copy import clone_laid_out
+from graphsafe.contract._copy import clone_laid_out, span_bytes
 from graphsafe.contract._memory import address_range, reads_as_captured
 from graphsafe.contract._plan import RestorePlan
-from graphsafe.contract._samples import SLOT_ELEMENTS, Sample, unchanged, version_of
+from graphsafe.contract._samples import SLOT_ELEMENTS, Sample, digests, same_digests, unchanged, version_of
 from graphsafe.contract._slots import SealedLayer, SealedSlot
 from graphsafe.contract._snapshot import LayerSnapshot
 from graphsafe.contract._tensorref import TensorRef
@@ -122,11 +122,16 @@ def _block_foreign_holders(
     # Memory an earlier step's copies read as a slot's new tensor: the reload wrote it as that slot's values.
     earlier = {key for key in suspects if any(ref() is suspects[key] for ref, _, _ in self._earlier.get(key, ()))}
     unexplained = {key for key in suspects if key not in why and key not in at_tracked and key not in earlier}
-    if unexplained:
+    # Held at a tracked path too (an alias path: the flat tensor parameters are carved from): a parameter written
+    # there after it left holds that path's values, which the parameter's copy would overwrite.
+    departed = {key for key in at_tracked if key not in why and key not in earlier}
+    if unexplained or departed:
         captured_memory = {
             (str(slot.fp.device), slot.fp.storage_ptr) for sealed in contract._layers for slot in sealed.slots
         }
-        why.update(_written_since_left(work, plan, unexplained, captured_memory, self._departures))
+        why.update(
+            _written_since_left(work, plan, unexplained, captured_memory, self._departures, departed_only=departed)
+        )
     del suspects, seen
     if not why:
         return work
@@ -147,6 +152,8 @@ def _written_since_left(
     unexplained: set[int],
     captured_memory: set[tuple[str, int]],
     departures: Departures,
+    *,
+    departed_only: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> dict[int, str]:
     """Of the captured storages held outside every walked path (``unexplained``: storage ids), the ones a
     derived slot left and something wrote during the reload.
@@ -164,15 +171,18 @@ def _written_since_left(
     it would be left on another slot's values.
     """
     # Storages a move fills for a slot whose new tensor another slot's restore writes: not taken back.
-    unexplained = unexplained - {
+    rotated = {
         m.storage
         for m in plan.moves
         if any(
             (str(part.device), part.untyped_storage().data_ptr()) in captured_memory for part in memory_tensors(m.new)
         )
     }
+    unexplained = unexplained - rotated
+    departed_only = departed_only - rotated
     written: dict[int, str] = {}
     resample: list[tuple[int, Sample, torch.Tensor]] = []
+    rebyte: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (storage id, digest before the load, captured)
     for snapshot, _ in work:
         for index, _held, which in snapshot.suspects:
             captured = snapshot.captured[index]
@@ -180,7 +190,13 @@ def _written_since_left(
             if captured is None or which is not None or slot.inside is not None:
                 continue
             key = id(captured.untyped_storage())
-            if key not in unexplained or key in written:
+            if key in written:
+                continue
+            if key in departed_only and slot.origin.is_state:
+                if departures.written_since_left(captured):
+                    written[key] = _WRITTEN_THROUGH_AN_ALIAS
+                continue
+            if key not in unexplained:
                 continue
             if slot.origin.is_state or slot.origin is Origin.ALIAS:
                 # A parameter or buffer (or a path to one's memory): the loader writes it; written after a
@@ -194,9 +210,30 @@ def _written_since_left(
             if before >= 0 and version_of(captured) != before:
                 written[key] = _WRITTEN_SINCE_LEFT
                 continue
+            # No counter (an inference tensor), or a write through ``.data``/``set_``: every byte before the load.
+            witness = snapshot.witnesses.get(index)
+            if isinstance(witness, Sample):  # a small tensor's sample: all of it
+                resample.append((key, witness, captured))
+                continue
+            before_bytes = witness.get() if witness is not None else None
+            if before_bytes is not None:
+                rebyte.append((key, before_bytes, captured))
+                continue
             entry = snapshot.freshness.get(index)
             if entry is not None and entry[0] is captured:
-                resample.append((key, entry[2], captured))  # no counter (inference tensor), or a ``.data`` write
+                resample.append((key, entry[2], captured))
+    if rebyte:
+        spans = [captured if _dense_plain(captured) else span_bytes(captured) for _, _, captured in rebyte]
+        now = digests([span for span in spans if span is not None])
+        pairs: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        found = iter(now)
+        for (key, before_bytes, _), span in zip(rebyte, spans, strict=True):
+            pairs.append((key, before_bytes, next(found) if span is not None else None))
+        same = same_digests([(before, after) for _, before, after in pairs if after is not None])
+        verdicts = iter(same)
+        for key, _, after in pairs:
+            if after is None or not next(verdicts):  # no span now (resized, re-laid): not the bytes it was
+                written.setdefault(key, _WRITTEN_SINCE_LEFT)
     if resample:
         same = unchanged([(sample, tensor) for _, sample, tensor in resample], SLOT_ELEMENTS)
         for (key, _, _), kept in zip(resample, same, strict=True):
@@ -205,10 +242,22 @@ def _written_since_left(
     return written
 
 
+def _dense_plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain contiguous tensor (its own bytes are its span: what the snapshot digested)."""
+    return tensor.is_contiguous() and type(tensor) in (torch.Tensor, torch.nn.Parameter)
+
+
 _WRITTEN_SINCE_LEFT = (
     "no path the contract walks holds it (a dict key, a table outside the model, a caller's reference), and it "
     "was written during the reload although the slot left it (a ping-pong holder writes it; so does a loader "
     "writing the slot in place before PWAL replaces it, which nothing tells apart)"
+)
+
+
+_WRITTEN_THROUGH_AN_ALIAS = (
+    "another path of the model holds its memory (the tensor it is carved from, say) and wrote it after the module "
+    "took a new tensor in its place: the new tensor's values would overwrite that path's; give the parameter "
+    "memory of its own, or leave the memory it left alone"
 )
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "SampleBatch",
     "digest",
     "digests",
+    "every_byte",
     "flat_copy",
     "same_digests",
     "signature",
@@ -328,6 +329,28 @@ def version_of(tensor: torch.Tensor) -> int:
         return int(tensor._version)
     except RuntimeError:  # an inference tensor repointed with ``.data =``: torch refuses its counter too
         return -1
+
+
+def every_byte(tensor: torch.Tensor, copy_bytes: int) -> torch.Tensor | None:
+    """A witness of every byte a strided tensor holds (a wrapper's inner tensors in turn), as one new uint8 tensor:
+    a copy of a part of at most ``copy_bytes`` bytes, the :func:`digest` of a larger one; ``None`` for another
+    layout or the meta device. The same tensor with the same bytes always gives an equal witness; a change to any
+    byte changes it (as a digest's row sums change). A non-contiguous part is read through a contiguous copy."""
+    pieces = []
+    for part in memory_tensors(tensor):
+        plain = _dense(part)
+        if plain is None:
+            if part.layout is not torch.strided or part.device.type == "meta":
+                return None
+            plain = part.detach().as_subclass(torch.Tensor).resolve_conj().resolve_neg()
+            plain = torch.clone(plain, memory_format=torch.contiguous_format)
+        if plain.device.type == "meta":
+            return None
+        if plain.numel() * plain.element_size() <= copy_bytes:
+            pieces.append(plain.detach().clone().reshape(-1).view(torch.uint8))  # detached: no autograd record
+        else:
+            pieces.append(_digest_raw(*_raw_dense(plain)).view(torch.uint8))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _raw(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:

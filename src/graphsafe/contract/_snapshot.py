@@ -17,12 +17,28 @@ import torch
 from torch import nn
 
 from graphsafe.contract import _freshness, _rebind, _restore
+from graphsafe.contract._copy import span_bytes
 from graphsafe.contract._inputs import _Freshness, _Inputs, _strided
-from graphsafe.contract._samples import SLOT_ELEMENTS, Sample, SampleBatch, version_of
+from graphsafe.contract._samples import SLOT_ELEMENTS, Digest, Sample, SampleBatch, version_of
 from graphsafe.contract._slots import InputRef, SealedLayer, SealedSlot, _describe_geometry_change, _view
 from graphsafe.outcome import Finding, FindingKind, Origin, SlotRef, fingerprint
 
 __all__ = ["LayerSnapshot"]
+
+
+def _witness(tensor: torch.Tensor, samples: SampleBatch, witnesses: dict[int, Sample | Digest], index: int) -> None:
+    """Note a witness of every byte ``tensor`` spans as ``witnesses[index]``: a value sample of all of a small dense
+    one (joined with the other samples: the cheapest), the digest of a larger one's bytes, else of its span."""
+    if tensor.is_contiguous() and type(tensor) in _PLAIN:
+        small = tensor.numel() <= SLOT_ELEMENTS
+        witnesses[index] = samples.take(tensor, SLOT_ELEMENTS) if small else samples.digest(tensor)
+        return
+    span = span_bytes(tensor)
+    if span is not None:
+        witnesses[index] = samples.digest(span)
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 @dataclass(slots=True)
@@ -84,6 +100,12 @@ class LayerSnapshot:
     carried: dict[int, dict[str, Any]] = field(default_factory=dict)
     #: Tensors left in place that carry attributes (which may name a new tensor the step replaces).
     attributed: list[torch.Tensor] = field(default_factory=list)
+    #: Slot index -> a witness of every byte its captured tensor spanned before the load (a value sample of all of a
+    #: small one, else a digest), for each captured derived
+    #: tensor (not a parameter or buffer, whose departures are witnessed when they leave; not a scratch the graph
+    #: writes): a PWAL that hands it to a holder outside the model and writes it there through an alias that moves
+    #: no version counter (``.data``, ``set_``) changes it.
+    witnesses: dict[int, Sample | Digest] = field(default_factory=dict)
 
     @classmethod
     def take(
@@ -120,6 +142,7 @@ class LayerSnapshot:
         versions: list[int] = []
         findings: list[Finding] = []
         freshness: dict[int, _Freshness] = {}
+        witnesses: dict[int, Sample | Digest] = {}
         inputs: _Inputs | None = None
         tensor_type = torch.Tensor
         walker = Origin.WALKER
@@ -149,10 +172,11 @@ class LayerSnapshot:
                     )
                 )
                 continue
+            written_by_graph = slot.origin is walker and scratch is not None and scratch(tensor)
             if (
                 slot.tracks_freshness
                 and (slot.origin is not walker or not recorded or slot.inputs or slot.unrecorded or slot.owed)
-                and not (slot.origin is walker and scratch is not None and scratch(tensor))
+                and not written_by_graph
                 and isinstance(at_path, tensor_type)
                 and not _no_memory(at_path)
             ):
@@ -160,6 +184,10 @@ class LayerSnapshot:
                     inputs = _Inputs(layer, sealed.qualname, samples, outer=outer)
                 sample = samples.take(at_path, SLOT_ELEMENTS)
                 freshness[index] = (at_path, version_of(at_path), sample, inputs.of(slot))
+                if at_path is tensor and tensor.numel() <= SLOT_ELEMENTS and tensor.is_contiguous():
+                    continue  # its value sample is every byte of it
+            if not written_by_graph and not slot.origin.is_state and slot.origin is not Origin.ALIAS:
+                _witness(tensor, samples, witnesses, index)
         shared = sealed.shares_storage or len(slots) > len(sealed.slots)
         return cls(
             sealed,
@@ -172,6 +200,7 @@ class LayerSnapshot:
             shared=shared,
             versions=versions,
             originals=originals if originals is not None else {},
+            witnesses=witnesses,
         )
 
     def learn_inputs(
