@@ -9,6 +9,9 @@ weakly (intermediates die during PWAL; their edges stay, so a chain through them
 :meth:`Dataflow.reads` then answers, for a tensor PWAL left in the model, which tensors the model holds that it
 was (transitively) computed from: the walk goes back through intermediates and stops at storages the caller says
 the model holds. The contract uses it to learn each derived slot's real inputs once, on a first reload.
+:meth:`Dataflow.unwritten_bytes` says how much of a tensor the recorded in-place writes left out (each write's byte
+range is kept per storage: one tuple per in-place op), which tells a slot PWAL rewrote whole from one it rewrote in
+part.
 
 Like the capture manifest's dispatch recorder, it sees only ops that pass through the dispatcher, each only
 through the tensors passed to it (a ``torch.library`` custom op that reads a table it is not passed hides that
@@ -60,16 +63,33 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
                 yield item
 
 
+#: In-place writes kept per storage for :meth:`Dataflow.written_span`; past this many, its coverage is unknown.
+_MAX_SPANS = 4096
+
+
 class _Node:
     """One storage seen during the recording."""
 
-    __slots__ = ("created", "ref", "sources", "written")
+    __slots__ = ("created", "ref", "sources", "spans", "written")
 
     def __init__(self, storage: Any, *, created: bool) -> None:
         self.ref = weakref.ref(storage)
         self.sources: set[_Node] = set()
         self.created = created  # allocated during the recording
         self.written = False  # written in place during the recording
+        #: The byte ranges in-place writes covered, or ``None`` once one wrote a strided pattern with gaps (or too
+        #: many were kept): what they covered is then unknown.
+        self.spans: list[tuple[int, int]] | None = []
+
+    def note_write(self, tensor: torch.Tensor) -> None:
+        spans = self.spans
+        if spans is None:
+            return
+        span = _exact_span(tensor)
+        if span is None or len(spans) >= _MAX_SPANS:
+            self.spans = None
+        elif span[1] > span[0]:
+            spans.append(span)
 
 
 class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
@@ -123,6 +143,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             if node is not None:
                 node.written = True
                 node.sources |= sources - {node}
+                node.note_write(tensor)
         for tensor in _tensors(out):
             if _strided(tensor) and id(tensor.untyped_storage()) not in argument_storages:
                 node = self._node(tensor, created=True)
@@ -160,6 +181,26 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         node = self._nodes.get(id(storage))
         return node is not None and node.ref() is storage and (node.created or node.written)
 
+    def unwritten_bytes(self, tensor: torch.Tensor) -> int | None:
+        """How many bytes of ``tensor``'s span the in-place writes recorded on its storage left out (0: it was
+        written whole), or ``None`` where that is unknown: its storage was not written in place while recording,
+        was allocated then, or took a write of a strided pattern with gaps. An op that writes a whole tensor through
+        indices (``index_put_``, ``scatter_``) counts as writing all of it."""
+        if not _strided(tensor):
+            return None
+        storage = tensor.untyped_storage()
+        node = self._nodes.get(id(storage))
+        if node is None or node.ref() is not storage or node.created or not node.written or node.spans is None:
+            return None
+        start, end = _extent(tensor)
+        union, reach = 0, start  # the union of the recorded ranges, clipped to the span
+        for first, last in sorted(node.spans):
+            first, last = max(first, reach), min(last, end)
+            if last > first:
+                union += last - first
+                reach = last
+        return (end - start) - union
+
     def reads(self, tensor: torch.Tensor, held: Callable[[Any], T | None]) -> list[T]:
         """What ``tensor`` was computed from during the recording, as the model holds it.
 
@@ -191,6 +232,26 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
                 continue
             stack.extend(node.sources)
         return found
+
+
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of its storage a strided tensor can reach."""
+    if tensor.numel() == 0:
+        return 0, 0
+    reach = 1 + sum((int(size) - 1) * int(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    start = int(tensor.storage_offset()) * tensor.element_size()
+    return start, start + reach * tensor.element_size()
+
+
+def _exact_span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """:func:`_extent` where a write to ``tensor`` writes every byte of it (no gaps, no repeated element), else
+    ``None``."""
+    if tensor.numel() == 0:
+        return 0, 0
+    if 0 in tensor.stride() and tensor.numel() > 1:
+        return None
+    start, end = _extent(tensor)
+    return (start, end) if end - start == tensor.numel() * tensor.element_size() else None
 
 
 def _strided(tensor: Any) -> bool:

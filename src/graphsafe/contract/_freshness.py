@@ -289,6 +289,8 @@ def judge_noted(snapshots: Sequence[LayerSnapshot]) -> None:
     for (snapshot, entry), kept in zip(noted, same, strict=True):
         if kept:
             snapshot.fresh_due.append(entry[:4])
+        elif entry[0] in snapshot.partly:  # rewritten in place only in part: judged by its inputs
+            snapshot.fresh_due.append((entry[0], entry[1], entry[2], True))
         else:
             snapshot.resampled.add(entry[0])
             if entry[1].inside is not None and (not entry[3] or entry[1].shares_version):
@@ -424,6 +426,21 @@ def _check_fresh(
     fresh = worst == _UNCHANGED or (worst == _MAYBE and rewritten)
     if fresh and not slot.owed:
         return  # a partial reload that did not touch this slot's inputs, or the same values written again
+    left = self.partly.get(index)
+    if left is not None:
+        if not fresh:
+            size = current.numel() * current.element_size()
+            self.findings.append(
+                self.sealed.finding(
+                    FindingKind.STALE,
+                    slot,
+                    after=fingerprint(current),
+                    detail=f"its input(s) {', '.join(changed)} changed but PWAL rewrote it in place only in part "
+                    f"({left:,} of its {size:,} bytes kept their old values); the graph would read old values "
+                    "there. Rewrite all of it in PWAL (or rebuild it as a new tensor)",
+                )
+            )
+        return
     if index in self.resampled:  # a carve of a loaded arena whose bytes changed (judge_noted)
         if not fresh:
             self.findings.append(

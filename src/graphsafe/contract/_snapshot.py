@@ -67,6 +67,9 @@ class LayerSnapshot:
     noted: list[tuple[int, SealedSlot, torch.Tensor, bool, Sample]] = field(default_factory=list)
     #: Slots :func:`judge_noted` found on their captured memory with another value sample than before the load.
     resampled: set[int] = field(default_factory=set)
+    #: Slot index -> how many bytes of its captured tensor a recorded PWAL's in-place writes left out, for each slot
+    #: PWAL wrote in place only in part (:meth:`note_partial_writes`): not refreshed, whatever its sample says.
+    partly: dict[int, int] = field(default_factory=dict)
     #: New tensors :meth:`restore` leaves at their paths (findings): the plan must not change what they read.
     kept: list[torch.Tensor] = field(default_factory=list)
     #: Slots planned for a copy whose captured tensor, its base or its storage something besides the snapshot still
@@ -202,6 +205,16 @@ class LayerSnapshot:
             originals=originals if originals is not None else {},
             witnesses=witnesses,
         )
+
+    def note_partial_writes(self, unwritten_bytes: Callable[[torch.Tensor], int | None]) -> None:
+        """After a recorded PWAL, before restore: note each slot watched for freshness still on its tensor that the
+        recording saw written in place only in part (``unwritten_bytes``: the bytes its in-place writes left out,
+        ``None`` where unknown). Its changed value sample then says nothing: part of it keeps the old values."""
+        for index, (before, _, _, _) in self.freshness.items():
+            if self.slots[index].get(self.layer) is before:
+                left = unwritten_bytes(before)
+                if left:
+                    self.partly[index] = left
 
     def learn_inputs(
         self, reads: Callable[[torch.Tensor], list[InputRef]], updated: Callable[[Any], bool], written: set[int]
