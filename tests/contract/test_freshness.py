@@ -1124,12 +1124,14 @@ def test_the_value_sample_is_the_defined_elements_whatever_the_layout(
 
 class _InPlaceTrio(nn.Module):
     """Three small derived slots of one dtype (their samples are taken and compared together); PWAL writes each in
-    place, ``d0`` changing only the lowest byte of one element, or (``skip``) leaves ``d0`` alone."""
+    place, ``d0`` changing only the lowest byte of one element (``whole``: all of it), or (``skip``) leaves ``d0``
+    alone."""
 
     def __init__(self, flip: tuple[int, int] = (2, 0)) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(4), requires_grad=False)
         self.skip = False
+        self.whole = False
         self.flip = flip  # (element, bit) changed in d0
 
     @graph_visible("d0", "d1", "d2")
@@ -1137,7 +1139,9 @@ class _InPlaceTrio(nn.Module):
         if not hasattr(self, "d0"):
             self.d0, self.d1, self.d2 = (self.weight + i for i in range(3))
             return
-        if not self.skip:
+        if self.whole:
+            self.d0.copy_(self.weight)
+        elif not self.skip:
             bits = self.d0.view(torch.int32)
             element, bit = self.flip
             bits[element] ^= 1 << bit  # one bit of one element: a real write that changes one byte of the sample
@@ -1153,10 +1157,11 @@ def test_a_write_that_changes_one_byte_of_a_jointly_sampled_slot_is_a_refresh(
     layer = _InPlaceTrio(flip)
     layer.process_weights_after_loading()
     contract = GraphContract(layer, "recapture", detect="declared-only").seal()
-    with contract.reload(), torch.no_grad():  # the recording reload
+    layer.whole = True  # the recording reload, which sees a write of part of a slot as partial
+    with contract.reload(), torch.no_grad():
         layer.weight.copy_(torch.full((4,), 1.0))
         layer.process_weights_after_loading()
-    layer.skip = skip
+    layer.whole, layer.skip = False, skip
     try:
         with contract.reload(), torch.no_grad():
             layer.weight.copy_(torch.full((4,), 2.0))

@@ -9,9 +9,9 @@ weakly (intermediates die during PWAL; their edges stay, so a chain through them
 :meth:`Dataflow.reads` then answers, for a tensor PWAL left in the model, which tensors the model holds that it
 was (transitively) computed from: the walk goes back through intermediates and stops at storages the caller says
 the model holds. The contract uses it to learn each derived slot's real inputs once, on a first reload.
-:meth:`Dataflow.unwritten_bytes` says how much of a tensor the recorded in-place writes left out (each write's byte
-range is kept per storage: one tuple per in-place op), which tells a slot PWAL rewrote whole from one it rewrote in
-part.
+:meth:`Dataflow.unwritten_bytes` says how much of a watched tensor (:meth:`Dataflow.watch`) the recorded in-place writes
+left out (byte ranges per watched storage, a host bitmap once a write is strided or indexed), which tells a slot PWAL
+rewrote whole from one it rewrote in part.
 
 Like the capture manifest's dispatch recorder, it sees only ops that pass through the dispatcher, each only
 through the tensors passed to it (a ``torch.library`` custom op that reads a table it is not passed hides that
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -63,33 +63,129 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
                 yield item
 
 
-#: In-place writes kept per storage for :meth:`Dataflow.written_span`; past this many, its coverage is unknown.
-_MAX_SPANS = 4096
-
-
 class _Node:
     """One storage seen during the recording."""
 
-    __slots__ = ("created", "ref", "sources", "spans", "written")
+    __slots__ = ("created", "ref", "sources", "written")
 
     def __init__(self, storage: Any, *, created: bool) -> None:
         self.ref = weakref.ref(storage)
         self.sources: set[_Node] = set()
         self.created = created  # allocated during the recording
         self.written = False  # written in place during the recording
-        #: The byte ranges in-place writes covered, or ``None`` once one wrote a strided pattern with gaps (or too
-        #: many were kept): what they covered is then unknown.
-        self.spans: list[tuple[int, int]] | None = []
 
-    def note_write(self, tensor: torch.Tensor) -> None:
-        spans = self.spans
-        if spans is None:
+
+#: Contiguous in-place writes kept as byte ranges per watched storage; past this many, a bitmap takes over.
+_MAX_SPANS = 1024
+#: Argument names by which an in-place op writes only some elements of its destination.
+_INDEXING = frozenset({"index", "indices", "mask"})
+#: Ops that write through indices or a mask, and how to mark what they wrote: the same indexing applied to a bitmap.
+_MARKED_BY_INDEX = frozenset(
+    {"index_copy_", "index_fill_", "index_add_", "index_reduce_", "scatter_", "scatter_add_", "scatter_reduce_"}
+)
+_MARKED_BY_MASK = frozenset({"masked_fill_", "masked_scatter_"})
+_MARKED_BY_INDICES = frozenset({"index_put_", "_index_put_impl_"})
+
+
+class _Coverage:
+    """Which elements of one watched storage the recorded in-place writes reached: byte ranges while every write is
+    contiguous, then a bitmap on the host (one flag per element of the first strided or indexed write's size)."""
+
+    __slots__ = ("bitmap", "itemsize", "ref", "spans", "unknown", "written")
+
+    def __init__(self, storage: Any) -> None:
+        self.ref = weakref.ref(storage)
+        self.spans: list[tuple[int, int]] = []
+        self.bitmap: torch.Tensor | None = None
+        self.itemsize = 0
+        self.written = False
+        self.unknown = False  # an op whose reach the recorder cannot mark
+
+    def note(self, func: Any, tensor: torch.Tensor, named: dict[str, Any]) -> None:
+        if self.unknown or _metadata_only(func):
+            return
+        self.written = True
+        name = func._overloadpacket.__name__
+        if any(isinstance(named.get(key), torch.Tensor | list | tuple) for key in _INDEXING):
+            view = self._view(tensor)
+            if view is None or not _mark(name, view, named):
+                self.unknown = True
             return
         span = _exact_span(tensor)
-        if span is None or len(spans) >= _MAX_SPANS:
-            self.spans = None
-        elif span[1] > span[0]:
-            spans.append(span)
+        if span is not None and self.bitmap is None and len(self.spans) < _MAX_SPANS:
+            if span[1] > span[0]:
+                self.spans.append(span)
+            return
+        view = self._view(tensor)
+        if view is None:
+            self.unknown = True
+        else:
+            view.fill_(True)
+
+    def _view(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """``tensor``'s elements in the bitmap (made now, holding the byte ranges so far), or ``None`` where the
+        bitmap counts elements of another size."""
+        size = tensor.element_size()
+        if self.bitmap is None:
+            storage = self.ref()
+            if storage is None:
+                return None
+            self.bitmap = torch.zeros(storage.nbytes() // size, dtype=torch.bool)
+            self.itemsize = size
+            for start, end in self.spans:
+                self.bitmap[start // size : -(-end // size)] = True  # (a range of bytes partly in an element marks it)
+            self.spans = []
+        if size != self.itemsize:
+            return None
+        return self.bitmap.as_strided(tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
+
+    def unwritten_bytes(self, tensor: torch.Tensor) -> int | None:
+        if self.unknown or not self.written:
+            return None
+        if self.bitmap is not None:
+            view = self._view(tensor)
+            return None if view is None else int((~view).sum()) * tensor.element_size()
+        start, end = _extent(tensor)
+        union, reach = 0, start  # the union of the recorded ranges, clipped to the span
+        for first, last in sorted(self.spans):
+            first, last = max(first, reach), min(last, end)
+            if last > first:
+                union += last - first
+                reach = last
+        return (end - start) - union
+
+
+def _metadata_only(func: Any) -> bool:
+    """An in-place op that changes a tensor's view of its memory, not the memory (``t_``, ``set_``, ``resize_``)."""
+    return torch.Tag.inplace_view in func.tags or func._overloadpacket.__name__ in ("set_", "resize_", "resize_as_")
+
+
+def _host(value: Any) -> Any:
+    return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
+def _mark(name: str, view: torch.Tensor, named: dict[str, Any]) -> bool:
+    """Mark in ``view`` (the bitmap's elements of the written tensor) what an indexed write ``name`` reached;
+    ``False`` for an op this does not know."""
+    if name in _MARKED_BY_INDEX:
+        index = _host(named["index"])
+        if name.startswith("scatter"):
+            view.scatter_(int(named["dim"]), index, True)
+        else:
+            view.index_fill_(int(named["dim"]), index, True)
+        return True
+    if name in _MARKED_BY_MASK:
+        view.masked_fill_(_host(named["mask"]), True)
+        return True
+    if name in _MARKED_BY_INDICES:
+        indices = tuple(_host(index) for index in named["indices"])
+        view.index_put_(indices, torch.tensor(True))
+        return True
+    if name == "put_":
+        index = _host(named["index"])
+        view.put_(index, torch.ones(index.shape, dtype=torch.bool))
+        return True
+    return False
 
 
 class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
@@ -100,6 +196,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         super().__init__()  # type: ignore[no-untyped-call]
         self.paused = False
         self._nodes: dict[int, _Node] = {}  # id(storage) -> node; the weak reference confirms the id
+        self._watched: dict[int, _Coverage] = {}  # id(storage) -> what in-place writes reached (see watch())
 
     _prepared: ClassVar[bool] = False
 
@@ -143,7 +240,10 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             if node is not None:
                 node.written = True
                 node.sources |= sources - {node}
-                node.note_write(tensor)
+            if self._watched:
+                coverage = self._watched.get(id(tensor.untyped_storage()))
+                if coverage is not None and coverage.ref() is tensor.untyped_storage():
+                    coverage.note(func, tensor, _named(func, args, kwargs))
         for tensor in _tensors(out):
             if _strided(tensor) and id(tensor.untyped_storage()) not in argument_storages:
                 node = self._node(tensor, created=True)
@@ -181,25 +281,30 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         node = self._nodes.get(id(storage))
         return node is not None and node.ref() is storage and (node.created or node.written)
 
+    def watch(self, tensors: Iterable[Any]) -> None:
+        """Keep, from now on, which elements of each of ``tensors``' storages in-place writes reach
+        (:meth:`unwritten_bytes`); other storages keep no such account."""
+        for tensor in tensors:
+            if _strided(tensor):
+                storage = tensor.untyped_storage()
+                coverage = self._watched.get(id(storage))
+                if coverage is None or coverage.ref() is not storage:
+                    self._watched[id(storage)] = _Coverage(storage)
+
     def unwritten_bytes(self, tensor: torch.Tensor) -> int | None:
-        """How many bytes of ``tensor``'s span the in-place writes recorded on its storage left out (0: it was
-        written whole), or ``None`` where that is unknown: its storage was not written in place while recording,
-        was allocated then, or took a write of a strided pattern with gaps. An op that writes a whole tensor through
-        indices (``index_put_``, ``scatter_``) counts as writing all of it."""
+        """How many bytes of ``tensor`` the in-place writes recorded on its storage since :meth:`watch` left out
+        (0: it was written whole), or ``None`` where that is unknown: its storage not watched or not written in place
+        while recording, or written by an indexed op the recorder cannot mark. A strided write (``s[::2]``, a
+        column block) and an indexed one (``index_copy_``, ``scatter_``, a masked or boolean-indexed assignment,
+        ``put_``) mark the elements they reach; an op that changes only the view (``t_``, ``set_``) marks
+        nothing. Writes the dispatcher never sees (a NumPy view, a raw kernel) are not counted."""
         if not _strided(tensor):
             return None
         storage = tensor.untyped_storage()
-        node = self._nodes.get(id(storage))
-        if node is None or node.ref() is not storage or node.created or not node.written or node.spans is None:
+        coverage = self._watched.get(id(storage))
+        if coverage is None or coverage.ref() is not storage:
             return None
-        start, end = _extent(tensor)
-        union, reach = 0, start  # the union of the recorded ranges, clipped to the span
-        for first, last in sorted(node.spans):
-            first, last = max(first, reach), min(last, end)
-            if last > first:
-                union += last - first
-                reach = last
-        return (end - start) - union
+        return coverage.unwritten_bytes(tensor)
 
     def reads(self, tensor: torch.Tensor, held: Callable[[Any], T | None]) -> list[T]:
         """What ``tensor`` was computed from during the recording, as the model holds it.
@@ -232,6 +337,15 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
                 continue
             stack.extend(node.sources)
         return found
+
+
+def _named(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An op call's arguments by their schema names."""
+    schema = getattr(func, "_schema", None)
+    named = dict(kwargs)
+    for argument, value in zip(schema.arguments if schema is not None else (), args, strict=False):
+        named[argument.name] = value
+    return named
 
 
 def _extent(tensor: torch.Tensor) -> tuple[int, int]:

@@ -71,7 +71,7 @@ class Departures:
     one that left, came back and left again). Its witnesses are taken inside ``quiet()`` (the reload's recording of
     PWAL must not take them for PWAL's reads)."""
 
-    __slots__ = ("__weakref__", "_captured", "_ids", "_quiet", "left")
+    __slots__ = ("__weakref__", "_captured", "_ids", "_quiet", "_written_away", "left")
 
     def __init__(
         self, captured: Callable[[], dict[int, TensorRef]], quiet: Callable[[], AbstractContextManager[Any]]
@@ -82,6 +82,9 @@ class Departures:
         #: id(captured tensor) -> (version counter when it left, -1 for none; where it has none, its bytes then as
         #: :func:`_witness` gives them).
         self.left: dict[int, tuple[int, torch.Tensor | None]] = {}
+        #: id() of each captured tensor written while away (after it left, before a registration brought it back):
+        #: its next departure's record must not erase that evidence.
+        self._written_away: set[int] = set()
 
     def __enter__(self) -> Departures:
         global _OPEN
@@ -98,7 +101,11 @@ class Departures:
         # Runs inside torch's own setattr: it must never make the user's assignment fail.
         try:
             old = table.get(name)
-            if old is value or not isinstance(old, torch.Tensor):
+            if old is value:
+                return
+            if isinstance(value, torch.Tensor) and id(value) in self.left and self.written_since_left(value):
+                self._written_away.add(id(value))  # coming back written: a holder's values, whatever comes next
+            if not isinstance(old, torch.Tensor):
                 return
             ids = self._ids
             if ids is None:
@@ -116,16 +123,19 @@ class Departures:
             self.left.pop(id(table.get(name)), None)
 
     def written_since_left(self, tensor: torch.Tensor) -> bool | None:
-        """Whether ``tensor`` was written after a registration replaced it (its counter moved, or, with none, its
-        bytes as :func:`_witness` reads them changed); ``None`` where it was not seen leaving."""
+        """Whether ``tensor`` was written after a registration replaced it (its counter moved, its bytes as
+        :func:`_witness` reads them changed, or it came back written once); ``None`` where it was not seen leaving.
+        Where no witness could be taken (a layout it does not read), ``True``: nothing tells."""
         record = self.left.get(id(tensor))
         if record is None:
             return None
+        if id(tensor) in self._written_away:
+            return True
         version, witness = record
         if version >= 0 and version_of(tensor) != version:
             return True
-        if witness is None:
-            return None
+        if witness is None:  # a layout no witness reads: nothing tells a write from none
+            return True
         now = _witness(tensor)
         return now is None or not (now.shape == witness.shape and same_digests([(witness, now)])[0])
 

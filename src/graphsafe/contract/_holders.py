@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphsafe.collectors import walk
-from graphsafe.contract._copy import clone_laid_out, span_bytes
+from graphsafe.contract._copy import clone_laid_out
 from graphsafe.contract._memory import address_range, reads_as_captured
 from graphsafe.contract._plan import RestorePlan
-from graphsafe.contract._samples import SLOT_ELEMENTS, Sample, digests, same_digests, unchanged, version_of
+from graphsafe.contract._samples import Digest, Sample, version_of
 from graphsafe.contract._slots import SealedLayer, SealedSlot
 from graphsafe.contract._snapshot import LayerSnapshot
 from graphsafe.contract._tensorref import TensorRef
+from graphsafe.contract._witness import changed_since, sampled_whole
 from graphsafe.devices import WalkBudget
 from graphsafe.errors import hide_frames_in_pytest
 from graphsafe.outcome import FindingKind, Origin, fingerprint, geometry_key, memory_tensors
@@ -181,76 +182,71 @@ def _written_since_left(
     unexplained = unexplained - rotated
     departed_only = departed_only - rotated
     written: dict[int, str] = {}
-    resample: list[tuple[int, Sample, torch.Tensor]] = []
-    rebyte: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (storage id, digest before the load, captured)
+    asked: list[tuple[list[int], Sample | Digest, torch.Tensor]] = []  # (storage ids, witness, captured tensor)
     for snapshot, _ in work:
         for index, _held, which in snapshot.suspects:
             captured = snapshot.captured[index]
             slot = snapshot.slots[index]
-            if captured is None or which is not None or slot.inside is not None:
+            if captured is None or slot.inside is not None:
                 continue
-            key = id(captured.untyped_storage())
-            if key in written:
+            parts = memory_tensors(captured) if which is not None else [captured]  # a wrapper's inner tensors
+            if which is not None and which >= 0:
+                parts = parts[which : which + 1]
+            hit = [
+                key
+                for key in (id(part.untyped_storage()) for part in parts)
+                if key in unexplained or key in departed_only
+            ]
+            if not hit or all(key in written for key in hit):
                 continue
-            if key in departed_only and slot.origin.is_state:
+            through_alias = all(key in departed_only for key in hit)
+            reason: str | None = None
+            if slot.origin.is_state:
+                # A parameter or buffer: the loader writes it; written after a registration replaced it, it was not
+                # the loader. Held by a tracked alias path (the tensor it is carved from), that path wrote it.
                 if departures.written_since_left(captured):
-                    written[key] = _WRITTEN_THROUGH_AN_ALIAS
-                continue
-            if key not in unexplained:
-                continue
-            if slot.origin.is_state or slot.origin is Origin.ALIAS:
-                # A parameter or buffer (or a path to one's memory): the loader writes it; written after a
-                # registration replaced it, it was not the loader.
+                    reason = _WRITTEN_THROUGH_AN_ALIAS if through_alias else _WRITTEN_AFTER_REPLACED
+                elif departures.left_unseen(captured):
+                    reason = _LEFT_UNSEEN
+            elif through_alias:
+                continue  # a derived slot's memory a tracked path holds: the walk's answer stands
+            elif slot.origin is Origin.ALIAS:  # a path to a parameter's memory
                 if departures.written_since_left(captured):
-                    written[key] = _WRITTEN_AFTER_REPLACED
-                elif slot.origin.is_state and departures.left_unseen(captured):
-                    written[key] = _LEFT_UNSEEN
-                continue
-            before = snapshot.versions[index] if index < len(snapshot.versions) else -1
-            if before >= 0 and version_of(captured) != before:
-                written[key] = _WRITTEN_SINCE_LEFT
-                continue
-            # No counter (an inference tensor), or a write through ``.data``/``set_``: every byte before the load.
-            witness = snapshot.witnesses.get(index)
-            if isinstance(witness, Sample):  # a small tensor's sample: all of it
-                resample.append((key, witness, captured))
-                continue
-            before_bytes = witness.get() if witness is not None else None
-            if before_bytes is not None:
-                rebyte.append((key, before_bytes, captured))
-                continue
-            entry = snapshot.freshness.get(index)
-            if entry is not None and entry[0] is captured:
-                resample.append((key, entry[2], captured))
-    if rebyte:
-        spans = [captured if _dense_plain(captured) else span_bytes(captured) for _, _, captured in rebyte]
-        now = digests([span for span in spans if span is not None])
-        pairs: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
-        found = iter(now)
-        for (key, before_bytes, _), span in zip(rebyte, spans, strict=True):
-            pairs.append((key, before_bytes, next(found) if span is not None else None))
-        same = same_digests([(before, after) for _, before, after in pairs if after is not None])
-        verdicts = iter(same)
-        for key, _, after in pairs:
-            if after is None or not next(verdicts):  # no span now (resized, re-laid): not the bytes it was
-                written.setdefault(key, _WRITTEN_SINCE_LEFT)
-    if resample:
-        same = unchanged([(sample, tensor) for _, sample, tensor in resample], SLOT_ELEMENTS)
-        for (key, _, _), kept in zip(resample, same, strict=True):
-            if not kept:
-                written.setdefault(key, _WRITTEN_SINCE_LEFT)
+                    reason = _WRITTEN_AFTER_REPLACED
+            else:
+                before = snapshot.versions[index] if index < len(snapshot.versions) else -1
+                if before >= 0 and version_of(captured) != before:
+                    reason = _WRITTEN_SINCE_LEFT
+                else:  # no counter (an inference tensor), or a write through ``.data``/``set_``: every byte
+                    witness = snapshot.witnesses.get(index)
+                    entry = snapshot.freshness.get(index)
+                    if witness is None and entry is not None and entry[0] is captured and sampled_whole(captured):
+                        witness = entry[2]  # a small tensor's value sample, all of it (the snapshot took no other)
+                    if witness is None:
+                        reason = _UNWITNESSED
+                    else:
+                        asked.append((hit, witness, captured))
+            if reason is not None:
+                for key in hit:
+                    written.setdefault(key, reason)
+    if asked:
+        for (hit, _, _), changed in zip(asked, changed_since([(w, t) for _, w, t in asked]), strict=True):
+            if changed:
+                for key in hit:
+                    written.setdefault(key, _WRITTEN_SINCE_LEFT)
     return written
-
-
-def _dense_plain(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a plain contiguous tensor (its own bytes are its span: what the snapshot digested)."""
-    return tensor.is_contiguous() and type(tensor) in (torch.Tensor, torch.nn.Parameter)
 
 
 _WRITTEN_SINCE_LEFT = (
     "no path the contract walks holds it (a dict key, a table outside the model, a caller's reference), and it "
     "was written during the reload although the slot left it (a ping-pong holder writes it; so does a loader "
     "writing the slot in place before PWAL replaces it, which nothing tells apart)"
+)
+
+
+_UNWITNESSED = (
+    "no path the contract walks holds it (a table outside the model), and nothing witnessed its bytes when the "
+    "reload began (a layout no witness reads), so nothing tells a holder's write from none"
 )
 
 

@@ -318,6 +318,34 @@ def unchanged(pairs: Sequence[tuple[Sample, torch.Tensor]], elements: int) -> li
 
 #: Words (4 bytes where the tensor's bytes allow) summed into one entry of a :func:`digest`.
 DIGEST_ROW = 1024
+#: Rows weighted and summed per step of a large digest (bounds the temporary the weighting makes: 8 MiB of words).
+_DIGEST_ROWS_PER_STEP = 2048
+_WEIGHTS: dict[tuple[Any, Any], torch.Tensor] = {}
+
+
+def _row_weights(device: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The odd weight of each word position in a row (``2k + 1``, wrapping in ``dtype``): an odd weight is invertible
+    modulo the word range, so a change to one word always changes its row's weighted sum, and words exchanged within
+    a row (a permutation, a reversal) change it too, unless their difference times the difference of their weights
+    wraps to zero."""
+    key = (device, dtype)
+    weights = _WEIGHTS.get(key)
+    if weights is None:
+        weights = _WEIGHTS[key] = (torch.arange(DIGEST_ROW, device=device) * 2 + 1).to(dtype)
+    return weights
+
+
+def _weighted_row_sums(rows: torch.Tensor, total: torch.dtype) -> torch.Tensor:
+    """Per row of ``rows`` (words, ``[n, DIGEST_ROW]``), the wrapping sum of each word times its position's weight."""
+    weights = _row_weights(rows.device, total)
+    if rows.shape[0] <= _DIGEST_ROWS_PER_STEP:
+        return (rows.to(total) * weights).sum(1, dtype=total)
+    return torch.cat(
+        [
+            (rows[start : start + _DIGEST_ROWS_PER_STEP].to(total) * weights).sum(1, dtype=total)
+            for start in range(0, rows.shape[0], _DIGEST_ROWS_PER_STEP)
+        ]
+    )
 
 
 def version_of(tensor: torch.Tensor) -> int:
@@ -387,20 +415,22 @@ def _digest_raw(raw: torch.Tensor, width: int) -> torch.Tensor:
     words, total = _words(raw, width)
     count = words.numel()
     full = count // DIGEST_ROW * DIGEST_ROW
-    if full == count:  # whole rows: one reduction
-        return words.view(-1, DIGEST_ROW).sum(1, dtype=total)
+    if full == count:  # whole rows
+        return _weighted_row_sums(words.view(-1, DIGEST_ROW), total)
     # the last row is short: its sum is what the zero-padded row of :func:`digests` sums to
-    rows = words[:full].view(-1, DIGEST_ROW).sum(1, dtype=total)
-    return torch.cat([rows, words[full:].sum(dtype=total).reshape(1)])
+    rows = _weighted_row_sums(words[:full].view(-1, DIGEST_ROW), total)
+    tail = (words[full:].to(total) * _row_weights(words.device, total)[: count - full]).sum(dtype=total)
+    return torch.cat([rows, tail.reshape(1)])
 
 
 def digest(tensor: torch.Tensor) -> torch.Tensor | None:
-    """A digest of every byte of a dense tensor: wrapping integer sums of its raw words in rows of
-    :data:`DIGEST_ROW` words, the last row as long as what is left (a new tensor about 1/1024 of its size, on its
-    device), or ``None`` for any other tensor.
+    """A digest of every byte of a dense tensor: wrapping integer sums of its raw words, each times an odd weight of
+    its position, in rows of :data:`DIGEST_ROW` words, the last row as long as what is left (a new tensor about
+    1/1024 of its size, on its device), or ``None`` for any other tensor.
 
-    Any change to one word changes its row's sum; only changes that cancel within one row escape. Integer sums
-    wrap the same way in any order, so equal bytes always give equal digests (no floating-point reassociation).
+    Any change to one word changes its row's sum, and so does an exchange of words within a row (a permutation, a
+    reversal); only changes that cancel exactly in the weighted sum escape. Integer sums wrap the same way in any
+    order, so equal bytes always give equal digests (no floating-point reassociation).
     Reads the whole tensor (one reduction, bandwidth-bound on a GPU). :func:`digests` gives the same values for
     many tensors at once.
     """
@@ -457,7 +487,7 @@ def digests(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
                         pieces.append(zeros[:pad])
             flat = torch._C._nn.flatten_dense_tensors(pieces) if len(pieces) > 1 else flat_copy(pieces[0])
             words, total = _words(flat.view(torch.uint8), width)
-            sums = words.view(-1, DIGEST_ROW).sum(1, dtype=total)
+            sums = _weighted_row_sums(words.view(-1, DIGEST_ROW), total)
             for position, part in zip(positions, torch.split(sums, rows), strict=True):
                 result[position] = part
     return result

@@ -17,28 +17,13 @@ import torch
 from torch import nn
 
 from graphsafe.contract import _freshness, _rebind, _restore
-from graphsafe.contract._copy import span_bytes
 from graphsafe.contract._inputs import _Freshness, _Inputs, _strided
 from graphsafe.contract._samples import SLOT_ELEMENTS, Digest, Sample, SampleBatch, version_of
 from graphsafe.contract._slots import InputRef, SealedLayer, SealedSlot, _describe_geometry_change, _view
+from graphsafe.contract._witness import sampled_whole, witness_of
 from graphsafe.outcome import Finding, FindingKind, Origin, SlotRef, fingerprint
 
 __all__ = ["LayerSnapshot"]
-
-
-def _witness(tensor: torch.Tensor, samples: SampleBatch, witnesses: dict[int, Sample | Digest], index: int) -> None:
-    """Note a witness of every byte ``tensor`` spans as ``witnesses[index]``: a value sample of all of a small dense
-    one (joined with the other samples: the cheapest), the digest of a larger one's bytes, else of its span."""
-    if tensor.is_contiguous() and type(tensor) in _PLAIN:
-        small = tensor.numel() <= SLOT_ELEMENTS
-        witnesses[index] = samples.take(tensor, SLOT_ELEMENTS) if small else samples.digest(tensor)
-        return
-    span = span_bytes(tensor)
-    if span is not None:
-        witnesses[index] = samples.digest(span)
-
-
-_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 @dataclass(slots=True)
@@ -187,10 +172,12 @@ class LayerSnapshot:
                     inputs = _Inputs(layer, sealed.qualname, samples, outer=outer)
                 sample = samples.take(at_path, SLOT_ELEMENTS)
                 freshness[index] = (at_path, version_of(at_path), sample, inputs.of(slot))
-                if at_path is tensor and tensor.numel() <= SLOT_ELEMENTS and tensor.is_contiguous():
+                if at_path is tensor and sampled_whole(tensor):
                     continue  # its value sample is every byte of it
             if not written_by_graph and not slot.origin.is_state and slot.origin is not Origin.ALIAS:
-                _witness(tensor, samples, witnesses, index)
+                witness = witness_of(tensor, samples)
+                if witness is not None:
+                    witnesses[index] = witness
         shared = sealed.shares_storage or len(slots) > len(sealed.slots)
         return cls(
             sealed,
@@ -211,7 +198,15 @@ class LayerSnapshot:
         recording saw written in place only in part (``unwritten_bytes``: the bytes its in-place writes left out,
         ``None`` where unknown). Its changed value sample then says nothing: part of it keeps the old values."""
         for index, (before, _, _, _) in self.freshness.items():
-            if self.slots[index].get(self.layer) is before:
+            current = self.slots[index].get(self.layer)
+            # The same tensor, or a new view of the same memory (``.view()``, ``.detach()``): judged by the bytes of
+            # the tensor the slot held before the load.
+            if current is before or (
+                isinstance(current, torch.Tensor)
+                and current.layout is torch.strided
+                and current.untyped_storage() is before.untyped_storage()
+                and current.data_ptr() == before.data_ptr()
+            ):
                 left = unwritten_bytes(before)
                 if left:
                     self.partly[index] = left

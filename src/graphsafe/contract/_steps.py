@@ -146,6 +146,8 @@ def _snapshot(self: ReloadTransaction, sealed: SealedLayer, *, flush: bool = Tru
         scratch=self._graph_writes,
         originals=self._originals,
     )
+    if self._dataflow is not None:  # a layerwise snapshot during the recording: its slots' in-place writes counted
+        self._dataflow.watch(entry[0] for entry in snapshot.freshness.values())
     if unnamed and id(sealed) not in self._unnamed:  # (the first snapshot's: the state before the load)
         # memory a slot path also reaches (a closure cell, a weight) is that slot's to judge
         slots = {ident for t in snapshot.captured if t is not None for ident in _storage_ids(t)}

@@ -201,6 +201,8 @@ class ReloadTransaction:
             # recording): record what PWAL computes, so a table it never touches stops being watched.
             self._setup_seconds = Dataflow.prepare()  # once per process, reported apart from the reload's time
             self._dataflow = Dataflow()
+            for snapshot in self._snapshots.values():  # which bytes of each watched slot PWAL rewrites in place
+                self._dataflow.watch(entry[0] for entry in snapshot.freshness.values())
             self._dataflow.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             self._recording_thread = threading.get_ident()
         return self
