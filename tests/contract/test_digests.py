@@ -53,3 +53,29 @@ def test_one_changed_word_changes_its_batched_digest(batch: list[torch.Tensor], 
     after = digests([*batch[:index], changed, *batch[index + 1 :]])[index]
     assert before is not None and after is not None
     assert not torch.equal(before, after)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(tensors(), min_size=1, max_size=12))
+def test_batched_weighted_digests_equal_single_weighted_digests(batch: list[torch.Tensor]) -> None:
+    for single, joined in zip((digest(t, weighted=True) for t in batch), digests(batch, weighted=True), strict=True):
+        assert (single is None) == (joined is None)
+        if single is not None and joined is not None:
+            assert torch.equal(single, joined)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tensors(), st.data())
+def test_an_exchange_of_two_words_changes_the_weighted_digest(tensor: torch.Tensor, data: st.DataObject) -> None:
+    """What a holder's permutation within a row does to the witness of its bytes (the plain digest misses it)."""
+    words = tensor.contiguous().view(-1)
+    if words.numel() < 2:
+        return
+    first, second = data.draw(st.lists(st.integers(0, words.numel() - 1), min_size=2, max_size=2, unique=True))
+    if torch.equal(words[first], words[second]):
+        return
+    swapped = words.clone()
+    swapped[first], swapped[second] = words[second].clone(), words[first].clone()
+    before, after = digest(words, weighted=True), digest(swapped, weighted=True)
+    assert before is not None and after is not None
+    assert not torch.equal(before, after)

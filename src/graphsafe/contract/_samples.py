@@ -161,25 +161,30 @@ class SampleBatch:
     only a promise.
     """
 
-    __slots__ = ("_digests", "_handles", "_pending")
+    __slots__ = ("_digests", "_handles", "_pending", "_weighted")
 
     def __init__(self) -> None:
         # (dtype, device, whole) -> the tensors and their samples; ``whole``: the sample is the whole tensor, which
         # is joined in C++ (flatten_dense_tensors) without a Python view per tensor.
         self._pending: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[Sample]]] = {}
         self._digests: tuple[list[torch.Tensor], list[Digest]] = ([], [])
-        self._handles: dict[int, Digest] = {}  # id(tensor) -> its handle, for the tensors in ``_digests``
+        self._weighted: tuple[list[torch.Tensor], list[Digest]] = ([], [])
+        # (id(tensor), weighted) -> its handle, for the tensors in ``_digests`` and ``_weighted``
+        self._handles: dict[tuple[int, bool], Digest] = {}
 
-    def digest(self, tensor: torch.Tensor) -> Digest:
-        """The :func:`digest` of ``tensor``, taken at the next :meth:`flush` with every other one noted. A tensor
-        noted twice before a flush (a weight that is both a layer's own and a derived slot's input) is read once:
-        both get one handle (the batch holds the tensor, so its ``id`` is not reused meanwhile)."""
-        handle = self._handles.get(id(tensor))
+    def digest(self, tensor: torch.Tensor, *, weighted: bool = False) -> Digest:
+        """The :func:`digest` of ``tensor`` (``weighted``: position-weighted), taken at the next :meth:`flush` with
+        every other one noted. A tensor noted twice before a flush (a weight that is both a layer's own and a derived
+        slot's input) is read once: both get one handle (the batch holds the tensor, so its ``id`` is not reused
+        meanwhile)."""
+        key = (id(tensor), weighted)
+        handle = self._handles.get(key)
         if handle is not None:
             return handle
-        handle = self._handles[id(tensor)] = Digest()
-        self._digests[0].append(tensor)
-        self._digests[1].append(handle)
+        handle = self._handles[key] = Digest()
+        pending = self._weighted if weighted else self._digests
+        pending[0].append(tensor)
+        pending[1].append(handle)
         return handle
 
     def take(self, tensor: torch.Tensor, elements: int) -> Sample:
@@ -210,11 +215,13 @@ class SampleBatch:
     def flush(self) -> None:
         """Take every pending sample (one copy per dtype, device and kind) and every pending digest."""
         pending, self._pending = self._pending, {}
-        (tensors, handles), self._digests = self._digests, ([], [])
+        plain, self._digests = self._digests, ([], [])
+        weighted, self._weighted = self._weighted, ([], [])
         self._handles = {}
-        if tensors:
-            for handle, value in zip(handles, digests(tensors), strict=True):
-                handle.value, handle.taken = value, True
+        for (tensors, handles), weigh in ((plain, False), (weighted, True)):
+            if tensors:
+                for handle, value in zip(handles, digests(tensors, weighted=weigh), strict=True):
+                    handle.value, handle.taken = value, True
         with torch.no_grad():
             for (dtype, _, whole), (parts, samples) in pending.items():
                 joined = (_flatten(parts) if whole else torch.cat(parts)).view(torch.uint8)
@@ -335,9 +342,14 @@ def _row_weights(device: Any, dtype: torch.dtype) -> torch.Tensor:
     return weights
 
 
-def _weighted_row_sums(rows: torch.Tensor, total: torch.dtype) -> torch.Tensor:
-    """Per row of ``rows`` (words, ``[n, DIGEST_ROW]``), the wrapping sum of each word times its position's weight."""
+def _row_sums(rows: torch.Tensor, total: torch.dtype, weighted: bool) -> torch.Tensor:
+    """Per row of ``rows`` (words, ``[n, DIGEST_ROW]``), the wrapping sum of its words (``weighted``: each times its
+    position's weight)."""
+    if not weighted:
+        return rows.sum(1, dtype=total)
     weights = _row_weights(rows.device, total)
+    if rows.device.type == "cpu":  # an integer matrix-vector product: one pass, no temporary (it wraps as the sum)
+        return torch.mv(rows.to(total), weights)
     if rows.shape[0] <= _DIGEST_ROWS_PER_STEP:
         return (rows.to(total) * weights).sum(1, dtype=total)
     return torch.cat(
@@ -377,7 +389,7 @@ def every_byte(tensor: torch.Tensor, copy_bytes: int) -> torch.Tensor | None:
         if plain.numel() * plain.element_size() <= copy_bytes:
             pieces.append(plain.detach().clone().reshape(-1).view(torch.uint8))  # detached: no autograd record
         else:
-            pieces.append(_digest_raw(*_raw_dense(plain)).view(torch.uint8))
+            pieces.append(_digest_raw(*_raw_dense(plain), True).view(torch.uint8))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
@@ -409,28 +421,32 @@ def _words(raw: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.dtype]:
     return raw, torch.int32  # an odd byte count: bytes summed as int32 (odd sizes are small)
 
 
-def _digest_raw(raw: torch.Tensor, width: int) -> torch.Tensor:
+def _digest_raw(raw: torch.Tensor, width: int, weighted: bool = False) -> torch.Tensor:
     if raw.storage_offset() % width:
         raw = raw.clone()  # a view at an offset the words cannot start at (a slice of a packed tensor): copied
     words, total = _words(raw, width)
     count = words.numel()
     full = count // DIGEST_ROW * DIGEST_ROW
     if full == count:  # whole rows
-        return _weighted_row_sums(words.view(-1, DIGEST_ROW), total)
+        return _row_sums(words.view(-1, DIGEST_ROW), total, weighted)
     # the last row is short: its sum is what the zero-padded row of :func:`digests` sums to
-    rows = _weighted_row_sums(words[:full].view(-1, DIGEST_ROW), total)
-    tail = (words[full:].to(total) * _row_weights(words.device, total)[: count - full]).sum(dtype=total)
-    return torch.cat([rows, tail.reshape(1)])
+    rows = _row_sums(words[:full].view(-1, DIGEST_ROW), total, weighted)
+    rest = words[full:].to(total)
+    if weighted:
+        rest = rest * _row_weights(words.device, total)[: count - full]
+    return torch.cat([rows, rest.sum(dtype=total).reshape(1)])
 
 
-def digest(tensor: torch.Tensor) -> torch.Tensor | None:
-    """A digest of every byte of a dense tensor: wrapping integer sums of its raw words, each times an odd weight of
-    its position, in rows of :data:`DIGEST_ROW` words, the last row as long as what is left (a new tensor about
-    1/1024 of its size, on its device), or ``None`` for any other tensor.
+def digest(tensor: torch.Tensor, *, weighted: bool = False) -> torch.Tensor | None:
+    """A digest of every byte of a dense tensor: wrapping integer sums of its raw words in rows of
+    :data:`DIGEST_ROW` words, the last row as long as what is left (a new tensor about 1/1024 of its size, on its
+    device), or ``None`` for any other tensor.
 
-    Any change to one word changes its row's sum, and so does an exchange of words within a row (a permutation, a
-    reversal); only changes that cancel exactly in the weighted sum escape. Integer sums wrap the same way in any
-    order, so equal bytes always give equal digests (no floating-point reassociation).
+    Any change to one word changes its row's sum; changes that cancel within one row escape, among them words
+    exchanged within it. ``weighted``: each word times an odd weight of its position first, so an exchange of words
+    within a row (a permutation, a reversal) changes the sum too; only changes that cancel exactly in the weighted
+    sum escape (a few times the cost on a host: the witnesses of writes by holders use it, the inputs' digests do
+    not). Integer sums wrap the same way in any order, so equal bytes always give equal digests.
     Reads the whole tensor (one reduction, bandwidth-bound on a GPU). :func:`digests` gives the same values for
     many tensors at once.
     """
@@ -438,7 +454,7 @@ def digest(tensor: torch.Tensor) -> torch.Tensor | None:
     if raw is None:
         return None
     with torch.no_grad():
-        return _digest_raw(*raw)
+        return _digest_raw(*raw, weighted)
 
 
 #: Tensors of at most this many bytes are digested together (one copy of their bytes, one reduction per device and
@@ -446,7 +462,7 @@ def digest(tensor: torch.Tensor) -> torch.Tensor | None:
 DIGEST_JOIN_BYTES = 1 << 20
 
 
-def digests(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+def digests(tensors: Sequence[torch.Tensor], *, weighted: bool = False) -> list[torch.Tensor | None]:
     """:func:`digest` of each tensor, equal value for value, in a few launches: small tensors of one device, dtype
     and word width are joined in their own dtype (no byte view per tensor), each followed by zeros up to a whole row
     (zeros add nothing to a row's sum), and summed in one reduction over their bytes."""
@@ -461,7 +477,7 @@ def digests(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
             count = plain.numel() * plain.element_size()
             width = 4 if count % 4 == 0 else 2 if count % 2 == 0 else 1
             if count > DIGEST_JOIN_BYTES:
-                result[position] = _digest_raw(*_raw_dense(plain))
+                result[position] = _digest_raw(*_raw_dense(plain), weighted)
                 continue
             key = (plain.device, plain.dtype, width)
             members = joined.get(key)
@@ -487,7 +503,7 @@ def digests(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
                         pieces.append(zeros[:pad])
             flat = torch._C._nn.flatten_dense_tensors(pieces) if len(pieces) > 1 else flat_copy(pieces[0])
             words, total = _words(flat.view(torch.uint8), width)
-            sums = _weighted_row_sums(words.view(-1, DIGEST_ROW), total)
+            sums = _row_sums(words.view(-1, DIGEST_ROW), total, weighted)
             for position, part in zip(positions, torch.split(sums, rows), strict=True):
                 result[position] = part
     return result

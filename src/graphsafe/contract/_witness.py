@@ -5,11 +5,12 @@ ping-pong spare, a dict key) that writes it, through ``.data``, ``set_`` or unde
 place: no version counter need move. Before the restore copies the slot's new values into such a tensor it asks
 whether the reload wrote it (the holder's bytes must not be overwritten). A value sample would miss a write between
 its elements, so the witness reads every byte: a small dense tensor's value sample is all of it (joined with the
-snapshot's other samples: the cheapest); a larger one is digested (its own bytes, or the bytes its strided span
-covers, which for a conjugate, negative or transposed view are still exactly its storage's); a wrapper subclass's
-inner tensors are digested at once. Cost per reload: one digest of every captured derived tensor over
-:data:`SLOT_ELEMENTS` elements at ``begin()`` (batched with the snapshot's samples), and a comparison only for a
-tensor something outside the model holds when the reload finishes.
+snapshot's other samples: the cheapest); a larger one is digested, each word weighted by its position (a holder's
+permutation within a row shows), over its own bytes or the bytes its strided span covers (for a conjugate,
+negative or transposed view, still exactly its storage's); a wrapper subclass's inner tensors are digested at once.
+Cost per reload: one digest of every captured derived tensor over :data:`SLOT_ELEMENTS` elements at ``begin()``
+(batched with the snapshot's samples), and a comparison only for a tensor something outside the model holds when
+the reload finishes.
 """
 
 from __future__ import annotations
@@ -49,10 +50,14 @@ def witness_of(tensor: torch.Tensor, samples: SampleBatch) -> Sample | Digest | 
     """A witness of every byte ``tensor`` holds, taken through ``samples`` (flushed by the caller before the load),
     or ``None`` where none can be taken (another layout, the meta device)."""
     if _plain_dense(tensor) and tensor.layout is torch.strided and not tensor.is_nested:
-        return samples.take(tensor, SLOT_ELEMENTS) if tensor.numel() <= SLOT_ELEMENTS else samples.digest(tensor)
+        return (
+            samples.take(tensor, SLOT_ELEMENTS)
+            if tensor.numel() <= SLOT_ELEMENTS
+            else samples.digest(tensor, weighted=True)
+        )
     span = span_bytes(tensor)
     if span is not None:
-        return samples.digest(span)
+        return samples.digest(span, weighted=True)
     whole = every_byte(tensor, 0)  # a wrapper subclass: its inner tensors' digests, now
     if whole is None:
         return None
@@ -91,7 +96,7 @@ def changed_since(pairs: Sequence[tuple[Sample | Digest, torch.Tensor]]) -> list
         now = every_byte(tensor, 0)
         if now is not None:
             compared.append((position, before, now))
-    found = digests([value for _, _, value in batched])
+    found = digests([value for _, _, value in batched], weighted=True)
     for (position, before, _), now in zip(batched, found, strict=True):
         if now is not None:
             compared.append((position, before, now))
