@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from graphsafe import GraphContract, Status, graph_visible, register_derived
+from graphsafe import GraphContract, ReloadOutcome, Status, graph_visible, register_derived
 from graphsafe.errors import ContractViolation, GraphSafeError
 
 pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
@@ -625,18 +625,13 @@ class _CarvedFromFlat(nn.Module):
         return torch.cat([self.flat, self.w1, self.w2])
 
 
-@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
-@pytest.mark.parametrize("mode", ["strict", "recapture", "migrate"])
-def test_a_parameter_carved_from_a_read_flat_tensor_repacked_while_the_tensor_is_written_does_not_commit(
-    mode: str, layerwise: bool
-) -> None:
+def _carved_reload(layer: _CarvedFromFlat, mode: str, layerwise: bool) -> ReloadOutcome:
+    """Seal ``layer`` after a capture of its forward, load new values through the flat tensor, run its PWAL."""
     from graphsafe.collectors import record_capture
 
-    layer = _CarvedFromFlat()
     contract = GraphContract(layer, mode).seal()  # type: ignore[arg-type]
     with torch.no_grad(), record_capture(contract):
         layer()
-    flat = layer.flat
     with contextlib.suppress(GraphSafeError), contract.reload(layerwise=layerwise) as txn, torch.no_grad():
         if layerwise:
             txn.before_layer(layer)
@@ -646,6 +641,17 @@ def test_a_parameter_carved_from_a_read_flat_tensor_repacked_while_the_tensor_is
             txn.after_layer(layer)
     outcome = contract.last_outcome
     assert outcome is not None
+    return outcome
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+@pytest.mark.parametrize("mode", ["strict", "recapture", "migrate"])
+def test_a_parameter_carved_from_a_read_flat_tensor_repacked_while_the_tensor_is_written_does_not_commit(
+    mode: str, layerwise: bool
+) -> None:
+    layer = _CarvedFromFlat()
+    flat = layer.flat
+    outcome = _carved_reload(layer, mode, layerwise)
     # Every commit is wrong: the graph reads w1 and flat[:4] from the same bytes, which now hold two sets of values.
     assert outcome.status is not Status.COMMITTED, outcome.summary()
     expected = (torch.arange(8.0) + 100) * 3
@@ -665,20 +671,8 @@ class _CarvedRepacked(_CarvedFromFlat):
 def test_a_parameter_carved_from_a_read_flat_tensor_repacked_alone_commits(mode: str, layerwise: bool) -> None:
     """The flat tensor follows its parameter: after the restore it reads the repacked values where ``w1`` lies, in
     the eager model as in the graph (one memory)."""
-    from graphsafe.collectors import record_capture
-
     layer = _CarvedRepacked()
-    contract = GraphContract(layer, mode).seal()  # type: ignore[arg-type]
-    with torch.no_grad(), record_capture(contract):
-        layer()
     flat = layer.flat
-    with contract.reload(layerwise=layerwise) as txn, torch.no_grad():
-        if layerwise:
-            txn.before_layer(layer)
-        layer.flat.copy_(torch.arange(8.0) + 100)
-        layer.process_weights_after_loading()
-        if layerwise:
-            txn.after_layer(layer)
-    outcome = contract.last_outcome
-    assert outcome is not None and outcome.status is Status.COMMITTED, outcome
+    outcome = _carved_reload(layer, mode, layerwise)
+    assert outcome.status is Status.COMMITTED, outcome.summary()
     assert torch.equal(flat[:4], (torch.arange(4.0) + 100) * 2) and torch.equal(flat[4:], torch.arange(4.0, 8.0) + 100)
