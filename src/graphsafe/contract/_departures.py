@@ -79,8 +79,8 @@ class Departures:
         self._captured = captured
         self._quiet = quiet
         self._ids: dict[int, TensorRef] | None = None
-        #: id(captured tensor) -> (version counter when it left, -1 for none; where it has none, its bytes then as
-        #: :func:`_witness` gives them).
+        #: id(captured tensor) -> (version counter when it left, -1 for none or one its siblings share; its bytes
+        #: then as :func:`_witness` gives them, ``None`` for a layout no witness reads).
         self.left: dict[int, tuple[int, torch.Tensor | None]] = {}
         #: id() of each captured tensor written while away (after it left, before a registration brought it back):
         #: its next departure's record must not erase that evidence.
@@ -103,8 +103,10 @@ class Departures:
             old = table.get(name)
             if old is value:
                 return
-            if isinstance(value, torch.Tensor) and id(value) in self.left and self.written_since_left(value):
-                self._written_away.add(id(value))  # coming back written: a holder's values, whatever comes next
+            if isinstance(value, torch.Tensor) and id(value) in self.left:
+                with self._quiet():
+                    if self.written_since_left(value):  # coming back written: a holder's values, whatever comes next
+                        self._written_away.add(id(value))
             if not isinstance(old, torch.Tensor):
                 return
             ids = self._ids

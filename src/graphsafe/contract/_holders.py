@@ -4,6 +4,7 @@ copy, one the load abandoned is doubted, and the manifest's extra holders are tr
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -154,10 +155,13 @@ def _written_since_left(
     captured_memory: set[tuple[str, int]],
     departures: Departures,
     *,
-    departed_only: set[int] = frozenset(),  # type: ignore[assignment]
+    departed_only: AbstractSet[int] = frozenset(),
 ) -> dict[int, str]:
     """Of the captured storages held outside every walked path (``unexplained``: storage ids), the ones a
-    derived slot left and something wrote during the reload.
+    slot left and something wrote during the reload; of those a tracked path holds (``departed_only``), the ones a
+    parameter or buffer left and that path wrote afterwards (a parameter carved from a plain tensor the model holds).
+    A derived slot's write shows in its version counter or in the witness of every byte :mod:`._witness` took at
+    ``begin()`` (one it has none for is refused); a wrapper's in its inner tensors'.
 
     The walk cannot tell a holder outside the model (a dict key, an engine-level table) from a caller's own
     reference to the slot. A write to that memory during the reload can: a caller's reference to a derived slot

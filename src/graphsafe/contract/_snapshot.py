@@ -26,6 +26,18 @@ from graphsafe.outcome import Finding, FindingKind, Origin, SlotRef, fingerprint
 __all__ = ["LayerSnapshot"]
 
 
+def _same_memory(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether two strided tensors start at the same byte of the same storage (a new view of the same memory)."""
+    try:
+        return (
+            tensor.layout is torch.strided
+            and tensor.untyped_storage() is other.untyped_storage()
+            and tensor.data_ptr() == other.data_ptr()
+        )
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass: no storage of its own
+        return False
+
+
 @dataclass(slots=True)
 class LayerSnapshot:
     """One layer's state for one reload: strong references to every captured tensor until restore is done."""
@@ -88,11 +100,10 @@ class LayerSnapshot:
     carried: dict[int, dict[str, Any]] = field(default_factory=dict)
     #: Tensors left in place that carry attributes (which may name a new tensor the step replaces).
     attributed: list[torch.Tensor] = field(default_factory=list)
-    #: Slot index -> a witness of every byte its captured tensor spanned before the load (a value sample of all of a
-    #: small one, else a digest), for each captured derived
-    #: tensor (not a parameter or buffer, whose departures are witnessed when they leave; not a scratch the graph
-    #: writes): a PWAL that hands it to a holder outside the model and writes it there through an alias that moves
-    #: no version counter (``.data``, ``set_``) changes it.
+    #: Slot index -> a witness of every byte its captured tensor spanned before the load (:func:`witness_of`), for
+    #: each captured derived tensor (not a parameter or buffer, whose departures are witnessed when they leave; not
+    #: a scratch the graph writes) whose value sample is not all of it already: a PWAL that hands it to a holder
+    #: outside the model and writes it there through an alias that moves no version counter changes it.
     witnesses: dict[int, Sample | Digest] = field(default_factory=dict)
 
     @classmethod
@@ -201,12 +212,7 @@ class LayerSnapshot:
             current = self.slots[index].get(self.layer)
             # The same tensor, or a new view of the same memory (``.view()``, ``.detach()``): judged by the bytes of
             # the tensor the slot held before the load.
-            if current is before or (
-                isinstance(current, torch.Tensor)
-                and current.layout is torch.strided
-                and current.untyped_storage() is before.untyped_storage()
-                and current.data_ptr() == before.data_ptr()
-            ):
+            if current is before or (isinstance(current, torch.Tensor) and _same_memory(current, before)):
                 left = unwritten_bytes(before)
                 if left:
                     self.partly[index] = left
