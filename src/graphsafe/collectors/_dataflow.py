@@ -88,71 +88,67 @@ _MARKED_BY_INDICES = frozenset({"index_put_", "_index_put_impl_"})
 
 
 class _Coverage:
-    """Which elements of one watched storage the recorded in-place writes reached: byte ranges while every write is
-    contiguous, then a bitmap on the host (one flag per element of the first strided or indexed write's size)."""
+    """Which bytes of one watched storage the recorded in-place writes reached: byte ranges while every write is
+    contiguous, then a bitmap of its bytes on the host (strided and indexed writes mark exactly the bytes they
+    reach, whatever the dtype of the view written through)."""
 
-    __slots__ = ("bitmap", "itemsize", "ref", "spans", "unknown", "written")
+    __slots__ = ("bitmap", "ref", "spans", "unknown", "written")
 
     def __init__(self, storage: Any) -> None:
         self.ref = weakref.ref(storage)
         self.spans: list[tuple[int, int]] = []
         self.bitmap: torch.Tensor | None = None
-        self.itemsize = 0
         self.written = False
-        self.unknown = False  # an op whose reach the recorder cannot mark
+        self.unknown = False  # a write whose reach the recorder could not mark
 
     def note(self, func: Any, tensor: torch.Tensor, named: dict[str, Any]) -> None:
         if self.unknown or _metadata_only(func):
             return
         self.written = True
-        name = func._overloadpacket.__name__
-        if any(isinstance(named.get(key), torch.Tensor | list | tuple) for key in _INDEXING):
-            view = self._view(tensor)
-            if view is None or not _mark(name, view, named):
+        # Indices and masks pick elements of ``self`` only; an ``out=`` tensor is written whole.
+        if named.get("self") is tensor and any(
+            isinstance(named.get(key), torch.Tensor | list | tuple) for key in _INDEXING
+        ):
+            elements = torch.zeros(tuple(tensor.shape), dtype=torch.bool)
+            if not _mark(func._overloadpacket.__name__, elements, named):
                 self.unknown = True
+                return
+            self._bytes(tensor)[elements] = True
             return
         span = _exact_span(tensor)
         if span is not None and self.bitmap is None and len(self.spans) < _MAX_SPANS:
             if span[1] > span[0]:
                 self.spans.append(span)
             return
-        view = self._view(tensor)
-        if view is None:
-            self.unknown = True
-        else:
-            view.fill_(True)
+        self._bytes(tensor).fill_(True)
 
-    def _view(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """``tensor``'s elements in the bitmap (made now, holding the byte ranges so far), or ``None`` where the
-        bitmap counts elements of another size."""
-        size = tensor.element_size()
+    def _bytes(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s bytes in the bitmap (made now, holding the byte ranges so far), shaped ``[*shape, size]``."""
         if self.bitmap is None:
             storage = self.ref()
-            if storage is None:
-                return None
-            self.bitmap = torch.zeros(storage.nbytes() // size, dtype=torch.bool)
-            self.itemsize = size
+            self.bitmap = torch.zeros(storage.nbytes() if storage is not None else 0, dtype=torch.bool)
             for start, end in self.spans:
-                self.bitmap[start // size : -(-end // size)] = True  # (a range of bytes partly in an element marks it)
+                self.bitmap[start:end] = True
             self.spans = []
-        if size != self.itemsize:
-            return None
-        return self.bitmap.as_strided(tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
+        size = tensor.element_size()
+        shape = (*tuple(tensor.shape), size)
+        stride = (*(int(step) * size for step in tensor.stride()), 1)
+        return self.bitmap.as_strided(shape, stride, int(tensor.storage_offset()) * size)
 
     def unwritten_bytes(self, tensor: torch.Tensor) -> int | None:
         if self.unknown or not self.written:
             return None
-        if self.bitmap is not None:
-            view = self._view(tensor)
-            return None if view is None else int((~view).sum()) * tensor.element_size()
-        start, end = _extent(tensor)
-        union, reach = 0, start  # the union of the recorded ranges, clipped to the span
-        for first, last in sorted(self.spans):
-            first, last = max(first, reach), min(last, end)
-            if last > first:
-                union += last - first
-                reach = last
-        return (end - start) - union
+        if self.bitmap is None and _exact_span(tensor) is not None:
+            start, end = _extent(tensor)
+            union, reach = 0, start  # the union of the recorded ranges, clipped to the span
+            for first, last in sorted(self.spans):
+                first, last = max(first, reach), min(last, end)
+                if last > first:
+                    union += last - first
+                    reach = last
+            return (end - start) - union
+        # A tensor with gaps (one head of a fused buffer): its own bytes, not the ones between them.
+        return int((~self._bytes(tensor)).sum())
 
 
 def _metadata_only(func: Any) -> bool:
@@ -160,30 +156,32 @@ def _metadata_only(func: Any) -> bool:
     return torch.Tag.inplace_view in func.tags or func._overloadpacket.__name__ in ("set_", "resize_", "resize_as_")
 
 
-def _host(value: Any) -> Any:
-    return value.cpu() if isinstance(value, torch.Tensor) else value
+def _host_index(value: Any) -> Any:
+    """An index tensor as the host bitmap takes it (on the host, 64-bit); a mask on the host."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.cpu()
+    return value if value.dtype is torch.bool else value.long()
 
 
-def _mark(name: str, view: torch.Tensor, named: dict[str, Any]) -> bool:
-    """Mark in ``view`` (the bitmap's elements of the written tensor) what an indexed write ``name`` reached;
+def _mark(name: str, elements: torch.Tensor, named: dict[str, Any]) -> bool:
+    """Mark in ``elements`` (one flag per element of the written tensor) what an indexed write ``name`` reached;
     ``False`` for an op this does not know."""
     if name in _MARKED_BY_INDEX:
-        index = _host(named["index"])
+        index = _host_index(named["index"])
         if name.startswith("scatter"):
-            view.scatter_(int(named["dim"]), index, True)
+            elements.scatter_(int(named["dim"]), index, True)
         else:
-            view.index_fill_(int(named["dim"]), index, True)
+            elements.index_fill_(int(named["dim"]), index, True)
         return True
     if name in _MARKED_BY_MASK:
-        view.masked_fill_(_host(named["mask"]), True)
+        elements.masked_fill_(_host_index(named["mask"]), True)
         return True
-    if name in _MARKED_BY_INDICES:
-        indices = tuple(_host(index) for index in named["indices"])
-        view.index_put_(indices, torch.tensor(True))
+    if name in _MARKED_BY_INDICES:  # ``None`` stands for a whole dimension
+        elements[tuple(slice(None) if index is None else _host_index(index) for index in named["indices"])] = True
         return True
     if name == "put_":
-        index = _host(named["index"])
-        view.put_(index, torch.ones(index.shape, dtype=torch.bool))
+        elements.view(-1)[_host_index(named["index"]).reshape(-1)] = True
         return True
     return False
 
@@ -243,7 +241,10 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             if self._watched:
                 coverage = self._watched.get(id(tensor.untyped_storage()))
                 if coverage is not None and coverage.ref() is tensor.untyped_storage():
-                    coverage.note(func, tensor, _named(func, args, kwargs))
+                    try:
+                        coverage.note(func, tensor, _named(func, args, kwargs))
+                    except Exception:  # the user's op went through; what it reached is not known
+                        coverage.unknown = True
         for tensor in _tensors(out):
             if _strided(tensor) and id(tensor.untyped_storage()) not in argument_storages:
                 node = self._node(tensor, created=True)

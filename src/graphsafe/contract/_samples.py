@@ -325,36 +325,35 @@ def unchanged(pairs: Sequence[tuple[Sample, torch.Tensor]], elements: int) -> li
 
 #: Words (4 bytes where the tensor's bytes allow) summed into one entry of a :func:`digest`.
 DIGEST_ROW = 1024
-#: Rows weighted and summed per step of a large digest (bounds the temporary the weighting makes: 8 MiB of words).
-_DIGEST_ROWS_PER_STEP = 2048
-_WEIGHTS: dict[tuple[Any, Any], torch.Tensor] = {}
+#: Rows weighted and summed per step of a large digest on a GPU (bounds the weighting's temporaries: 8 MiB of
+#: widened words and as much of products).
+_DIGEST_ROWS_PER_STEP = 1024
+_WEIGHTS: dict[Any, torch.Tensor] = {}
 
 
-def _row_weights(device: Any, dtype: torch.dtype) -> torch.Tensor:
-    """The odd weight of each word position in a row (``2k + 1``, wrapping in ``dtype``): an odd weight is invertible
-    modulo the word range, so a change to one word always changes its row's weighted sum, and words exchanged within
-    a row (a permutation, a reversal) change it too, unless their difference times the difference of their weights
-    wraps to zero."""
-    key = (device, dtype)
-    weights = _WEIGHTS.get(key)
+def _row_weights(device: Any) -> torch.Tensor:
+    """The weight of each word position in a row: fixed pseudo-random integers below 2**20 (int64). A row's weighted
+    sum of its words (sign-extended) stays below 2**62, so it is exact: a change cancels only where the weights
+    times the changes sum to zero exactly, which no exchange, negation or bit flip of words does but by a chance of
+    about one in 2**20 per row."""
+    weights = _WEIGHTS.get(device)
     if weights is None:
-        weights = _WEIGHTS[key] = (torch.arange(DIGEST_ROW, device=device) * 2 + 1).to(dtype)
+        drawn = torch.randint(1, 1 << 20, (DIGEST_ROW,), generator=torch.Generator().manual_seed(0x5EED))
+        weights = _WEIGHTS[device] = drawn.to(device)
     return weights
 
 
 def _row_sums(rows: torch.Tensor, total: torch.dtype, weighted: bool) -> torch.Tensor:
-    """Per row of ``rows`` (words, ``[n, DIGEST_ROW]``), the wrapping sum of its words (``weighted``: each times its
-    position's weight)."""
+    """Per row of ``rows`` (words, ``[n, k]``, ``k <= DIGEST_ROW``), the wrapping sum of its words in ``total``, or
+    (``weighted``) the exact int64 sum of each word times its position's weight."""
     if not weighted:
         return rows.sum(1, dtype=total)
-    weights = _row_weights(rows.device, total)
-    if rows.device.type == "cpu":  # an integer matrix-vector product: one pass, no temporary (it wraps as the sum)
-        return torch.mv(rows.to(total), weights)
-    if rows.shape[0] <= _DIGEST_ROWS_PER_STEP:
-        return (rows.to(total) * weights).sum(1, dtype=total)
+    weights = _row_weights(rows.device)[: rows.shape[1]]
+    if rows.device.type == "cpu":  # an integer matrix-vector product: one pass over the widened words
+        return torch.mv(rows.to(torch.int64), weights)
     return torch.cat(
         [
-            (rows[start : start + _DIGEST_ROWS_PER_STEP].to(total) * weights).sum(1, dtype=total)
+            (rows[start : start + _DIGEST_ROWS_PER_STEP].to(torch.int64) * weights).sum(1)
             for start in range(0, rows.shape[0], _DIGEST_ROWS_PER_STEP)
         ]
     )
@@ -431,10 +430,7 @@ def _digest_raw(raw: torch.Tensor, width: int, weighted: bool = False) -> torch.
         return _row_sums(words.view(-1, DIGEST_ROW), total, weighted)
     # the last row is short: its sum is what the zero-padded row of :func:`digests` sums to
     rows = _row_sums(words[:full].view(-1, DIGEST_ROW), total, weighted)
-    rest = words[full:].to(total)
-    if weighted:
-        rest = rest * _row_weights(words.device, total)[: count - full]
-    return torch.cat([rows, rest.sum(dtype=total).reshape(1)])
+    return torch.cat([rows, _row_sums(words[full:].view(1, -1), total, weighted)])
 
 
 def digest(tensor: torch.Tensor, *, weighted: bool = False) -> torch.Tensor | None:
@@ -443,10 +439,10 @@ def digest(tensor: torch.Tensor, *, weighted: bool = False) -> torch.Tensor | No
     device), or ``None`` for any other tensor.
 
     Any change to one word changes its row's sum; changes that cancel within one row escape, among them words
-    exchanged within it. ``weighted``: each word times an odd weight of its position first, so an exchange of words
-    within a row (a permutation, a reversal) changes the sum too; only changes that cancel exactly in the weighted
-    sum escape (a few times the cost on a host: the witnesses of writes by holders use it, the inputs' digests do
-    not). Integer sums wrap the same way in any order, so equal bytes always give equal digests.
+    exchanged within it and two sign flips. ``weighted``: the exact int64 sum of each word times a pseudo-random
+    weight of its position (:func:`_row_weights`), so exchanges, negations and bit flips show too (a few times the
+    cost of a plain sum on a host: the witnesses of writes by holders use it, the inputs' digests do not). Integer
+    sums are the same in any order, so equal bytes always give equal digests.
     Reads the whole tensor (one reduction, bandwidth-bound on a GPU). :func:`digests` gives the same values for
     many tensors at once.
     """
