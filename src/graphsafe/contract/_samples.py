@@ -332,13 +332,13 @@ _WEIGHTS: dict[Any, torch.Tensor] = {}
 
 
 def _row_weights(device: Any) -> torch.Tensor:
-    """The weight of each word position in a row: fixed pseudo-random integers below 2**20 (int64). A row's weighted
-    sum of its words (sign-extended) stays below 2**62, so it is exact: a change cancels only where the weights
-    times the changes sum to zero exactly, which no exchange, negation or bit flip of words does but by a chance of
-    about one in 2**20 per row."""
+    """The weight of each word position in a row: fixed pseudo-random integers below 2**10 (int64). A row's weighted
+    sum of its words (sign-extended, below 2**31) stays below 2**51, so it is exact in int64 and in float64 alike: a
+    change cancels only where the weights times the changes sum to zero exactly, which an exchange, a negation or a
+    bit flip of words does by a chance of about one in 2**15 per row (and a tensor digested spans several rows)."""
     weights = _WEIGHTS.get(device)
     if weights is None:
-        drawn = torch.randint(1, 1 << 20, (DIGEST_ROW,), generator=torch.Generator().manual_seed(0x5EED))
+        drawn = torch.randint(1, 1 << 10, (DIGEST_ROW,), generator=torch.Generator().manual_seed(0x5EED))
         weights = _WEIGHTS[device] = drawn.to(device)
     return weights
 
@@ -349,8 +349,8 @@ def _row_sums(rows: torch.Tensor, total: torch.dtype, weighted: bool) -> torch.T
     if not weighted:
         return rows.sum(1, dtype=total)
     weights = _row_weights(rows.device)[: rows.shape[1]]
-    if rows.device.type == "cpu":  # an integer matrix-vector product: one pass over the widened words
-        return torch.mv(rows.to(torch.int64), weights)
+    if rows.device.type == "cpu":  # a float64 matrix-vector product (BLAS), exact below 2**53: the int64 sums
+        return torch.mv(rows.to(torch.float64), weights.to(torch.float64)).to(torch.int64)
     return torch.cat(
         [
             (rows[start : start + _DIGEST_ROWS_PER_STEP].to(torch.int64) * weights).sum(1)
