@@ -12,8 +12,8 @@ from torch import nn
 
 from contract.test_departure_witness import _capture, _reload
 from contract.test_derived_witness import _holder_reload
-from graphsafe import GraphContract, ReloadFailedError, Status, register_derived
-from graphsafe.errors import GraphSafeError
+from contract.test_partial_refresh import recorded_reload
+from graphsafe import Status, register_derived
 
 R, C = 64, 128
 _IDX = torch.arange(R // 2)
@@ -32,20 +32,7 @@ class _Slot(nn.Module):
 
 
 def _run(write, column_view: bool = False):
-    layer = _Slot(column_view)
-    contract = GraphContract(layer, "recapture", detect="declared-only").seal()
-    captured = layer.s
-    new = torch.randn(R, C, generator=torch.Generator().manual_seed(7))
-    error = None
-    try:
-        with contract.reload(), torch.no_grad():
-            layer.w.data.copy_(new)
-            write(layer, new * 2)
-    except (ReloadFailedError, GraphSafeError):
-        pass
-    except Exception as e:  # anything else escaping is graphsafe breaking the user's PWAL
-        error = e
-    return contract.last_outcome, captured, new * 2, error
+    return recorded_reload(_Slot(column_view), write)
 
 
 @pytest.mark.parametrize(

@@ -9,12 +9,13 @@ reload loads different weights; the oracle is computed here.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from graphsafe import GraphContract, ReloadFailedError, Status, register_derived
+from graphsafe import GraphContract, ReloadFailedError, ReloadOutcome, Status, register_derived
 from graphsafe.errors import GraphSafeError
 
 N = 8192
@@ -28,19 +29,34 @@ class _Slot(nn.Module):
         register_derived(self, "s", self.s, derived_from="w")
 
 
-def _partial(write: Callable[[_Slot, torch.Tensor], None], mode: str = "recapture") -> None:
-    layer = _Slot()
+def recorded_reload(
+    layer: nn.Module, write: Callable[[Any, torch.Tensor], Any], mode: str = "recapture"
+) -> tuple[ReloadOutcome, torch.Tensor, torch.Tensor, Exception | None]:
+    """The first (recorded) reload of ``layer`` (a weight ``w`` and a slot ``s = w * 2``) with new weights, PWAL being
+    ``write(layer, new * 2)``: the outcome, the captured slot, the values it must hold, and any exception other than
+    graphsafe's own refusal (graphsafe breaking the user's PWAL)."""
     contract = GraphContract(layer, mode, detect="declared-only").seal()  # type: ignore[arg-type]
     captured = layer.s
-    new = torch.randn(N, generator=torch.Generator().manual_seed(7))
+    new = torch.randn(tuple(layer.w.shape), generator=torch.Generator().manual_seed(7))
+    error = None
     try:
         with contract.reload(), torch.no_grad():
             layer.w.data.copy_(new)
             write(layer, new * 2)
     except (ReloadFailedError, GraphSafeError):
         pass
+    except Exception as exc:
+        error = exc
     outcome = contract.last_outcome
     assert outcome is not None
+    return outcome, captured, new * 2, error
+
+
+def _partial(write: Callable[[_Slot, torch.Tensor], None], mode: str = "recapture") -> None:
+    layer = _Slot()
+    outcome, captured, _, error = recorded_reload(layer, write, mode)
+    assert error is None, repr(error)
+    new = layer.w.detach()
     if outcome.status is Status.COMMITTED:
         assert layer.s.data_ptr() == captured.data_ptr()
         left = int((captured != new * 2).sum())

@@ -15,8 +15,9 @@ that left another way (``del`` or ``= None`` first, for which torch calls no hoo
 ``module._parameters``) has no record (:meth:`Departures.left_unseen`), and the restore does not copy into it where
 something outside the model holds it. Cost: two process-wide hooks installed at import (an empty loop per
 registration while no reload is open); per registration during a reload, a dict lookup; per captured tensor that
-leaves, a version read and one digest (one reduction over its bytes: a launch on a GPU, a read of its bytes on a
-CPU, less than the PWAL work that made its replacement; ``benchmarks/departures.py``).
+leaves, a version read and its witness: a copy of up to 64 KiB, else a position-weighted digest (a few launches
+on a GPU; on a host several times a plain read of its bytes, the widening to 64 bits, measured by
+``benchmarks/departures.py`` beside the repack a PWAL does: benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
