@@ -79,3 +79,18 @@ def test_an_exchange_of_two_words_changes_the_weighted_digest(tensor: torch.Tens
     before, after = digest(words, weighted=True), digest(swapped, weighted=True)
     assert before is not None and after is not None
     assert not torch.equal(before, after)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 40), st.integers(1, DIGEST_ROW), st.integers(0, 2**16))
+def test_the_host_weighted_row_sums_are_the_exact_int64_sums(rows: int, width: int, seed: int) -> None:
+    """The host computes the weighted sums in float64; a GPU in int64: both must give the exact integer sums, so that
+    one tensor has one witness wherever it lives (extreme words included)."""
+    from graphsafe.contract._samples import _row_sums, _row_weights
+
+    g = torch.Generator().manual_seed(seed)
+    words = torch.randint(-(2**31), 2**31, (rows, width), generator=g, dtype=torch.int64)
+    words[0, 0] = -(2**31)
+    words = words.to(torch.int32)
+    exact = (words.to(torch.int64) * _row_weights(words.device)[:width]).sum(1)
+    assert torch.equal(_row_sums(words, torch.int32, True), exact)
