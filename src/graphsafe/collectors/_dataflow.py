@@ -28,6 +28,8 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphsafe.collectors._kernelscan import _span
+
 __all__ = ["Dataflow"]
 
 T = TypeVar("T")
@@ -139,7 +141,7 @@ class _Coverage:
         if self.unknown or not self.written:
             return None
         if self.bitmap is None and _exact_span(tensor) is not None:
-            start, end = _extent(tensor)
+            start, end = _span(tensor)
             union, reach = 0, start  # the union of the recorded ranges, clipped to the span
             for first, last in sorted(self.spans):
                 first, last = max(first, reach), min(last, end)
@@ -349,23 +351,14 @@ def _named(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str
     return named
 
 
-def _extent(tensor: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``[start, end)`` of its storage a strided tensor can reach."""
-    if tensor.numel() == 0:
-        return 0, 0
-    reach = 1 + sum((int(size) - 1) * int(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
-    start = int(tensor.storage_offset()) * tensor.element_size()
-    return start, start + reach * tensor.element_size()
-
-
 def _exact_span(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """:func:`_extent` where a write to ``tensor`` writes every byte of it (no gaps, no repeated element), else
-    ``None``."""
+    """The bytes of its storage a strided tensor spans (``_kernelscan._span``) where a write to it writes every one
+    of them (no gaps, no repeated element), else ``None``."""
     if tensor.numel() == 0:
         return 0, 0
     if 0 in tensor.stride() and tensor.numel() > 1:
         return None
-    start, end = _extent(tensor)
+    start, end = _span(tensor)
     return (start, end) if end - start == tensor.numel() * tensor.element_size() else None
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from graphsafe.contract import _freshness, _rebind, _restore
 from graphsafe.contract._inputs import _Freshness, _Inputs, _strided
+from graphsafe.contract._memory import reads_as_captured
 from graphsafe.contract._samples import SLOT_ELEMENTS, Digest, Sample, SampleBatch, version_of
 from graphsafe.contract._slots import InputRef, SealedLayer, SealedSlot, _describe_geometry_change, _view
 from graphsafe.contract._witness import sampled_whole, witness_of
@@ -26,16 +27,12 @@ from graphsafe.outcome import Finding, FindingKind, Origin, SlotRef, fingerprint
 __all__ = ["LayerSnapshot"]
 
 
-def _same_memory(tensor: torch.Tensor, other: torch.Tensor) -> bool:
-    """Whether two strided tensors start at the same byte of the same storage (a new view of the same memory)."""
+def _reads_as(current: Any, before: torch.Tensor) -> bool:
+    """:func:`reads_as_captured`, for a tensor a wrapper subclass may be (no storage of its own to ask)."""
     try:
-        return (
-            tensor.layout is torch.strided
-            and tensor.untyped_storage() is other.untyped_storage()
-            and tensor.data_ptr() == other.data_ptr()
-        )
-    except (RuntimeError, NotImplementedError):  # a wrapper subclass: no storage of its own
-        return False
+        return reads_as_captured(current, before)
+    except (RuntimeError, NotImplementedError):
+        return current is before
 
 
 @dataclass(slots=True)
@@ -210,9 +207,9 @@ class LayerSnapshot:
         ``None`` where unknown). Its changed value sample then says nothing: part of it keeps the old values."""
         for index, (before, _, _, _) in self.freshness.items():
             current = self.slots[index].get(self.layer)
-            # The same tensor, or a new view of the same memory (``.view()``, ``.detach()``): judged by the bytes of
-            # the tensor the slot held before the load.
-            if current is before or (isinstance(current, torch.Tensor) and _same_memory(current, before)):
+            # The same tensor, or a new view reading its memory as it did (``.view()``, ``.detach()``): judged by the
+            # bytes of the tensor the slot held before the load.
+            if _reads_as(current, before):
                 left = unwritten_bytes(before)
                 if left:
                     self.partly[index] = left

@@ -38,26 +38,35 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def _plain_dense(tensor: torch.Tensor) -> bool:
-    return type(tensor) in _PLAIN and tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg())
+    """A plain strided tensor whose elements are its bytes in order (no lazy conjugate or negative bit)."""
+    return (
+        type(tensor) in _PLAIN
+        and tensor.layout is torch.strided
+        and not tensor.is_nested
+        and tensor.is_contiguous()
+        and not (tensor.is_conj() or tensor.is_neg())
+    )
+
+
+def _digested(tensor: torch.Tensor) -> torch.Tensor | None:
+    """What a digest of every byte of ``tensor`` reads: the tensor itself where it is plain and dense, else the bytes
+    its strided span covers; ``None`` for a wrapper subclass or another layout (its inner tensors are read instead)."""
+    return tensor if _plain_dense(tensor) else span_bytes(tensor)
 
 
 def sampled_whole(tensor: torch.Tensor) -> bool:
     """Whether a value sample of ``tensor`` (``SLOT_ELEMENTS`` elements) is all of its bytes: a witness already."""
-    return _plain_dense(tensor) and tensor.numel() <= SLOT_ELEMENTS and tensor.layout is torch.strided
+    return _plain_dense(tensor) and tensor.numel() <= SLOT_ELEMENTS
 
 
 def witness_of(tensor: torch.Tensor, samples: SampleBatch) -> Sample | Digest | None:
     """A witness of every byte ``tensor`` holds, taken through ``samples`` (flushed by the caller before the load),
     or ``None`` where none can be taken (another layout, the meta device)."""
-    if _plain_dense(tensor) and tensor.layout is torch.strided and not tensor.is_nested:
-        return (
-            samples.take(tensor, SLOT_ELEMENTS)
-            if tensor.numel() <= SLOT_ELEMENTS
-            else samples.digest(tensor, weighted=True)
-        )
-    span = span_bytes(tensor)
-    if span is not None:
-        return samples.digest(span, weighted=True)
+    if sampled_whole(tensor):
+        return samples.take(tensor, SLOT_ELEMENTS)
+    read = _digested(tensor)
+    if read is not None:
+        return samples.digest(read, weighted=True)
     whole = every_byte(tensor, 0)  # a wrapper subclass: its inner tensors' digests, now
     if whole is None:
         return None
@@ -86,12 +95,9 @@ def changed_since(pairs: Sequence[tuple[Sample | Digest, torch.Tensor]]) -> list
         before = witness.get()
         if before is None:
             continue  # nothing witnessed: changed, as far as anyone can tell
-        if _plain_dense(tensor) and tensor.layout is torch.strided and not tensor.is_nested:
-            batched.append((position, before, tensor))
-            continue
-        span = span_bytes(tensor)
-        if span is not None:
-            batched.append((position, before, span))
+        read = _digested(tensor)
+        if read is not None:
+            batched.append((position, before, read))
             continue
         now = every_byte(tensor, 0)
         if now is not None:
