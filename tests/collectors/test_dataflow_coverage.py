@@ -1,6 +1,7 @@
-"""The dataflow recorder's account of which bytes in-place writes covered (``Dataflow.unwritten_bytes``) of a watched
-tensor, against an independent oracle: a mask of the elements each write reached, made by the same indexing on a
-boolean tensor outside the recording."""
+"""The dataflow recorder's account of which bytes of a watched tensor the recorded writes refreshed
+(``Dataflow.unwritten_bytes``), against an independent oracle: a mask of the elements each write refreshed, made by the
+same indexing on a boolean tensor outside the recording. An overwrite refreshes what it reaches; an op that reads the
+values it writes, or writes values computed from unrefreshed elements of the same tensor, refreshes nothing."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _record(writes: list[tuple[int, int, int]], target: torch.Tensor) -> Dataflo
     dataflow.watch([target])
     with dataflow:
         for start, stop, step in writes:
-            target[start:stop:step].add_(1)
+            target[start:stop:step].fill_(1)
     return dataflow
 
 
@@ -73,7 +74,6 @@ def test_a_tensor_not_watched_has_no_account() -> None:
 _INDEXED = {
     "index_copy_": lambda t, i: t.index_copy_(0, i, torch.ones(len(i), 8, dtype=t.dtype)),
     "index_fill_": lambda t, i: t.index_fill_(0, i, 1),
-    "index_add_": lambda t, i: t.index_add_(0, i, torch.ones(len(i), 8, dtype=t.dtype)),
     "scatter_": lambda t, i: t.scatter_(0, i.unsqueeze(1).expand(-1, 8), 1.0),
     "index_put_": lambda t, i: t.index_put_((i,), torch.tensor(1.0)),
     "mask": lambda t, i: t.__setitem__(torch.zeros(16, dtype=torch.bool).index_fill_(0, i, True), 1.0),
@@ -106,7 +106,74 @@ def test_a_view_change_in_place_marks_nothing() -> None:
     dataflow = Dataflow()
     dataflow.watch([target])
     with dataflow:
-        target[:4].add_(1)
+        target[:4].fill_(1)
         target.t_()
         target.t_()
     assert dataflow.unwritten_bytes(target) == 32 * 4
+
+
+def test_an_accumulating_indexed_write_refreshes_nothing() -> None:
+    """``index_add_`` reads the rows it writes: on a tensor nothing refreshed, they stay unrefreshed."""
+    target = torch.zeros(16, 8)
+    Dataflow.prepare()
+    dataflow = Dataflow()
+    dataflow.watch([target])
+    with dataflow:
+        target[:8].fill_(1)
+        target.index_add_(0, torch.arange(4, 12), torch.ones(8, 8))
+    # rows 8-11 were not refreshed before the accumulation; rows 4-7 were, and were reached by an op that mixes
+    # nothing across elements but does read them: an accumulating op refreshes nothing it reaches unless all of
+    # the tensor was fresh
+    assert dataflow.unwritten_bytes(target) == 12 * 8 * 4
+
+
+_OPS = ("fill", "scale", "copy-of-itself", "cumulative")
+
+
+@st.composite
+def _mixed_writes(draw: st.DrawFn) -> list[tuple[str, int, int, int]]:
+    """Ops ``(kind, start, stop, source)`` on a tensor of :data:`SIZE` elements: ``fill`` overwrites ``[start:stop]``,
+    ``scale`` multiplies it in place, ``copy-of-itself`` copies ``[source:source + stop - start]`` (times one) into it,
+    ``cumulative`` takes its running sum in place."""
+    ops = []
+    for _ in range(draw(st.integers(0, 6))):
+        kind = draw(st.sampled_from(_OPS))
+        start = draw(st.integers(0, SIZE - 1))
+        stop = draw(st.integers(start, SIZE))
+        source = draw(st.integers(0, SIZE - (stop - start)))
+        ops.append((kind, start, stop, source))
+    return ops
+
+
+@settings(max_examples=400, deadline=None)
+@given(_mixed_writes())
+def test_only_writes_that_read_no_old_values_refresh(ops: list[tuple[str, int, int, int]]) -> None:
+    """The oracle's rule, element by element: a fill refreshes; a scale keeps each element as it was; a copy of the
+    tensor's own elements refreshes where every element it copies was fresh and unrefreshes otherwise; a running sum
+    leaves its range as it was where all of the range was fresh and unrefreshes the range otherwise."""
+    target = torch.zeros(SIZE)
+    Dataflow.prepare()
+    dataflow = Dataflow()
+    dataflow.watch([target])
+    fresh = torch.zeros(SIZE, dtype=torch.bool)
+    with dataflow:
+        for kind, start, stop, source in ops:
+            length = stop - start
+            if kind == "fill":
+                target[start:stop].fill_(1)
+                fresh[start:stop] = True
+            elif kind == "scale":
+                target[start:stop].mul_(1.0)
+            elif kind == "copy-of-itself":
+                copied = bool(fresh[source : source + length].all())
+                target[start:stop].copy_(target[source : source + length] * 1.0)
+                fresh[start:stop] = copied
+            else:
+                target[start:stop].cumsum_(0)
+                if not bool(fresh[start:stop].all()):
+                    fresh[start:stop] = False
+    found = dataflow.unwritten_bytes(target)
+    if not ops:
+        assert found is None
+    else:
+        assert found == int((~fresh).sum()) * 4

@@ -1,8 +1,9 @@
 """A recorded reload (the first after seal) whose PWAL rewrites a derived slot in place only in part
 (``collectors/_dataflow.py``, ``Dataflow.unwritten_bytes``; ``contract/_freshness.py``): through indices, a mask,
 ``scatter_``, a strided view with gaps, and followed by a new view of the same memory, the slot is ``stale`` where its
-inputs changed. Two kinds stay open (strict xfails, docs/fault-matrix.md): a whole in-place write after the partial
-one (a no-op scale) covers every byte, and a write the dispatcher never sees (a NumPy view) is not counted. Every
+inputs changed; so is one whose partial write is followed by a whole write of the slot's own old values (a no-op
+scale, a copy of itself), which refreshes nothing. One kind stays open (a strict xfail, docs/fault-matrix.md): a
+write the dispatcher never sees (a NumPy view) is not counted. Every
 reload loads different weights; the oracle is computed here.
 """
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from graphsafe import GraphContract, ReloadFailedError, ReloadOutcome, Status, register_derived
+from graphsafe import FindingKind, GraphContract, ReloadFailedError, ReloadOutcome, Status, register_derived
 from graphsafe.errors import GraphSafeError
 
 N = 8192
@@ -122,25 +123,67 @@ def test_a_half_refresh_followed_by_a_new_view_of_the_same_memory_is_not_committ
     _partial(write, mode)
 
 
-_WHOLE_WRITE = (
-    "open (docs/fault-matrix.md): a whole in-place write after a partial one covers every byte; a no-op write (a "
-    "scale of 1) is told from a real one by no recorded fact"
-)
 _UNSEEN_WRITE = (
     "open (docs/fault-matrix.md): a write the dispatcher never sees (a NumPy view, a raw kernel) is not counted, and "
     "the value sample takes the slot for refreshed"
 )
 
 
-@pytest.mark.xfail(strict=True, reason=_WHOLE_WRITE)
-def test_a_half_refresh_followed_by_a_whole_no_op_write_is_not_committed() -> None:
-    """A whole in-place op after the partial write (a scale of 1) covers every byte; half stays old."""
+@pytest.mark.parametrize(
+    "after",
+    [
+        lambda s: s.mul_(1.0),
+        lambda s: s.add_(0.0),
+        lambda s: s.copy_(s * 1.0),
+        lambda s: s.copy_(s.clone()),
+        lambda s: torch.mul(s, 1.0, out=s),
+        lambda s: s.clamp_(-float("inf"), float("inf")),
+        lambda s: s.index_add_(0, torch.arange(N), torch.zeros(N)),
+    ],
+    ids=["mul_", "add_", "copy-of-a-product", "copy-of-a-clone", "out=", "clamp_", "index_add_"],
+)
+def test_a_half_refresh_followed_by_a_whole_write_of_its_own_values_is_not_committed(after) -> None:
+    """A whole write after the partial one that reads the slot's old values (a scale of 1, a copy of itself) leaves
+    half of it old: it refreshes nothing."""
 
     def write(layer: _Slot, value: torch.Tensor) -> None:
         layer.s[: N // 2].copy_(value[: N // 2])
-        layer.s.mul_(1.0)
+        after(layer.s)
 
     _partial(write)
+    layer = _Slot()
+    outcome, _, _, error = recorded_reload(layer, write)
+    assert error is None, repr(error)
+    assert any(f.kind is FindingKind.STALE and "only in part" in f.detail for f in outcome.findings), outcome
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda s, v: (s.copy_(v), s.mul_(1.0)),
+        lambda s, v: (s.copy_(v), s.copy_(s * 1.0)),
+        lambda s, v: (s[: N // 2].copy_(v[: N // 2]), s[N // 2 :].copy_(s[: N // 2] * 0 + v[N // 2 :])),
+        lambda s, v: (s.zero_(), s.add_(v)),
+        lambda s, v: s.copy_(torch.empty_like(s).copy_(v)),  # a buffer shaped like the slot, filled anew
+        lambda s, v: s.copy_(s.clone().copy_(v)),  # a copy of the old slot, overwritten whole, copied back
+    ],
+    ids=[
+        "scale-after-whole",
+        "copy-of-itself-after-whole",
+        "half-from-the-fresh-half",
+        "zero-then-add",
+        "empty-like",
+        "clone-overwritten",
+    ],
+)
+def test_a_whole_refresh_followed_by_writes_of_its_fresh_values_commits(write) -> None:
+    """Reads of the slot's values after all of it (or the part read) was refreshed are reads of new values; a buffer
+    made like the slot (its shape read, not its values) or overwritten whole holds none of its old values."""
+    layer = _Slot()
+    outcome, captured, _, error = recorded_reload(layer, lambda layer, v: write(layer.s, v))
+    assert error is None, repr(error)
+    assert outcome.status is Status.COMMITTED, outcome.summary()
+    assert layer.s.data_ptr() == captured.data_ptr()
 
 
 @pytest.mark.xfail(strict=True, reason=_UNSEEN_WRITE)

@@ -9,9 +9,12 @@ weakly (intermediates die during PWAL; their edges stay, so a chain through them
 :meth:`Dataflow.reads` then answers, for a tensor PWAL left in the model, which tensors the model holds that it
 was (transitively) computed from: the walk goes back through intermediates and stops at storages the caller says
 the model holds. The contract uses it to learn each derived slot's real inputs once, on a first reload.
-:meth:`Dataflow.unwritten_bytes` says how much of a watched tensor (:meth:`Dataflow.watch`) the recorded in-place writes
-left out (byte ranges per watched storage, a host bitmap once a write is strided or indexed), which tells a slot PWAL
-rewrote whole from one it rewrote in part.
+:meth:`Dataflow.unwritten_bytes` says how much of a watched tensor (:meth:`Dataflow.watch`) the recorded writes left
+unrefreshed (byte ranges per watched storage, a host bitmap once a write is strided or indexed), which tells a slot
+PWAL rewrote whole from one it rewrote in part. A byte is refreshed once an op overwrites it (``copy_``, ``fill_``,
+an indexed write, ``out=``) with values computed without reading an unrefreshed byte of the same storage; an op that
+reads the values it writes (``mul_``, ``add_``) refreshes nothing, so a no-op scale after a partial write leaves the
+rest as old as it was.
 
 Like the capture manifest's dispatch recorder, it sees only ops that pass through the dispatcher, each only
 through the tensors passed to it (a ``torch.library`` custom op that reads a table it is not passed hides that
@@ -68,13 +71,15 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 class _Node:
     """One storage seen during the recording."""
 
-    __slots__ = ("created", "ref", "sources", "written")
+    __slots__ = ("created", "ref", "sources", "stale", "written")
 
     def __init__(self, storage: Any, *, created: bool) -> None:
         self.ref = weakref.ref(storage)
         self.sources: set[_Node] = set()
         self.created = created  # allocated during the recording
         self.written = False  # written in place during the recording
+        # Watched storages (ids) whose unrefreshed bytes its values were computed from (see _Coverage).
+        self.stale: frozenset[int] = frozenset()
 
 
 #: Contiguous in-place writes kept as byte ranges per watched storage; past this many, a bitmap takes over.
@@ -87,6 +92,13 @@ _MARKED_BY_INDEX = frozenset(
 )
 _MARKED_BY_MASK = frozenset({"masked_fill_", "masked_scatter_"})
 _MARKED_BY_INDICES = frozenset({"index_put_", "_index_put_impl_"})
+#: In-place ops that overwrite what they reach without reading it (``accumulate``/``reduce`` variants excepted);
+#: every other in-place op reads the values it writes.
+_OVERWRITES = frozenset(
+    {"copy_", "fill_", "zero_", "index_copy_", "index_fill_", "masked_fill_", "masked_scatter_", "put_", "scatter_"}
+    | _MARKED_BY_INDICES
+    | {"normal_", "uniform_", "random_", "bernoulli_", "exponential_", "geometric_", "cauchy_", "log_normal_"}
+)
 
 
 class _Coverage:
@@ -103,26 +115,38 @@ class _Coverage:
         self.written = False
         self.unknown = False  # a write whose reach the recorder could not mark
 
-    def note(self, func: Any, tensor: torch.Tensor, named: dict[str, Any]) -> None:
+    def note(self, func: Any, tensor: torch.Tensor, named: dict[str, Any], *, stale: bool) -> None:
+        """A recorded write of ``tensor`` (a view of this storage) by ``func``; ``stale``: its values were computed
+        from unrefreshed bytes of this storage."""
         if self.unknown or _metadata_only(func):
             return
         self.written = True
+        in_place = named.get("self") is tensor
+        if not stale and in_place and not _overwrites(func, named):
+            # It reads what it writes: an elementwise op leaves each byte as fresh as it was; another (a cumulative
+            # sum, an accumulating index op) mixes them, so nothing it reached is fresh unless all of it was.
+            if torch.Tag.pointwise in func.tags or not self._unrefreshed(tensor):
+                return
+            stale = True
         # Indices and masks pick elements of ``self`` only; an ``out=`` tensor is written whole.
-        if named.get("self") is tensor and any(
-            isinstance(named.get(key), torch.Tensor | list | tuple) for key in _INDEXING
-        ):
+        if in_place and _indexed(named):
             elements = torch.zeros(tuple(tensor.shape), dtype=torch.bool)
             if not _mark(func._overloadpacket.__name__, elements, named):
                 self.unknown = True
                 return
-            self._bytes(tensor)[elements] = True
+            self._bytes(tensor)[elements] = not stale
             return
         span = _exact_span(tensor)
-        if span is not None and self.bitmap is None and len(self.spans) < _MAX_SPANS:
+        if not stale and span is not None and self.bitmap is None and len(self.spans) < _MAX_SPANS:
             if span[1] > span[0]:
                 self.spans.append(span)
             return
-        self._bytes(tensor).fill_(True)
+        self._bytes(tensor).fill_(not stale)
+
+    def _unrefreshed(self, tensor: torch.Tensor) -> bool:
+        """Whether some byte of ``tensor`` (a view of this storage) is not refreshed (or that is not known)."""
+        left = self.unwritten_bytes(tensor) if self.written else None
+        return left is None or left > 0
 
     def _bytes(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``'s bytes in the bitmap (made now, holding the byte ranges so far), shaped ``[*shape, size]``."""
@@ -151,6 +175,33 @@ class _Coverage:
             return (end - start) - union
         # A tensor with gaps (one head of a fused buffer): its own bytes, not the ones between them.
         return int((~self._bytes(tensor)).sum())
+
+
+def _overwrites(func: Any, named: dict[str, Any]) -> bool:
+    """Whether the in-place op ``func`` overwrites the elements of ``self`` it reaches without reading them."""
+    name = func._overloadpacket.__name__
+    if name not in _OVERWRITES:
+        return False
+    return not named.get("accumulate") and named.get("reduce") is None
+
+
+def _replaces_whole(func: Any, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether writing ``tensor`` by ``func`` replaces every byte of its storage without reading them."""
+    named = _named(func, args, kwargs)
+    if named.get("self") is tensor and (not _overwrites(func, named) or _indexed(named)):
+        return False
+    return _exact_span(tensor) == (0, tensor.untyped_storage().nbytes())
+
+
+def _indexed(named: dict[str, Any]) -> bool:
+    """Whether an op call picks the elements of ``self`` it writes by indices or a mask."""
+    return any(isinstance(named.get(key), torch.Tensor | list | tuple) for key in _INDEXING)
+
+
+def _reads_values(func: Any) -> bool:
+    """Whether ``func`` reads its tensor arguments' values (``empty_like``, ``new_zeros`` read only their shape)."""
+    name = func._overloadpacket.__name__
+    return not (name.endswith("_like") or name.startswith("new_"))
 
 
 def _metadata_only(func: Any) -> bool:
@@ -233,6 +284,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             access = names.get(key, 0)
             for tensor in _tensors(value):
                 self._sort(tensor, access, read, written, argument_storages)
+        stale = self._stale_reads(func, read) if self._watched else frozenset()
         out = func(*args, **kwargs)
         sources = {node for node in (self._node(t, created=False) for t in read) if node is not None}
         for tensor in written:
@@ -240,11 +292,15 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             if node is not None:
                 node.written = True
                 node.sources |= sources - {node}
+                if node.stale and _replaces_whole(func, tensor, args, kwargs):
+                    node.stale = stale  # all its values are this op's now
+                elif stale:
+                    node.stale |= stale
             if self._watched:
                 coverage = self._watched.get(id(tensor.untyped_storage()))
                 if coverage is not None and coverage.ref() is tensor.untyped_storage():
                     try:
-                        coverage.note(func, tensor, _named(func, args, kwargs))
+                        coverage.note(func, tensor, _named(func, args, kwargs), stale=id(coverage.ref()) in stale)
                     except Exception:  # the user's op went through; what it reached is not known
                         coverage.unknown = True
         for tensor in _tensors(out):
@@ -252,7 +308,25 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
                 node = self._node(tensor, created=True)
                 if node is not None:
                     node.sources |= sources
+                    if stale:
+                        node.stale |= stale
         return out
+
+    def _stale_reads(self, func: Any, read: list[torch.Tensor]) -> frozenset[int]:
+        """The watched storages (ids) whose unrefreshed bytes ``func`` reads, directly or through values computed
+        from them."""
+        if not _reads_values(func):
+            return frozenset()
+        stale: set[int] = set()
+        for tensor in read:
+            storage = tensor.untyped_storage()
+            node = self._nodes.get(id(storage))
+            if node is not None and node.ref() is storage:
+                stale |= node.stale - {id(storage)}  # a watched storage's own bytes: its coverage tells, below
+            coverage = self._watched.get(id(storage))
+            if coverage is not None and coverage.ref() is storage and coverage._unrefreshed(tensor):
+                stale.add(id(storage))
+        return frozenset(stale)
 
     @staticmethod
     def _sort(
@@ -295,12 +369,14 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
                     self._watched[id(storage)] = _Coverage(storage)
 
     def unwritten_bytes(self, tensor: torch.Tensor) -> int | None:
-        """How many bytes of ``tensor`` the in-place writes recorded on its storage since :meth:`watch` left out
-        (0: it was written whole), or ``None`` where that is unknown: its storage not watched or not written in place
-        while recording, or written by an indexed op the recorder cannot mark. A strided write (``s[::2]``, a
+        """How many bytes of ``tensor`` the writes recorded on its storage since :meth:`watch` left unrefreshed
+        (0: it was rewritten whole), or ``None`` where that is unknown: its storage not watched or not written in
+        place while recording, or written by an indexed op the recorder cannot mark. A strided write (``s[::2]``, a
         column block) and an indexed one (``index_copy_``, ``scatter_``, a masked or boolean-indexed assignment,
-        ``put_``) mark the elements they reach; an op that changes only the view (``t_``, ``set_``) marks
-        nothing. Writes the dispatcher never sees (a NumPy view, a raw kernel) are not counted."""
+        ``put_``) refresh the elements they reach; an op that reads the values it writes (``mul_``, ``index_add_``)
+        or writes values computed from unrefreshed bytes of the same storage (``s.copy_(s * 1)``) refreshes
+        nothing, and an op that changes only the view (``t_``, ``set_``) marks nothing. Writes the dispatcher never
+        sees (a NumPy view, a raw kernel) are not counted."""
         if not _strided(tensor):
             return None
         storage = tensor.untyped_storage()

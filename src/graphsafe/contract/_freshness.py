@@ -436,8 +436,9 @@ def _check_fresh(
                     slot,
                     after=fingerprint(current),
                     detail=f"its input(s) {', '.join(changed)} changed but PWAL rewrote it in place only in part "
-                    f"({left:,} of its {size:,} bytes kept their old values); the graph would read old values "
-                    "there. Rewrite all of it in PWAL (or rebuild it as a new tensor)",
+                    f"({left:,} of its {size:,} bytes kept their old values, or got values computed from them: "
+                    "an in-place op such as mul_ reads what it writes); the graph would read old values there. "
+                    "Rewrite all of it from its inputs in PWAL (or rebuild it as a new tensor)",
                 )
             )
         return
