@@ -120,6 +120,7 @@ test-core: venv
 #   GRAPHSAFE_FUZZ_SEED      replay one run's seed (hypothesis prints it)
 #   GRAPHSAFE_FUZZ_SHRINK=1  stop at the first silent success or crash and shrink it to a minimal scenario
 #   GRAPHSAFE_FUZZ_REPORT    write the counts per class of scenario (tests/fuzz/classes.py) as JSON to this path
+#   GRAPHSAFE_FUZZ_SECONDS   run no new scenario after this many seconds (the examples left are drawn, not run)
 GRAPHSAFE_FUZZ_EXAMPLES ?= 50000
 
 fuzz: venv

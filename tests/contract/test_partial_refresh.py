@@ -194,3 +194,93 @@ def test_a_half_refresh_written_through_a_numpy_view_is_not_committed() -> None:
         layer.s.numpy()[: N // 2] = value[: N // 2].numpy()
 
     _partial(write)
+
+
+@torch.library.custom_op("graphsafe_tests::scale_in_place", mutates_args=("x",))
+def _scale_in_place(x: torch.Tensor, factor: float) -> None:
+    """A custom op that reads and writes its mutable argument (as ``fused_add_rms_norm`` does its own)."""
+    x.mul_(factor)
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        lambda s: torch._foreach_mul_([s], 1.0),
+        lambda s: torch._foreach_add_([s], 0.0),
+        lambda s: torch.ops.graphsafe_tests.scale_in_place(s, 1.0),
+        lambda s: torch.embedding_renorm_(s.view(64, 128), torch.arange(64), 1e30, 2.0),
+        lambda s: s.copy_(torch.from_dlpack(s) * 1.0),
+        lambda s: s.copy_(torch.from_numpy(s.numpy()).clone()),
+    ],
+    ids=["foreach-mul_", "foreach-add_", "custom-op", "unmarked-indexed-op", "dlpack-alias", "numpy-alias"],
+)
+def test_a_half_refresh_followed_by_a_write_that_may_read_its_old_values_is_not_committed(after) -> None:
+    """An op on a list (``_foreach_*``), a custom op's mutable argument (nothing says it is not read), an indexed op
+    whose reach the recorder cannot mark, and a read through another storage object over the slot's memory: none
+    proves the half left out refreshed."""
+
+    def write(layer: _Slot, value: torch.Tensor) -> None:
+        layer.s[: N // 2].copy_(value[: N // 2])
+        after(layer.s)
+
+    _partial(write)
+    layer = _Slot()
+    outcome, _, _, error = recorded_reload(layer, write)
+    assert error is None, repr(error)
+    assert any(f.kind is FindingKind.STALE and "only in part" in f.detail for f in outcome.findings), outcome
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(N), requires_grad=False)
+        self.s = self.w.detach() * 2
+        self.t = self.w.detach() * 3
+        register_derived(self, "s", self.s, derived_from="w")
+        register_derived(self, "t", self.t, derived_from="w")
+
+
+@pytest.mark.parametrize("order", ["t-reads-old-s", "t-reads-new-s"])
+def test_a_slot_written_from_another_slots_old_values_is_not_committed(order: str) -> None:
+    """``t`` computed in part from ``s`` before PWAL refreshes ``s`` holds values of the old weights; computed from
+    ``s`` after, it holds new ones and commits."""
+    layer = _Pair()
+    captured = layer.t
+    contract = GraphContract(layer, "recapture", detect="declared-only").seal()
+    new = torch.randn(N, generator=torch.Generator().manual_seed(7))
+    try:
+        with contract.reload(), torch.no_grad():
+            layer.w.data.copy_(new)
+            if order == "t-reads-new-s":
+                layer.s.copy_(new * 2)
+            layer.t[: N // 2].copy_(new[: N // 2] * 3)
+            layer.t[N // 2 :].copy_(layer.s[N // 2 :] * 1.5)
+            if order == "t-reads-old-s":
+                layer.s.copy_(new * 2)
+    except ReloadFailedError:
+        pass
+    outcome = contract.last_outcome
+    assert outcome is not None
+    if order == "t-reads-new-s":
+        assert outcome.status is Status.COMMITTED, outcome.summary()
+        assert torch.equal(captured, new * 3)
+    else:
+        assert outcome.status is not Status.COMMITTED
+        assert any(f.kind is FindingKind.STALE and str(f.path) == "t" for f in outcome.findings), outcome
+
+
+def test_a_slot_whose_storage_grows_during_pwal_does_not_break_the_pwal() -> None:
+    """``resize_`` after a strided write: the recorder's count of the slot's bytes grows with it; the user's later
+    read of the new bytes runs as it does without graphsafe."""
+
+    def write(layer: _Slot, value: torch.Tensor) -> None:
+        layer.s[::2].copy_(value[::2])
+        layer.s[1::2].copy_(value[1::2])
+        grown = layer.s.detach()
+        grown.resize_(2 * N)
+        _ = grown[N:] * 1
+
+    layer = _Slot()
+    outcome, captured, expected, error = recorded_reload(layer, write)
+    assert error is None, repr(error)
+    assert outcome.status is not Status.COMMITTED or torch.equal(captured[:N], expected)

@@ -77,8 +77,9 @@ def _access(func: Any) -> tuple[dict[int, int], dict[str, int], str]:
     """Non-read uses of ``func``'s arguments by position and by name, and its name (cached per overload)."""
     cached = _ACCESS.get(func)
     if cached is None:
-        positions, names = _schema_access(func)
-        cached = _ACCESS[func] = (positions, names, str(func))
+        positions, names, _ = _schema_access(func)
+        kinds = {index: kind for index, (kind, _) in positions.items()}
+        cached = _ACCESS[func] = (kinds, names, str(func))
     return cached
 
 

@@ -13,8 +13,12 @@ the model holds. The contract uses it to learn each derived slot's real inputs o
 unrefreshed (byte ranges per watched storage, a host bitmap once a write is strided or indexed), which tells a slot
 PWAL rewrote whole from one it rewrote in part. A byte is refreshed once an op overwrites it (``copy_``, ``fill_``,
 an indexed write, ``out=``) with values computed without reading an unrefreshed byte of the same storage; an op that
-reads the values it writes (``mul_``, ``add_``) refreshes nothing, so a no-op scale after a partial write leaves the
-rest as old as it was.
+reads the values it writes (``mul_``, ``add_``, a custom op's mutable argument) refreshes nothing, so a no-op scale
+after a partial write leaves the rest as old as it was; a write whose reach it cannot mark refreshes nothing either.
+Values are followed through temporaries whole (a temporary holding some old bytes taints all it is copied into: fail
+closed), through another storage object over a watched slot's memory (a DLPack or NumPy import), and across slots
+(a slot written from another slot's old bytes that PWAL refreshes afterwards is not refreshed); not through Python
+values (``.item()``, ``.tolist()``).
 
 Like the capture manifest's dispatch recorder, it sees only ops that pass through the dispatcher, each only
 through the tensors passed to it (a ``torch.library`` custom op that reads a table it is not passed hides that
@@ -38,23 +42,28 @@ __all__ = ["Dataflow"]
 T = TypeVar("T")
 
 _VIEW, _WRITE = 1, 2
-_SCHEMAS: dict[Any, tuple[dict[int, int], dict[str, int]]] = {}
+#: Per overload: access by position (kind, argument name), by name, and the names of its ``out=`` arguments.
+_SCHEMAS: dict[Any, tuple[dict[int, tuple[int, str]], dict[str, int], frozenset[str]]] = {}
 
 
-def _schema_access(func: Any) -> tuple[dict[int, int], dict[str, int]]:
-    """Which arguments ``func`` writes or only views, by position and by name (cached per overload)."""
+def _schema_access(func: Any) -> tuple[dict[int, tuple[int, str]], dict[str, int], frozenset[str]]:
+    """Which arguments ``func`` writes or only views, by position and by name, and which it writes as ``out=``
+    results (cached per overload)."""
     cached = _SCHEMAS.get(func)
     if cached is None:
-        positions: dict[int, int] = {}
+        positions: dict[int, tuple[int, str]] = {}
         names: dict[str, int] = {}
+        outs: set[str] = set()
         schema = getattr(func, "_schema", None)
         for index, argument in enumerate(schema.arguments if schema is not None else ()):
             alias = argument.alias_info
             if alias is not None:
                 kind = _WRITE if alias.is_write else _VIEW
-                positions[index] = kind
+                positions[index] = (kind, argument.name)
                 names[argument.name] = kind
-        cached = _SCHEMAS[func] = (positions, names)
+                if argument.is_out:
+                    outs.add(argument.name)
+        cached = _SCHEMAS[func] = (positions, names, frozenset(outs))
     return cached
 
 
@@ -71,15 +80,17 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 class _Node:
     """One storage seen during the recording."""
 
-    __slots__ = ("created", "ref", "sources", "stale", "written")
+    __slots__ = ("alias", "created", "ref", "sources", "stale", "written")
 
     def __init__(self, storage: Any, *, created: bool) -> None:
         self.ref = weakref.ref(storage)
         self.sources: set[_Node] = set()
         self.created = created  # allocated during the recording
         self.written = False  # written in place during the recording
-        # Watched storages (ids) whose unrefreshed bytes its values were computed from (see _Coverage).
-        self.stale: frozenset[int] = frozenset()
+        # (id, generation) of each watched storage whose unrefreshed bytes its values were computed from (_Coverage).
+        self.stale: frozenset[tuple[int, int]] = frozenset()
+        # A watched storage whose memory this other storage object lies over (a DLPack or NumPy import), once asked.
+        self.alias: _Coverage | bool | None = False
 
 
 #: Contiguous in-place writes kept as byte ranges per watched storage; past this many, a bitmap takes over.
@@ -96,40 +107,45 @@ _MARKED_BY_INDICES = frozenset({"index_put_", "_index_put_impl_"})
 #: every other in-place op reads the values it writes.
 _OVERWRITES = frozenset(
     {"copy_", "fill_", "zero_", "index_copy_", "index_fill_", "masked_fill_", "masked_scatter_", "put_", "scatter_"}
+    | {"_foreach_copy_", "_foreach_zero_"}
     | _MARKED_BY_INDICES
     | {"normal_", "uniform_", "random_", "bernoulli_", "exponential_", "geometric_", "cauchy_", "log_normal_"}
 )
 
 
 class _Coverage:
-    """Which bytes of one watched storage the recorded in-place writes reached: byte ranges while every write is
+    """Which bytes of one watched storage the recorded writes refreshed: byte ranges while every refreshing write is
     contiguous, then a bitmap of its bytes on the host (strided and indexed writes mark exactly the bytes they
     reach, whatever the dtype of the view written through)."""
 
-    __slots__ = ("bitmap", "ref", "spans", "unknown", "written")
+    __slots__ = ("bitmap", "drawn", "generation", "ref", "spans", "unknown", "written")
 
     def __init__(self, storage: Any) -> None:
         self.ref = weakref.ref(storage)
         self.spans: list[tuple[int, int]] = []
         self.bitmap: torch.Tensor | None = None
         self.written = False
-        self.unknown = False  # a write whose reach the recorder could not mark
+        self.unknown = False  # a write whose reach the recorder could not mark: nothing in it is provably fresh
+        self.generation = 0  # counts the writes that refreshed some of its bytes
+        # Other watched storages (id -> generation when read) whose unrefreshed bytes a write here drew on.
+        self.drawn: dict[int, int] = {}
 
-    def note(self, func: Any, tensor: torch.Tensor, named: dict[str, Any], *, stale: bool) -> None:
-        """A recorded write of ``tensor`` (a view of this storage) by ``func``; ``stale``: its values were computed
-        from unrefreshed bytes of this storage."""
+    def note(self, func: Any, tensor: torch.Tensor, named: dict[str, Any], *, overwrite: bool, stale: bool) -> None:
+        """A recorded write of ``tensor`` (a view of this storage) by ``func``: an ``overwrite`` (it reads none of
+        the values it writes) or not; ``stale``: its values were computed from unrefreshed bytes of this storage."""
         if self.unknown or _metadata_only(func):
             return
         self.written = True
-        in_place = named.get("self") is tensor
-        if not stale and in_place and not _overwrites(func, named):
+        if not stale and not overwrite:
             # It reads what it writes: an elementwise op leaves each byte as fresh as it was; another (a cumulative
-            # sum, an accumulating index op) mixes them, so nothing it reached is fresh unless all of it was.
-            if torch.Tag.pointwise in func.tags or not self._unrefreshed(tensor):
+            # sum, an accumulating index op, a custom op) mixes them, so nothing it reached is fresh unless all was.
+            if torch.Tag.pointwise in func.tags or not self.unrefreshed(tensor):
                 return
             stale = True
+        if not stale:
+            self.generation += 1
         # Indices and masks pick elements of ``self`` only; an ``out=`` tensor is written whole.
-        if in_place and _indexed(named):
+        if named.get("self") is tensor and _indexed(named):
             elements = torch.zeros(tuple(tensor.shape), dtype=torch.bool)
             if not _mark(func._overloadpacket.__name__, elements, named):
                 self.unknown = True
@@ -143,10 +159,32 @@ class _Coverage:
             return
         self._bytes(tensor).fill_(not stale)
 
-    def _unrefreshed(self, tensor: torch.Tensor) -> bool:
+    def unrefreshed(self, tensor: torch.Tensor) -> bool:
         """Whether some byte of ``tensor`` (a view of this storage) is not refreshed (or that is not known)."""
         left = self.unwritten_bytes(tensor) if self.written else None
         return left is None or left > 0
+
+    def unrefreshed_between(self, start: int, end: int) -> bool:
+        """Whether some byte in ``[start, end)`` of this storage is not refreshed (or that is not known)."""
+        if not self.written or self.unknown:
+            return True
+        if self.bitmap is None:
+            reach = start
+            for first, last in sorted(self.spans):
+                if first > reach:
+                    break
+                reach = max(reach, last)
+            return reach < end
+        return not bool(self._grown(end)[start:end].all())
+
+    def _grown(self, end: int) -> torch.Tensor:
+        """The bitmap, at least ``end`` bytes long (a storage can grow: ``resize_``; new bytes are unrefreshed)."""
+        assert self.bitmap is not None
+        if self.bitmap.numel() < end:
+            grown = torch.zeros(end, dtype=torch.bool)
+            grown[: self.bitmap.numel()] = self.bitmap
+            self.bitmap = grown
+        return self.bitmap
 
     def _bytes(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``'s bytes in the bitmap (made now, holding the byte ranges so far), shaped ``[*shape, size]``."""
@@ -154,16 +192,20 @@ class _Coverage:
             storage = self.ref()
             self.bitmap = torch.zeros(storage.nbytes() if storage is not None else 0, dtype=torch.bool)
             for start, end in self.spans:
-                self.bitmap[start:end] = True
+                self._grown(end)[start:end] = True
             self.spans = []
         size = tensor.element_size()
         shape = (*tuple(tensor.shape), size)
         stride = (*(int(step) * size for step in tensor.stride()), 1)
-        return self.bitmap.as_strided(shape, stride, int(tensor.storage_offset()) * size)
+        bitmap = self._grown(_span(tensor)[1]) if tensor.numel() else self.bitmap
+        return bitmap.as_strided(shape, stride, int(tensor.storage_offset()) * size)
 
     def unwritten_bytes(self, tensor: torch.Tensor) -> int | None:
-        if self.unknown or not self.written:
+        if not self.written:
             return None
+        if self.unknown:  # nothing in it is provably refreshed
+            start, end = _span(tensor) if tensor.numel() else (0, 0)
+            return end - start
         if self.bitmap is None and _exact_span(tensor) is not None:
             start, end = _span(tensor)
             union, reach = 0, start  # the union of the recorded ranges, clipped to the span
@@ -177,18 +219,20 @@ class _Coverage:
         return int((~self._bytes(tensor)).sum())
 
 
-def _overwrites(func: Any, named: dict[str, Any]) -> bool:
-    """Whether the in-place op ``func`` overwrites the elements of ``self`` it reaches without reading them."""
-    name = func._overloadpacket.__name__
-    if name not in _OVERWRITES:
+def _overwrites(func: Any, named: dict[str, Any], argument: str, outs: frozenset[str]) -> bool:
+    """Whether ``func`` writes its argument ``argument`` without reading the values there: an ``out=`` result, or
+    ``self`` of an in-place op that overwrites what it reaches (``copy_``, ``fill_``, an indexed copy). A custom op's
+    mutable argument counts as read: nothing says it is not (``fused_add_rms_norm`` reads its own)."""
+    if argument in outs:
+        return True
+    if argument != "self" or func._overloadpacket.__name__ not in _OVERWRITES:
         return False
     return not named.get("accumulate") and named.get("reduce") is None
 
 
-def _replaces_whole(func: Any, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _replaces_whole(func: Any, tensor: torch.Tensor, named: dict[str, Any], overwrite: bool) -> bool:
     """Whether writing ``tensor`` by ``func`` replaces every byte of its storage without reading them."""
-    named = _named(func, args, kwargs)
-    if named.get("self") is tensor and (not _overwrites(func, named) or _indexed(named)):
+    if not overwrite or (named.get("self") is tensor and _indexed(named)):
         return False
     return _exact_span(tensor) == (0, tensor.untyped_storage().nbytes())
 
@@ -272,37 +316,42 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)
-        positions, names = _schema_access(func)
+        positions, names, outs = _schema_access(func)
         read: list[torch.Tensor] = []
-        written: list[torch.Tensor] = []
+        written: list[tuple[torch.Tensor, str]] = []
         argument_storages: set[int] = set()
         for index, value in enumerate(args):
-            access = positions.get(index, 0)
+            access, name = positions.get(index, (0, ""))
             for tensor in _tensors(value):
-                self._sort(tensor, access, read, written, argument_storages)
+                self._sort(tensor, access, name, read, written, argument_storages)
         for key, value in kwargs.items():
             access = names.get(key, 0)
             for tensor in _tensors(value):
-                self._sort(tensor, access, read, written, argument_storages)
+                self._sort(tensor, access, key, read, written, argument_storages)
         stale = self._stale_reads(func, read) if self._watched else frozenset()
         out = func(*args, **kwargs)
         sources = {node for node in (self._node(t, created=False) for t in read) if node is not None}
-        for tensor in written:
+        named: dict[str, Any] | None = None
+        for tensor, argument in written:
             node = self._node(tensor, created=False)
-            if node is not None:
-                node.written = True
-                node.sources |= sources - {node}
-                if node.stale and _replaces_whole(func, tensor, args, kwargs):
-                    node.stale = stale  # all its values are this op's now
-                elif stale:
-                    node.stale |= stale
-            if self._watched:
-                coverage = self._watched.get(id(tensor.untyped_storage()))
-                if coverage is not None and coverage.ref() is tensor.untyped_storage():
-                    try:
-                        coverage.note(func, tensor, _named(func, args, kwargs), stale=id(coverage.ref()) in stale)
-                    except Exception:  # the user's op went through; what it reached is not known
-                        coverage.unknown = True
+            watched = self._watched.get(id(tensor.untyped_storage())) if self._watched else None
+            if watched is not None and watched.ref() is not tensor.untyped_storage():
+                watched = None
+            if node is None or not (node.stale or stale or watched is not None):
+                if node is not None:
+                    node.written = True
+                    node.sources |= sources - {node}
+                continue
+            named = named if named is not None else _named(func, args, kwargs)
+            overwrite = _overwrites(func, named, argument, outs)
+            node.written = True
+            node.sources |= sources - {node}
+            if node.stale and _replaces_whole(func, tensor, named, overwrite):
+                node.stale = stale  # all its values are this op's now
+            elif stale:
+                node.stale |= stale
+            if watched is not None:
+                self._note(watched, func, tensor, named, overwrite, stale)
         for tensor in _tensors(out):
             if _strided(tensor) and id(tensor.untyped_storage()) not in argument_storages:
                 node = self._node(tensor, created=True)
@@ -312,31 +361,87 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
                         node.stale |= stale
         return out
 
-    def _stale_reads(self, func: Any, read: list[torch.Tensor]) -> frozenset[int]:
-        """The watched storages (ids) whose unrefreshed bytes ``func`` reads, directly or through values computed
-        from them."""
+    def _note(
+        self,
+        coverage: _Coverage,
+        func: Any,
+        tensor: torch.Tensor,
+        named: dict[str, Any],
+        overwrite: bool,
+        stale: frozenset[tuple[int, int]],
+    ) -> None:
+        """Count a write into a watched storage; where it drew on another watched storage's unrefreshed bytes,
+        remember that storage's generation (a later refresh of it makes this write's values old)."""
+        own = id(coverage.ref())
+        try:
+            coverage.note(func, tensor, named, overwrite=overwrite, stale=any(key == own for key, _ in stale))
+        except Exception:  # the user's op went through; what it reached is not known
+            coverage.unknown = True
+        for key, generation in stale:
+            if key != own:
+                coverage.drawn[key] = min(generation, coverage.drawn.get(key, generation))
+
+    def _stale_reads(self, func: Any, read: list[torch.Tensor]) -> frozenset[tuple[int, int]]:
+        """``(id, generation)`` of each watched storage whose unrefreshed bytes ``func`` reads, directly, through
+        another storage object over the same memory, or through values computed from them."""
         if not _reads_values(func):
             return frozenset()
-        stale: set[int] = set()
-        for tensor in read:
-            storage = tensor.untyped_storage()
-            node = self._nodes.get(id(storage))
-            if node is not None and node.ref() is storage:
-                stale |= node.stale - {id(storage)}  # a watched storage's own bytes: its coverage tells, below
-            coverage = self._watched.get(id(storage))
-            if coverage is not None and coverage.ref() is storage and coverage._unrefreshed(tensor):
-                stale.add(id(storage))
+        stale: set[tuple[int, int]] = set()
+        try:
+            for tensor in read:
+                storage = tensor.untyped_storage()
+                node = self._node(tensor, created=False)
+                if node is not None and node.stale:
+                    stale |= {entry for entry in node.stale if entry[0] != id(storage)}  # its own: coverage tells
+                coverage = self._watched.get(id(storage))
+                if coverage is not None and coverage.ref() is storage:
+                    if coverage.unrefreshed(tensor):
+                        stale.add((id(storage), coverage.generation))
+                elif node is not None:
+                    alias = self._alias(node, storage)
+                    if alias is not None and tensor.numel():
+                        shift = storage.data_ptr() - alias.ref().data_ptr()  # type: ignore[union-attr]
+                        first, last = _span(tensor)
+                        if alias.unrefreshed_between(first + shift, last + shift):
+                            stale.add((id(alias.ref()), alias.generation))
+        except Exception:  # what it read is not known: nothing watched is provably fresh from here on
+            for coverage in self._watched.values():
+                coverage.unknown = True
         return frozenset(stale)
+
+    def _alias(self, node: _Node, storage: Any) -> _Coverage | None:
+        """The watched storage whose memory ``storage`` (another storage object) lies over, asked once per node."""
+        if node.alias is False:
+            node.alias = None
+            if not node.created:  # memory allocated while recording is no watched storage's
+                first, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+                for coverage in self._watched.values():
+                    other = coverage.ref()
+                    if (
+                        other is not None
+                        and other.device == storage.device
+                        and other is not storage
+                        and other.data_ptr() < end
+                        and first < other.data_ptr() + other.nbytes()
+                    ):
+                        node.alias = coverage
+                        break
+        return node.alias if isinstance(node.alias, _Coverage) else None
 
     @staticmethod
     def _sort(
-        tensor: torch.Tensor, access: int, read: list[torch.Tensor], written: list[torch.Tensor], seen: set[int]
+        tensor: torch.Tensor,
+        access: int,
+        argument: str,
+        read: list[torch.Tensor],
+        written: list[tuple[torch.Tensor, str]],
+        seen: set[int],
     ) -> None:
         if not _strided(tensor):
             return
         seen.add(id(tensor.untyped_storage()))
         if access == _WRITE:
-            written.append(tensor)
+            written.append((tensor, argument))
         elif access != _VIEW:
             read.append(tensor)
 
@@ -383,6 +488,12 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         coverage = self._watched.get(id(storage))
         if coverage is None or coverage.ref() is not storage:
             return None
+        for key, generation in coverage.drawn.items():
+            other = self._watched.get(key)
+            if other is not None and other.generation > generation:
+                # computed from another slot's bytes that were refreshed afterwards: all of it is suspect
+                start, end = _span(tensor) if tensor.numel() else (0, 0)
+                return end - start
         return coverage.unwritten_bytes(tensor)
 
     def reads(self, tensor: torch.Tensor, held: Callable[[Any], T | None]) -> list[T]:

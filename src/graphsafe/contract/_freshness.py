@@ -436,9 +436,10 @@ def _check_fresh(
                     slot,
                     after=fingerprint(current),
                     detail=f"its input(s) {', '.join(changed)} changed but PWAL rewrote it in place only in part "
-                    f"({left:,} of its {size:,} bytes kept their old values, or got values computed from them: "
-                    "an in-place op such as mul_ reads what it writes); the graph would read old values there. "
-                    "Rewrite all of it from its inputs in PWAL (or rebuild it as a new tensor)",
+                    f"({left:,} of its {size:,} bytes are not provably new: left out, written by an op that "
+                    "reads what it writes (mul_, a custom op's mutable argument) or whose reach is not known, or "
+                    "given values computed from old ones); the graph would read old values there. Rewrite all of "
+                    "it from its inputs in PWAL (or rebuild it as a new tensor)",
                 )
             )
         return
