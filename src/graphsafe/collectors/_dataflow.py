@@ -27,6 +27,7 @@ read), and only on the thread that entered it.
 
 from __future__ import annotations
 
+import bisect
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -292,6 +293,8 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         self.paused = False
         self._nodes: dict[int, _Node] = {}  # id(storage) -> node; the weak reference confirms the id
         self._watched: dict[int, _Coverage] = {}  # id(storage) -> what in-place writes reached (see watch())
+        # The watched storages by device, sorted by start address, and the longest (see _watched_over).
+        self._index: dict[str, tuple[list[int], list[tuple[int, int, _Coverage]], int]] | None = None
 
     _prepared: ClassVar[bool] = False
 
@@ -414,19 +417,37 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         if node.alias is False:
             node.alias = None
             if not node.created:  # memory allocated while recording is no watched storage's
-                first, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-                for coverage in self._watched.values():
-                    other = coverage.ref()
-                    if (
-                        other is not None
-                        and other.device == storage.device
-                        and other is not storage
-                        and other.data_ptr() < end
-                        and first < other.data_ptr() + other.nbytes()
-                    ):
-                        node.alias = coverage
-                        break
+                node.alias = self._watched_over(storage)
         return node.alias if isinstance(node.alias, _Coverage) else None
+
+    def _watched_over(self, storage: Any) -> _Coverage | None:
+        """A watched storage (not ``storage`` itself) whose memory overlaps ``storage``'s: by address, through an
+        index of the watched storages sorted by where they start (made again after :meth:`watch`)."""
+        if self._index is None:
+            index: dict[str, list[tuple[int, int, _Coverage]]] = {}
+            for coverage in self._watched.values():
+                other = coverage.ref()
+                if other is not None:
+                    start = other.data_ptr()
+                    index.setdefault(str(other.device), []).append((start, start + other.nbytes(), coverage))
+            for entries in index.values():
+                entries.sort(key=lambda entry: entry[0])
+            self._index = {
+                device: ([e[0] for e in entries], entries, max(e[1] - e[0] for e in entries))
+                for device, entries in index.items()
+            }
+        found = self._index.get(str(storage.device))
+        if found is None:
+            return None
+        starts, entries, longest = found
+        first, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        position = bisect.bisect_left(starts, end) - 1
+        while position >= 0 and starts[position] + longest > first:
+            start, stop, coverage = entries[position]
+            if start < end and first < stop and coverage.ref() is not storage:
+                return coverage
+            position -= 1
+        return None
 
     @staticmethod
     def _sort(
@@ -472,6 +493,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
                 coverage = self._watched.get(id(storage))
                 if coverage is None or coverage.ref() is not storage:
                     self._watched[id(storage)] = _Coverage(storage)
+                    self._index = None
 
     def unwritten_bytes(self, tensor: torch.Tensor) -> int | None:
         """How many bytes of ``tensor`` the writes recorded on its storage since :meth:`watch` left unrefreshed
