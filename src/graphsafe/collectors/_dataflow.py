@@ -81,7 +81,7 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 class _Node:
     """One storage seen during the recording."""
 
-    __slots__ = ("alias", "created", "ref", "sources", "stale", "written")
+    __slots__ = ("aliases", "created", "ref", "sources", "stale", "written")
 
     def __init__(self, storage: Any, *, created: bool) -> None:
         self.ref = weakref.ref(storage)
@@ -90,8 +90,8 @@ class _Node:
         self.written = False  # written in place during the recording
         # (id, generation) of each watched storage whose unrefreshed bytes its values were computed from (_Coverage).
         self.stale: frozenset[tuple[int, int]] = frozenset()
-        # A watched storage whose memory this other storage object lies over (a DLPack or NumPy import), once asked.
-        self.alias: _Coverage | bool | None = False
+        # Watched storages whose memory this other storage object overlaps (a DLPack or NumPy import), once asked.
+        self.aliases: tuple[_Coverage, ...] | None = None
 
 
 #: Contiguous in-place writes kept as byte ranges per watched storage; past this many, a bitmap takes over.
@@ -400,28 +400,30 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
                 if coverage is not None and coverage.ref() is storage:
                     if coverage.unrefreshed(tensor):
                         stale.add((id(storage), coverage.generation))
-                elif node is not None:
-                    alias = self._alias(node, storage)
-                    if alias is not None and tensor.numel():
-                        shift = storage.data_ptr() - alias.ref().data_ptr()  # type: ignore[union-attr]
-                        first, last = _span(tensor)
-                        if alias.unrefreshed_between(first + shift, last + shift):
-                            stale.add((id(alias.ref()), alias.generation))
+                elif node is not None and tensor.numel():
+                    first, last = _span(tensor)
+                    for alias in self._aliases(node, storage):
+                        other = alias.ref()
+                        if other is None:
+                            continue
+                        shift = storage.data_ptr() - other.data_ptr()  # the read's bytes, where ``other`` starts
+                        start, end = max(first + shift, 0), min(last + shift, other.nbytes())
+                        if start < end and alias.unrefreshed_between(start, end):
+                            stale.add((id(other), alias.generation))
         except Exception:  # what it read is not known: nothing watched is provably fresh from here on
             for coverage in self._watched.values():
                 coverage.unknown = True
         return frozenset(stale)
 
-    def _alias(self, node: _Node, storage: Any) -> _Coverage | None:
-        """The watched storage whose memory ``storage`` (another storage object) lies over, asked once per node."""
-        if node.alias is False:
-            node.alias = None
-            if not node.created:  # memory allocated while recording is no watched storage's
-                node.alias = self._watched_over(storage)
-        return node.alias if isinstance(node.alias, _Coverage) else None
+    def _aliases(self, node: _Node, storage: Any) -> tuple[_Coverage, ...]:
+        """The watched storages whose memory ``storage`` (another storage object) overlaps, asked once per node."""
+        if node.aliases is None:
+            # memory allocated while recording is no watched storage's
+            node.aliases = () if node.created else self._watched_over(storage)
+        return node.aliases
 
-    def _watched_over(self, storage: Any) -> _Coverage | None:
-        """A watched storage (not ``storage`` itself) whose memory overlaps ``storage``'s: by address, through an
+    def _watched_over(self, storage: Any) -> tuple[_Coverage, ...]:
+        """The watched storages (not ``storage`` itself) whose memory overlaps ``storage``'s: by address, through an
         index of the watched storages sorted by where they start (made again after :meth:`watch`)."""
         if self._index is None:
             index: dict[str, list[tuple[int, int, _Coverage]]] = {}
@@ -438,16 +440,17 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             }
         found = self._index.get(str(storage.device))
         if found is None:
-            return None
+            return ()
         starts, entries, longest = found
         first, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        overlapping = []
         position = bisect.bisect_left(starts, end) - 1
         while position >= 0 and starts[position] + longest > first:
             start, stop, coverage = entries[position]
             if start < end and first < stop and coverage.ref() is not storage:
-                return coverage
+                overlapping.append(coverage)
             position -= 1
-        return None
+        return tuple(overlapping)
 
     @staticmethod
     def _sort(

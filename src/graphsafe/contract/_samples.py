@@ -325,22 +325,23 @@ def unchanged(pairs: Sequence[tuple[Sample, torch.Tensor]], elements: int) -> li
 
 #: Words (4 bytes where the tensor's bytes allow) summed into one entry of a :func:`digest`.
 DIGEST_ROW = 1024
-#: Rows weighted and summed per step of a large digest on a GPU (bounds the weighting's temporaries: 8 MiB of
-#: widened words and as much of products).
-_DIGEST_ROWS_PER_STEP = 1024
-#: Rows widened to float64 per step of a weighted digest on a host: 1 MiB of widened words, which stay in cache.
-_HOST_ROWS_PER_STEP = 128
+#: Rows widened per step of a weighted digest, by device type: on a host 128 (1 MiB of float64 words, which stay in
+#: cache), on a GPU 2048 (16 MiB: few launches, and the temporaries stay small beside a loaded engine).
+_ROWS_PER_STEP = {"cpu": 128, "cuda": 2048}
+#: Devices whose weighted sums are float64 matrix-vector products; others (no float64: MPS) multiply in int64.
+_FLOAT64_DEVICES = frozenset({"cpu", "cuda"})
 _WEIGHTS: dict[Any, torch.Tensor] = {}
 
 
 def _row_weights(device: Any) -> torch.Tensor:
-    """The weight of each word position in a row: fixed pseudo-random integers below 2**10 (int64). A row's weighted
-    sum of its words (sign-extended, below 2**31) stays below 2**51, so it is exact in int64 and in float64 alike: a
-    change cancels only where the weights times the changes sum to zero exactly, which an exchange, a negation or a
-    bit flip of words does by a chance of about one in 2**15 per row (and a tensor digested spans several rows)."""
+    """The weight of each word position in a row: 1 to 1,024 in a fixed pseudo-random order (int64), each once. A
+    row's weighted sum of its words (sign-extended, below 2**31) stays below 2**51, so it is exact in int64 and in
+    float64 alike. Distinct weights make an exchange of two unequal words in a row always show, and two sign flips;
+    a change of more words cancels only where the weights times the changes sum to zero exactly (a whole row negated:
+    about one chance in 50,000, and a tensor digested spans several rows)."""
     weights = _WEIGHTS.get(device)
     if weights is None:
-        drawn = torch.randint(1, 1 << 10, (DIGEST_ROW,), generator=torch.Generator().manual_seed(0x5EED))
+        drawn = torch.randperm(DIGEST_ROW, generator=torch.Generator().manual_seed(0x5EED)) + 1
         weights = _WEIGHTS[device] = drawn.to(device)
     return weights
 
@@ -351,21 +352,18 @@ def _row_sums(rows: torch.Tensor, total: torch.dtype, weighted: bool) -> torch.T
     if not weighted:
         return rows.sum(1, dtype=total)
     weights = _row_weights(rows.device)[: rows.shape[1]]
-    if rows.device.type == "cpu":
-        # Float64 matrix-vector products (BLAS), exact below 2**53: the int64 sums. Widened a block of rows at a
-        # time, so the float64 words stay in cache (a whole tensor widened at once is several times slower).
-        weights64 = weights.to(torch.float64)
-        sums = torch.empty(rows.shape[0], dtype=torch.float64)
-        for start in range(0, rows.shape[0], _HOST_ROWS_PER_STEP):
-            stop = start + _HOST_ROWS_PER_STEP
-            torch.mv(rows[start:stop].to(torch.float64), weights64, out=sums[start:stop])
-        return sums.to(torch.int64)
-    return torch.cat(
-        [
-            (rows[start : start + _DIGEST_ROWS_PER_STEP].to(torch.int64) * weights).sum(1)
-            for start in range(0, rows.shape[0], _DIGEST_ROWS_PER_STEP)
-        ]
-    )
+    # Widened a block of rows at a time: on a host the widened words stay in cache (a whole tensor widened at once
+    # is several times slower), on a GPU the temporaries stay bounded.
+    step = _ROWS_PER_STEP.get(rows.device.type, 2048)
+    if rows.device.type not in _FLOAT64_DEVICES:
+        blocks = [(rows[i : i + step].to(torch.int64) * weights).sum(1) for i in range(0, rows.shape[0], step)]
+        return torch.cat(blocks)
+    # Float64 matrix-vector products (BLAS), exact below 2**53: the int64 sums, in any order of summation.
+    weights = weights.to(torch.float64)
+    sums = torch.empty(rows.shape[0], dtype=torch.float64, device=rows.device)
+    for start in range(0, rows.shape[0], step):
+        torch.mv(rows[start : start + step].to(torch.float64), weights, out=sums[start : start + step])
+    return sums.to(torch.int64)
 
 
 def version_of(tensor: torch.Tensor) -> int:
@@ -449,8 +447,8 @@ def digest(tensor: torch.Tensor, *, weighted: bool = False) -> torch.Tensor | No
 
     Any change to one word changes its row's sum; changes that cancel within one row escape, among them words
     exchanged within it and two sign flips. ``weighted``: the exact int64 sum of each word times a pseudo-random
-    weight of its position (:func:`_row_weights`), so exchanges, negations and bit flips show too (a few times the
-    cost of a plain sum on a host: the witnesses of writes by holders use it, the inputs' digests do not). Integer
+    weight of its position (:func:`_row_weights`), so exchanges, negations and bit flips show too (about three times
+    the cost of a plain sum on a host: the witnesses of writes by holders use it, the inputs' digests do not). Integer
     sums are the same in any order, so equal bytes always give equal digests.
     Reads the whole tensor (one reduction, bandwidth-bound on a GPU). :func:`digests` gives the same values for
     many tensors at once.
