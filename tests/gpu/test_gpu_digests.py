@@ -1,5 +1,5 @@
-"""Weighted digests on a real device: the float64 matrix-vector products a GPU computes over blocks of rows are the
-exact int64 sums, and equal the host's for the same bytes (one tensor, one witness, wherever it lives)."""
+"""Weighted digests on a real device: the int64 sums a GPU computes over blocks of rows are the exact sums, and equal
+the host's float64 ones for the same bytes (one tensor, one witness, wherever it lives)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from graphsafe.contract._samples import DIGEST_ROW, _row_sums, _row_weights, digest, digests
 
 
-@pytest.mark.parametrize("rows", [1, 7, 2048, 2049, 5000])
+@pytest.mark.parametrize("rows", [1, 7, 1024, 1025, 3000])
 def test_the_device_weighted_row_sums_are_the_exact_int64_sums(device: torch.device, rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     words = torch.randint(-(2**31), 2**31, (rows, DIGEST_ROW), generator=g, dtype=torch.int64)

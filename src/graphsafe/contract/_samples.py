@@ -325,11 +325,10 @@ def unchanged(pairs: Sequence[tuple[Sample, torch.Tensor]], elements: int) -> li
 
 #: Words (4 bytes where the tensor's bytes allow) summed into one entry of a :func:`digest`.
 DIGEST_ROW = 1024
-#: Rows widened per step of a weighted digest, by device type: on a host 128 (1 MiB of float64 words, which stay in
-#: cache), on a GPU 2048 (16 MiB: few launches, and the temporaries stay small beside a loaded engine).
-_ROWS_PER_STEP = {"cpu": 128, "cuda": 2048}
-#: Devices whose weighted sums are float64 matrix-vector products; others (no float64: MPS) multiply in int64.
-_FLOAT64_DEVICES = frozenset({"cpu", "cuda"})
+#: Rows widened per step of a weighted digest: on a host 128 (1 MiB of float64 words, which stay in cache), on a
+#: device 1024 (8 MiB of int64 words and as much of products: the temporaries stay small beside a loaded engine).
+_HOST_ROWS_PER_STEP = 128
+_DEVICE_ROWS_PER_STEP = 1024
 _WEIGHTS: dict[Any, torch.Tensor] = {}
 
 
@@ -353,16 +352,16 @@ def _row_sums(rows: torch.Tensor, total: torch.dtype, weighted: bool) -> torch.T
         return rows.sum(1, dtype=total)
     weights = _row_weights(rows.device)[: rows.shape[1]]
     # Widened a block of rows at a time: on a host the widened words stay in cache (a whole tensor widened at once
-    # is several times slower), on a GPU the temporaries stay bounded.
-    step = _ROWS_PER_STEP.get(rows.device.type, 2048)
-    if rows.device.type not in _FLOAT64_DEVICES:
-        blocks = [(rows[i : i + step].to(torch.int64) * weights).sum(1) for i in range(0, rows.shape[0], step)]
-        return torch.cat(blocks)
+    # is several times slower), on a device the temporaries stay bounded.
+    if rows.device.type != "cpu":  # an int64 multiply and sum: no BLAS call (and no BLAS workspace) on a device
+        step = _DEVICE_ROWS_PER_STEP
+        return torch.cat([(rows[i : i + step].to(torch.int64) * weights).sum(1) for i in range(0, rows.shape[0], step)])
     # Float64 matrix-vector products (BLAS), exact below 2**53: the int64 sums, in any order of summation.
     weights = weights.to(torch.float64)
-    sums = torch.empty(rows.shape[0], dtype=torch.float64, device=rows.device)
-    for start in range(0, rows.shape[0], step):
-        torch.mv(rows[start : start + step].to(torch.float64), weights, out=sums[start : start + step])
+    sums = torch.empty(rows.shape[0], dtype=torch.float64)
+    for start in range(0, rows.shape[0], _HOST_ROWS_PER_STEP):
+        stop = start + _HOST_ROWS_PER_STEP
+        torch.mv(rows[start:stop].to(torch.float64), weights, out=sums[start:stop])
     return sums.to(torch.int64)
 
 
