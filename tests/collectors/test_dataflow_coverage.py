@@ -5,6 +5,8 @@ values it writes, or writes values computed from unrefreshed elements of the sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -100,30 +102,29 @@ def test_an_indexed_write_counts_the_rows_it_reached(how: str, rows: list[int]) 
     assert dataflow.unwritten_bytes(target) == int((~reached).sum()) * 4
 
 
-def test_a_view_change_in_place_marks_nothing() -> None:
-    target = torch.zeros(8, 8)
+def _watching(target: torch.Tensor, ops: Callable[[], object]) -> Dataflow:
+    """A recording of ``ops`` with ``target`` watched."""
     Dataflow.prepare()
     dataflow = Dataflow()
     dataflow.watch([target])
     with dataflow:
-        target[:4].fill_(1)
-        target.t_()
-        target.t_()
+        ops()
+    return dataflow
+
+
+def test_a_view_change_in_place_marks_nothing() -> None:
+    target = torch.zeros(8, 8)
+    dataflow = _watching(target, lambda: (target[:4].fill_(1), target.t_(), target.t_()))
     assert dataflow.unwritten_bytes(target) == 32 * 4
 
 
 def test_an_accumulating_indexed_write_refreshes_nothing() -> None:
-    """``index_add_`` reads the rows it writes: on a tensor nothing refreshed, they stay unrefreshed."""
+    """``index_add_`` reads the rows it writes, and is no elementwise op: where not all of what it reaches was
+    refreshed, nothing it reaches is (rows 4-11 here); rows 0-3 stay refreshed, rows 12-15 were never written."""
     target = torch.zeros(16, 8)
-    Dataflow.prepare()
-    dataflow = Dataflow()
-    dataflow.watch([target])
-    with dataflow:
-        target[:8].fill_(1)
-        target.index_add_(0, torch.arange(4, 12), torch.ones(8, 8))
-    # rows 8-11 were not refreshed before the accumulation; rows 4-7 were, and were reached by an op that mixes
-    # nothing across elements but does read them: an accumulating op refreshes nothing it reaches unless all of
-    # the tensor was fresh
+    dataflow = _watching(
+        target, lambda: (target[:8].fill_(1), target.index_add_(0, torch.arange(4, 12), torch.ones(8, 8)))
+    )
     assert dataflow.unwritten_bytes(target) == 12 * 8 * 4
 
 

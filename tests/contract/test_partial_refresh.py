@@ -145,6 +145,12 @@ _UNSEEN_WRITE = (
 def test_a_half_refresh_followed_by_a_whole_write_of_its_own_values_is_not_committed(after) -> None:
     """A whole write after the partial one that reads the slot's old values (a scale of 1, a copy of itself) leaves
     half of it old: it refreshes nothing."""
+    _half_refresh_then(after)
+
+
+def _half_refresh_then(after: Callable[[torch.Tensor], Any]) -> None:
+    """PWAL refreshes the first half of the slot, then runs ``after`` on it: never committed with old values, and
+    the slot is ``stale``, refreshed only in part."""
 
     def write(layer: _Slot, value: torch.Tensor) -> None:
         layer.s[: N // 2].copy_(value[: N // 2])
@@ -218,16 +224,7 @@ def test_a_half_refresh_followed_by_a_write_that_may_read_its_old_values_is_not_
     """An op on a list (``_foreach_*``), a custom op's mutable argument (nothing says it is not read), an indexed op
     whose reach the recorder cannot mark, and a read through another storage object over the slot's memory: none
     proves the half left out refreshed."""
-
-    def write(layer: _Slot, value: torch.Tensor) -> None:
-        layer.s[: N // 2].copy_(value[: N // 2])
-        after(layer.s)
-
-    _partial(write)
-    layer = _Slot()
-    outcome, _, _, error = recorded_reload(layer, write)
-    assert error is None, repr(error)
-    assert any(f.kind is FindingKind.STALE and "only in part" in f.detail for f in outcome.findings), outcome
+    _half_refresh_then(after)
 
 
 class _Pair(nn.Module):
