@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -178,3 +179,17 @@ def test_only_writes_that_read_no_old_values_refresh(ops: list[tuple[str, int, i
         assert found is None
     else:
         assert found == int((~fresh).sum()) * 4
+
+
+def test_a_recorder_failure_leaves_nothing_provably_refreshed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the recorder cannot tell what an op read (its own failure), no later write proves a byte refreshed: the
+    whole watched tensor counts as left out, never as unknown (which would let the value sample judge)."""
+    from graphsafe.collectors import _dataflow
+
+    def fail(self: object, tensor: torch.Tensor) -> bool:
+        raise RuntimeError("the recorder's own failure")
+
+    target = torch.zeros(16)
+    monkeypatch.setattr(_dataflow._Coverage, "unrefreshed", fail)
+    dataflow = _watching(target, lambda: (target * 1, target.fill_(1)))
+    assert dataflow.unwritten_bytes(target) == 16 * 4

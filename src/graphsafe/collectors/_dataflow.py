@@ -134,9 +134,11 @@ class _Coverage:
     def note(self, func: Any, tensor: torch.Tensor, named: dict[str, Any], *, overwrite: bool, stale: bool) -> None:
         """A recorded write of ``tensor`` (a view of this storage) by ``func``: an ``overwrite`` (it reads none of
         the values it writes) or not; ``stale``: its values were computed from unrefreshed bytes of this storage."""
-        if self.unknown or _metadata_only(func):
+        if _metadata_only(func):
             return
         self.written = True
+        if self.unknown:
+            return
         if not stale and not overwrite:
             # It reads what it writes: an elementwise op leaves each byte as fresh as it was; another (a cumulative
             # sum, an accumulating index op, a custom op) mixes them, so nothing it reached is fresh unless all was.
