@@ -227,6 +227,73 @@ def test_a_half_refresh_followed_by_a_write_that_may_read_its_old_values_is_not_
     _half_refresh_then(after)
 
 
+_ROUND_TRIPS = [
+    lambda s: s.copy_(s.to_sparse().to_dense()),
+    lambda s: s.copy_(s.view(64, 128).to_sparse_csr().to_dense().view(-1)),
+    lambda s: s.copy_((torch.nested.as_nested_tensor([s[:100], s[100:]], layout=torch.jagged) * 1).values()),
+    lambda s: torch.ops.aten.empty_like.out(s[N // 2 :], out=s[N // 2 :]),
+]
+_ROUND_TRIP_IDS = ["sparse", "sparse-csr", "jagged-nested", "empty-like-out"]
+if torch.backends.mkldnn.is_available():
+    _ROUND_TRIPS.append(lambda s: s.copy_(s.to_mkldnn().to_dense()))
+    _ROUND_TRIP_IDS.append("mkldnn")
+
+
+@pytest.mark.parametrize("after", _ROUND_TRIPS, ids=_ROUND_TRIP_IDS)
+def test_a_half_refresh_followed_by_a_copy_through_another_layout_is_not_committed(after) -> None:
+    """Values that pass through a sparse, mkldnn or nested tensor keep what they were computed from; an ``out=``
+    that allocates (``empty_like.out``) writes nothing."""
+    _half_refresh_then(after)
+
+
+@pytest.mark.parametrize("alias", [torch.from_dlpack, lambda s: torch.from_numpy(s.numpy())], ids=["dlpack", "numpy"])
+def test_old_values_written_back_through_another_storage_object_are_not_committed(alias) -> None:
+    """PWAL refreshes the slot whole, then writes a saved copy of its old first half back through a DLPack or NumPy
+    import of its memory: that half is old again."""
+
+    def write(layer: _Slot, value: torch.Tensor) -> None:
+        saved = layer.s.clone()
+        layer.s.copy_(value)
+        alias(layer.s)[: N // 2].copy_(saved[: N // 2])
+
+    _partial(write)
+    layer = _Slot()
+    outcome, _, _, error = recorded_reload(layer, write)
+    assert error is None, repr(error)
+    assert any(f.kind is FindingKind.STALE and "only in part" in f.detail for f in outcome.findings), outcome
+
+
+def _cond(value: torch.Tensor) -> torch.Tensor:
+    return torch.cond(torch.tensor(True), lambda a: a.clone(), lambda a: a * 0, (value,))
+
+
+def _after_a_subclass_op(layer: _Slot, value: torch.Tensor) -> None:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    _ = TwoTensor(value.clone(), value.clone()) * 1  # a wrapper subclass's op (its storage has no data pointer)
+    layer.s.copy_(value)
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda layer, v: layer.s.copy_(_cond(v)),
+        _after_a_subclass_op,
+        lambda layer, v: torch.from_dlpack(layer.s).copy_(v),
+    ],
+    ids=["higher-order-op", "wrapper-subclass-op", "written-through-an-import"],
+)
+def test_a_whole_refresh_around_ops_the_recorder_follows_loosely_commits(write) -> None:
+    """A higher-order op (``torch.cond``) runs inside the recording instead of raising into the PWAL; a wrapper
+    subclass's op beside the refresh, and a whole refresh through an import of the slot's memory, leave it
+    refreshed."""
+    layer = _Slot()
+    outcome, captured, expected, error = recorded_reload(layer, write)
+    assert error is None, repr(error)
+    assert outcome.status is Status.COMMITTED, outcome.summary()
+    assert torch.equal(captured, expected)
+
+
 class _Pair(nn.Module):
     def __init__(self) -> None:
         super().__init__()

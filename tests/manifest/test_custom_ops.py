@@ -65,3 +65,30 @@ def test_a_recapture_without_the_custom_op_clears_its_blind_spot() -> None:
     with record_capture(contract, name="decode", ignore=[x], backend="dispatch"):
         x @ layer.weight
     assert manifest.blind_spots() == {}
+
+
+class BranchesOnAClosure(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4), requires_grad=False)
+        self.table = torch.arange(4.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # ``torch.cond``'s functions read ``self.table`` without being passed it
+        return torch.cond(x.sum() > 0, lambda a: a * self.table, lambda a: a - self.table, (x @ self.weight,))
+
+
+def test_a_higher_order_op_is_recorded_through_what_it_is_passed_and_named_as_a_blind_spot() -> None:
+    """``torch.cond`` runs under the recorder (it does not raise into the capture); what its functions read without
+    being passed is invisible, so the capture names it as a blind spot like a custom op."""
+    layer = BranchesOnAClosure()
+    x = torch.randn(2, 4)
+    contract = GraphContract(layer, "strict").seal()
+    with record_capture(contract, name="decode", ignore=[x], backend="dispatch") as manifest:
+        out = layer(x)
+    product = x @ layer.weight
+    assert torch.equal(out, product * layer.table if x.sum() > 0 else product - layer.table)
+    (blind,) = manifest.blind_spots()["decode"]
+    assert blind.startswith("cond")
+    why = manifest.truth()
+    assert why is not None and "higher-order" in why

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphsafe._gcpause import collections_paused
@@ -136,6 +138,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         self.custom: dict[str, None] = {}
         self.ops = 0  # ops recorded (a capture that recorded none proves nothing unread)
 
+    #: Higher-order ops (``torch.cond``) come to ``__torch_dispatch__`` too, rather than raising into the capture.
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
@@ -144,6 +149,20 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
         capturing = _cuda_ready() and torch.cuda.is_current_stream_capturing()
         self.capturing = capturing
         self.saw_capture = self.saw_capture or capturing
+        if isinstance(func, HigherOrderOperator):
+            # Its body runs unseen, reading what its functions close over as well as what it is passed: seen
+            # through the tensors passed, like a custom op, and the capture is blind to the rest.
+            name = f"{getattr(func, '_name', func)} (higher-order)"
+            self.custom.setdefault(name, None)
+            self.ops += 1
+            for leaf in pytree.tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor):
+                    self._touch(leaf, name, _READ)
+            out = func(*args, **kwargs)
+            for leaf in pytree.tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self._mark_internal(leaf)
+            return out
         if getattr(func, "namespace", "aten") not in _TORCH_NAMESPACES:
             self.custom.setdefault(str(getattr(func, "_overloadpacket", func)), None)
         if func in _FRESH_OPS:

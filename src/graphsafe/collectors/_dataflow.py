@@ -34,9 +34,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.utils._pytree as pytree
+from torch._ops import HigherOrderOperator
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from graphsafe.collectors._kernelscan import _span
+from graphsafe.outcome import memory_tensors
 
 __all__ = ["Dataflow"]
 
@@ -131,18 +134,24 @@ class _Coverage:
         # Other watched storages (id -> generation when read) whose unrefreshed bytes a write here drew on.
         self.drawn: dict[int, int] = {}
 
-    def note(self, func: Any, tensor: torch.Tensor, named: dict[str, Any], *, overwrite: bool, stale: bool) -> None:
+    def note(
+        self, func: Any, tensor: torch.Tensor, named: dict[str, Any], *, overwrite: bool, stale: bool, inner: bool
+    ) -> None:
         """A recorded write of ``tensor`` (a view of this storage) by ``func``: an ``overwrite`` (it reads none of
-        the values it writes) or not; ``stale``: its values were computed from unrefreshed bytes of this storage."""
+        the values it writes) or not; ``stale``: its values were computed from unrefreshed bytes of this storage;
+        ``inner``: ``tensor`` is a wrapper subclass's inner tensor the op reached through the wrapper."""
         if _metadata_only(func):
             return
         self.written = True
-        if self.unknown:
+        if self.unknown or _writes_nothing(func):
+            return
+        if inner and _indexed(named):  # which of the inner tensor's elements the indices pick is not known
+            self.unknown = True
             return
         if not stale and not overwrite:
             # It reads what it writes: an elementwise op leaves each byte as fresh as it was; another (a cumulative
             # sum, an accumulating index op, a custom op) mixes them, so nothing it reached is fresh unless all was.
-            if torch.Tag.pointwise in func.tags or not self.unrefreshed(tensor):
+            if _pointwise(func) or not self.unrefreshed(tensor):
                 return
             stale = True
         if not stale:
@@ -150,7 +159,7 @@ class _Coverage:
         # Indices and masks pick elements of ``self`` only; an ``out=`` tensor is written whole.
         if named.get("self") is tensor and _indexed(named):
             elements = torch.zeros(tuple(tensor.shape), dtype=torch.bool)
-            if not _mark(func._overloadpacket.__name__, elements, named):
+            if not _mark(_op_name(func), elements, named):
                 self.unknown = True
                 return
             self._bytes(tensor)[elements] = not stale
@@ -180,6 +189,40 @@ class _Coverage:
             return reach < end
         return not bool(self._grown(end)[start:end].all())
 
+    def note_between(
+        self, func: Any, start: int, end: int, named: dict[str, Any], *, overwrite: bool, stale: bool, exact: bool
+    ) -> None:
+        """A recorded write of bytes ``[start, end)`` of this storage through another storage object over its
+        memory (a DLPack or NumPy import): ``exact``, every byte of the range written. Only a whole overwrite of
+        new values refreshes; values from unrefreshed bytes, or an op mixing unrefreshed ones, unrefresh it."""
+        if _metadata_only(func):
+            return
+        self.written = True
+        if self.unknown or _writes_nothing(func):
+            return
+        if not stale and not overwrite:
+            if _pointwise(func) or not self.unrefreshed_between(start, end):
+                return
+            stale = True
+        if stale:
+            self._bitmap(end)[start:end] = False
+        elif exact and not _indexed(named):
+            self.generation += 1
+            if self.bitmap is None and len(self.spans) < _MAX_SPANS:
+                self.spans.append((start, end))
+            else:
+                self._bitmap(end)[start:end] = True
+
+    def _bitmap(self, end: int) -> torch.Tensor:
+        """The bitmap (made now, holding the byte ranges so far), at least ``end`` bytes long."""
+        if self.bitmap is None:
+            storage = self.ref()
+            self.bitmap = torch.zeros(storage.nbytes() if storage is not None else 0, dtype=torch.bool)
+            for first, last in self.spans:
+                self._grown(last)[first:last] = True
+            self.spans = []
+        return self._grown(end)
+
     def _grown(self, end: int) -> torch.Tensor:
         """The bitmap, at least ``end`` bytes long (a storage can grow: ``resize_``; new bytes are unrefreshed)."""
         assert self.bitmap is not None
@@ -191,16 +234,10 @@ class _Coverage:
 
     def _bytes(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``'s bytes in the bitmap (made now, holding the byte ranges so far), shaped ``[*shape, size]``."""
-        if self.bitmap is None:
-            storage = self.ref()
-            self.bitmap = torch.zeros(storage.nbytes() if storage is not None else 0, dtype=torch.bool)
-            for start, end in self.spans:
-                self._grown(end)[start:end] = True
-            self.spans = []
+        bitmap = self._bitmap(_span(tensor)[1] if tensor.numel() else 0)
         size = tensor.element_size()
         shape = (*tuple(tensor.shape), size)
         stride = (*(int(step) * size for step in tensor.stride()), 1)
-        bitmap = self._grown(_span(tensor)[1]) if tensor.numel() else self.bitmap
         return bitmap.as_strided(shape, stride, int(tensor.storage_offset()) * size)
 
     def unwritten_bytes(self, tensor: torch.Tensor) -> int | None:
@@ -222,13 +259,29 @@ class _Coverage:
         return int((~self._bytes(tensor)).sum())
 
 
+def _op_name(func: Any) -> str:
+    """An op's name without its overload (``copy_``), or a higher-order op's (``cond``)."""
+    packet = getattr(func, "_overloadpacket", None)
+    return str(packet.__name__) if packet is not None else str(getattr(func, "_name", ""))
+
+
+def _pointwise(func: Any) -> bool:
+    return torch.Tag.pointwise in getattr(func, "tags", ())
+
+
+def _writes_nothing(func: Any) -> bool:
+    """An op whose ``out=`` (or ``self``) is left as it was: an allocation (``empty_like.out``, ``new_empty``)."""
+    name = _op_name(func)
+    return name.startswith(("empty", "new_empty"))
+
+
 def _overwrites(func: Any, named: dict[str, Any], argument: str, outs: frozenset[str]) -> bool:
     """Whether ``func`` writes its argument ``argument`` without reading the values there: an ``out=`` result, or
     ``self`` of an in-place op that overwrites what it reaches (``copy_``, ``fill_``, an indexed copy). A custom op's
     mutable argument counts as read: nothing says it is not (``fused_add_rms_norm`` reads its own)."""
     if argument in outs:
         return True
-    if argument != "self" or func._overloadpacket.__name__ not in _OVERWRITES:
+    if argument != "self" or _op_name(func) not in _OVERWRITES:
         return False
     return not named.get("accumulate") and named.get("reduce") is None
 
@@ -247,13 +300,13 @@ def _indexed(named: dict[str, Any]) -> bool:
 
 def _reads_values(func: Any) -> bool:
     """Whether ``func`` reads its tensor arguments' values (``empty_like``, ``new_zeros`` read only their shape)."""
-    name = func._overloadpacket.__name__
+    name = _op_name(func)
     return not (name.endswith("_like") or name.startswith("new_"))
 
 
 def _metadata_only(func: Any) -> bool:
     """An in-place op that changes a tensor's view of its memory, not the memory (``t_``, ``set_``, ``resize_``)."""
-    return torch.Tag.inplace_view in func.tags or func._overloadpacket.__name__ in ("set_", "resize_", "resize_as_")
+    return torch.Tag.inplace_view in getattr(func, "tags", ()) or _op_name(func) in ("set_", "resize_", "resize_as_")
 
 
 def _host_index(value: Any) -> Any:
@@ -295,10 +348,14 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         self.paused = False
         self._nodes: dict[int, _Node] = {}  # id(storage) -> node; the weak reference confirms the id
         self._watched: dict[int, _Coverage] = {}  # id(storage) -> what in-place writes reached (see watch())
+        # id(tensor) -> (the tensor, weakly; stale) of results followed by object (sparse, mkldnn; see _outputs).
+        self._opaque: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[tuple[int, int]]]] = {}
         # The watched storages by device, sorted by start address, and the longest (see _watched_over).
         self._index: dict[str, tuple[list[int], list[tuple[int, int, _Coverage]], int]] | None = None
 
     _prepared: ClassVar[bool] = False
+    #: Higher-order ops (``torch.cond``) come to ``__torch_dispatch__`` too, rather than raising into the user's code.
+    supports_higher_order_operators = True
 
     @classmethod
     def prepare(cls) -> float:
@@ -321,31 +378,37 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)
+        if isinstance(func, HigherOrderOperator):
+            return self._higher_order(func, args, kwargs)
         positions, names, outs = _schema_access(func)
         read: list[torch.Tensor] = []
-        written: list[tuple[torch.Tensor, str]] = []
+        written: list[tuple[torch.Tensor, str, bool]] = []
+        opaque: list[torch.Tensor] = []
         argument_storages: set[int] = set()
         for index, value in enumerate(args):
             access, name = positions.get(index, (0, ""))
             for tensor in _tensors(value):
-                self._sort(tensor, access, name, read, written, argument_storages)
+                self._sort(tensor, access, name, read, written, opaque, argument_storages)
         for key, value in kwargs.items():
             access = names.get(key, 0)
             for tensor in _tensors(value):
-                self._sort(tensor, access, key, read, written, argument_storages)
-        stale = self._stale_reads(func, read) if self._watched else frozenset()
+                self._sort(tensor, access, key, read, written, opaque, argument_storages)
+        stale = self._stale_reads(func, read, opaque) if self._watched else frozenset()
         out = func(*args, **kwargs)
         sources = {node for node in (self._node(t, created=False) for t in read) if node is not None}
         named: dict[str, Any] | None = None
-        for tensor, argument in written:
+        for tensor, argument, inner in written:
             node = self._node(tensor, created=False)
-            watched = self._watched.get(id(tensor.untyped_storage())) if self._watched else None
-            if watched is not None and watched.ref() is not tensor.untyped_storage():
+            if node is None:
+                continue
+            storage = tensor.untyped_storage()
+            watched = self._watched.get(id(storage)) if self._watched else None
+            if watched is not None and watched.ref() is not storage:
                 watched = None
-            if node is None or not (node.stale or stale or watched is not None):
-                if node is not None:
-                    node.written = True
-                    node.sources |= sources - {node}
+            aliases = self._aliases(node, storage) if self._watched and watched is None else ()
+            if not (node.stale or stale or watched is not None or aliases):
+                node.written = True
+                node.sources |= sources - {node}
                 continue
             named = named if named is not None else _named(func, args, kwargs)
             overwrite = _overwrites(func, named, argument, outs)
@@ -356,14 +419,55 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             elif stale:
                 node.stale |= stale
             if watched is not None:
-                self._note(watched, func, tensor, named, overwrite, stale)
+                self._note(watched, func, tensor, named, overwrite, stale, inner)
+            for alias in aliases:
+                self._note_alias(alias, func, tensor, named, overwrite, stale)
+        self._outputs(out, sources, stale, argument_storages)
+        return out
+
+    def _outputs(
+        self, out: Any, sources: set[_Node], stale: frozenset[tuple[int, int]], argument_storages: set[int]
+    ) -> None:
+        """Nodes for an op's new results (a wrapper subclass's inner tensors), computed from ``sources``; a result
+        the recorder follows by object (sparse, mkldnn) keeps ``stale`` too."""
         for tensor in _tensors(out):
-            if _strided(tensor) and id(tensor.untyped_storage()) not in argument_storages:
-                node = self._node(tensor, created=True)
-                if node is not None:
-                    node.sources |= sources
-                    if stale:
-                        node.stale |= stale
+            parts = _parts(tensor)
+            if parts is None:
+                if stale:
+                    self._opaque[id(tensor)] = (weakref.ref(tensor), stale)
+                continue
+            for part in parts:
+                if id(part.untyped_storage()) not in argument_storages:
+                    node = self._node(part, created=True)
+                    if node is not None:
+                        node.sources |= sources
+                        if stale:
+                            node.stale |= stale
+
+    def _higher_order(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A higher-order op (``torch.cond``, ``map``): its body runs unseen. Every tensor passed counts as read and
+        what it returns as computed from all of them; one that may write what it is passed (a mutation wrapper)
+        leaves nothing watched it was passed provably fresh."""
+        read: list[torch.Tensor] = []
+        written: list[tuple[torch.Tensor, str, bool]] = []
+        opaque: list[torch.Tensor] = []
+        argument_storages: set[int] = set()
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                self._sort(leaf, 0, "", read, written, opaque, argument_storages)
+        stale = self._stale_reads(func, read, opaque) if self._watched else frozenset()
+        if any(word in _op_name(func) for word in ("mutation", "functionalize", "effects")):
+            for tensor in read:
+                node = self._node(tensor, created=False)
+                storage = tensor.untyped_storage()
+                coverage = self._watched.get(id(storage))
+                if coverage is not None and coverage.ref() is storage:
+                    coverage.written = coverage.unknown = True
+                for alias in self._aliases(node, storage) if node is not None and self._watched else ():
+                    alias.written = alias.unknown = True
+        out = func(*args, **kwargs)
+        sources = {node for node in (self._node(t, created=False) for t in read) if node is not None}
+        self._outputs(pytree.tree_leaves(out), sources, stale, argument_storages)
         return out
 
     def _note(
@@ -374,24 +478,72 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         named: dict[str, Any],
         overwrite: bool,
         stale: frozenset[tuple[int, int]],
+        inner: bool,
     ) -> None:
         """Count a write into a watched storage; where it drew on another watched storage's unrefreshed bytes,
         remember that storage's generation (a later refresh of it makes this write's values old)."""
         own = id(coverage.ref())
         try:
-            coverage.note(func, tensor, named, overwrite=overwrite, stale=any(key == own for key, _ in stale))
+            coverage.note(
+                func, tensor, named, overwrite=overwrite, stale=any(key == own for key, _ in stale), inner=inner
+            )
         except Exception:  # the user's op went through; what it reached is not known
             coverage.unknown = True
+        self._drawn(coverage, own, stale)
+
+    def _note_alias(
+        self,
+        coverage: _Coverage,
+        func: Any,
+        tensor: torch.Tensor,
+        named: dict[str, Any],
+        overwrite: bool,
+        stale: frozenset[tuple[int, int]],
+    ) -> None:
+        """Count a write through another storage object over a watched storage's memory, on the bytes of it the
+        write reaches."""
+        other = coverage.ref()
+        if other is None or not tensor.numel():
+            return
+        own = id(other)
+        try:
+            first, last = _span(tensor)
+            shift = tensor.untyped_storage().data_ptr() - other.data_ptr()
+            start, end = max(first + shift, 0), min(last + shift, other.nbytes())
+            if start < end:
+                exact = _exact_span(tensor) is not None and (start, end) == (first + shift, last + shift)
+                coverage.note_between(
+                    func,
+                    start,
+                    end,
+                    named,
+                    overwrite=overwrite,
+                    stale=any(key == own for key, _ in stale),
+                    exact=exact,
+                )
+        except Exception:  # the user's op went through; what it reached is not known
+            coverage.written = coverage.unknown = True
+        self._drawn(coverage, own, stale)
+
+    @staticmethod
+    def _drawn(coverage: _Coverage, own: int, stale: frozenset[tuple[int, int]]) -> None:
         for key, generation in stale:
             if key != own:
                 coverage.drawn[key] = min(generation, coverage.drawn.get(key, generation))
 
-    def _stale_reads(self, func: Any, read: list[torch.Tensor]) -> frozenset[tuple[int, int]]:
+    def _stale_reads(
+        self, func: Any, read: list[torch.Tensor], opaque: list[torch.Tensor]
+    ) -> frozenset[tuple[int, int]]:
         """``(id, generation)`` of each watched storage whose unrefreshed bytes ``func`` reads, directly, through
-        another storage object over the same memory, or through values computed from them."""
+        another storage object over the same memory, or through values computed from them (a sparse or mkldnn
+        tensor's followed by object)."""
         if not _reads_values(func):
             return frozenset()
         stale: set[tuple[int, int]] = set()
+        for tensor in opaque:
+            held = self._opaque.get(id(tensor))
+            if held is not None and held[0]() is tensor:
+                stale |= held[1]
         try:
             for tensor in read:
                 storage = tensor.untyped_storage()
@@ -460,16 +612,24 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         access: int,
         argument: str,
         read: list[torch.Tensor],
-        written: list[tuple[torch.Tensor, str]],
+        written: list[tuple[torch.Tensor, str, bool]],
+        opaque: list[torch.Tensor],
         seen: set[int],
     ) -> None:
-        if not _strided(tensor):
+        """File an op's tensor argument under what the op does to it: its memory (a wrapper subclass's inner
+        tensors) read or written, or a tensor followed by object (sparse, mkldnn)."""
+        parts = _parts(tensor)
+        if parts is None:
+            if access != _VIEW:
+                opaque.append(tensor)
             return
-        seen.add(id(tensor.untyped_storage()))
-        if access == _WRITE:
-            written.append((tensor, argument))
-        elif access != _VIEW:
-            read.append(tensor)
+        inner = parts != [tensor]
+        for part in parts:
+            seen.add(id(part.untyped_storage()))
+            if access == _WRITE:
+                written.append((part, argument, inner))
+            elif access != _VIEW:
+                read.append(part)
 
     def _node(self, tensor: torch.Tensor, *, created: bool) -> _Node | None:
         if not _strided(tensor):
@@ -574,6 +734,14 @@ def _exact_span(tensor: torch.Tensor) -> tuple[int, int] | None:
         return None
     start, end = _span(tensor)
     return (start, end) if end - start == tensor.numel() * tensor.element_size() else None
+
+
+def _parts(tensor: torch.Tensor) -> list[torch.Tensor] | None:
+    """The strided tensors whose memory ``tensor`` is: itself, or a wrapper subclass's inner tensors (a nested
+    jagged tensor's values); ``None`` for one the recorder follows by object instead (sparse, mkldnn)."""
+    if is_traceable_wrapper_subclass(tensor):
+        return [part for part in memory_tensors(tensor) if _strided(part)]
+    return [tensor] if _strided(tensor) else None
 
 
 def _strided(tensor: Any) -> bool:

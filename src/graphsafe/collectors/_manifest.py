@@ -139,9 +139,9 @@ class CapturedStorage:
 def _blind_phrase(ops: tuple[str, ...]) -> str:
     more = f" and {len(ops) - 3} more" if len(ops) > 3 else ""
     return (
-        f"the dispatch recorder sees custom op(s) {', '.join(ops[:3])}{more} only through the tensors passed to them; "
-        "a tensor such an op reads without being passed (a module-level table) is not recorded (the kernel scan "
-        "sees it)"
+        f"the dispatch recorder sees custom or higher-order op(s) {', '.join(ops[:3])}{more} only through the "
+        "tensors passed to them; a tensor such an op reads without being passed (a module-level table, a tensor its "
+        "function closes over) is not recorded (the kernel scan sees it)"
     )
 
 
