@@ -294,6 +294,40 @@ def test_a_whole_refresh_around_ops_the_recorder_follows_loosely_commits(write) 
     assert torch.equal(captured, expected)
 
 
+def _complex_rotation(layer: _Slot, value: torch.Tensor) -> None:
+    layer.s[::2].copy_(value[::2])  # even elements new, odd ones old
+    torch.view_as_complex(layer.s.view(N // 2, 2)).mul_(1j)  # each even element gets minus its old odd neighbour
+    layer.s[1::2].copy_(value[1::2])
+
+
+def _float64_round_trip(layer: _Slot, value: torch.Tensor) -> None:
+    layer.s[::2].copy_(value[::2])
+    layer.s.view(torch.float64).add_(1.0)  # each float64 rounds its new half by its old one
+    layer.s.view(torch.float64).sub_(1.0)
+    layer.s[1::2].copy_(value[1::2])
+
+
+def _bytes_then_scale(layer: _Slot, value: torch.Tensor) -> None:
+    layer.s.view(torch.uint8).view(N, 4)[:, :2].copy_(value.view(torch.uint8).view(N, 4)[:, :2])
+    layer.s.mul_(3.0)  # each float32 mixes its two new bytes with its two old ones
+    layer.s.div_(3.0)
+    layer.s.view(torch.uint8).view(N, 4)[:, 2:].copy_(value.view(torch.uint8).view(N, 4)[:, 2:])
+
+
+@pytest.mark.parametrize(
+    "write", [_complex_rotation, _float64_round_trip, _bytes_then_scale], ids=["complex", "float64", "bytes"]
+)
+def test_an_elementwise_op_over_elements_part_refreshed_leaves_them_old(write) -> None:
+    """An elementwise in-place op through a view whose elements span fresh and old bytes (a complex or float64 view
+    of a float32 slot, a float32 op after a byte-wise write) computes each element from both: none of its bytes is
+    refreshed, whatever later writes fill the rest."""
+    _partial(write)
+    layer = _Slot()
+    outcome, _, _, error = recorded_reload(layer, write)
+    assert error is None, repr(error)
+    assert any(f.kind is FindingKind.STALE and "only in part" in f.detail for f in outcome.findings), outcome
+
+
 class _Pair(nn.Module):
     def __init__(self) -> None:
         super().__init__()

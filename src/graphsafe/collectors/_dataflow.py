@@ -149,9 +149,14 @@ class _Coverage:
             self.unknown = True
             return
         if not stale and not overwrite:
-            # It reads what it writes: an elementwise op leaves each byte as fresh as it was; another (a cumulative
+            # It reads what it writes: an elementwise op leaves each element as fresh as it was, as a whole (an
+            # element read through a wider dtype, a complex or float64 view, mixes its bytes); another (a cumulative
             # sum, an accumulating index op, a custom op) mixes them, so nothing it reached is fresh unless all was.
-            if _pointwise(func) or not self.unrefreshed(tensor):
+            if not self.unrefreshed(tensor):
+                return
+            if _pointwise(func):
+                elements = self._bytes(tensor)
+                elements.copy_(elements.all(-1, keepdim=True).expand_as(elements))
                 return
             stale = True
         if not stale:
@@ -201,9 +206,9 @@ class _Coverage:
         if self.unknown or _writes_nothing(func):
             return
         if not stale and not overwrite:
-            if _pointwise(func) or not self.unrefreshed_between(start, end):
+            if not self.unrefreshed_between(start, end):
                 return
-            stale = True
+            stale = True  # an elementwise op too: its elements' bytes here are not known
         if stale:
             self._bitmap(end)[start:end] = False
         elif exact and not _indexed(named):
