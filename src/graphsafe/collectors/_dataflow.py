@@ -516,7 +516,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             shift = tensor.untyped_storage().data_ptr() - other.data_ptr()
             start, end = max(first + shift, 0), min(last + shift, other.nbytes())
             if start < end:
-                exact = _exact_span(tensor) is not None and (start, end) == (first + shift, last + shift)
+                exact = _exact_span(tensor) is not None  # no gaps, clipped to the watched storage or not
                 coverage.note_between(
                     func,
                     start,
@@ -588,8 +588,8 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             index: dict[str, list[tuple[int, int, _Coverage]]] = {}
             for coverage in self._watched.values():
                 other = coverage.ref()
-                if other is not None:
-                    start = other.data_ptr()
+                start = _address(other) if other is not None else None
+                if other is not None and start is not None:
                     index.setdefault(str(other.device), []).append((start, start + other.nbytes(), coverage))
             for entries in index.values():
                 entries.sort(key=lambda entry: entry[0])
@@ -598,10 +598,11 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
                 for device, entries in index.items()
             }
         found = self._index.get(str(storage.device))
-        if found is None:
+        first = _address(storage)
+        if found is None or first is None:
             return ()
         starts, entries, longest = found
-        first, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        end = first + storage.nbytes()
         overlapping = []
         position = bisect.bisect_left(starts, end) - 1
         while position >= 0 and starts[position] + longest > first:
@@ -658,8 +659,8 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         """Keep, from now on, which elements of each of ``tensors``' storages in-place writes reach
         (:meth:`unwritten_bytes`); other storages keep no such account."""
         for tensor in tensors:
-            if _strided(tensor):
-                storage = tensor.untyped_storage()
+            for part in (_parts(tensor) or []) if isinstance(tensor, torch.Tensor) else ():
+                storage = part.untyped_storage()
                 coverage = self._watched.get(id(storage))
                 if coverage is None or coverage.ref() is not storage:
                     self._watched[id(storage)] = _Coverage(storage)
@@ -673,9 +674,16 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         ``put_``) refresh the elements they reach; an op that reads the values it writes (``mul_``, ``index_add_``)
         or writes values computed from unrefreshed bytes of the same storage (``s.copy_(s * 1)``) refreshes
         nothing, and an op that changes only the view (``t_``, ``set_``) marks nothing. Writes the dispatcher never
-        sees (a NumPy view, a raw kernel) are not counted."""
-        if not _strided(tensor):
+        sees (a NumPy view, a raw kernel) are not counted. A wrapper subclass's are its inner tensors' together."""
+        parts = _parts(tensor) if isinstance(tensor, torch.Tensor) else None
+        if not parts:
             return None
+        if parts != [tensor]:
+            found = [self.unwritten_bytes(part) for part in parts]
+            if all(left is None for left in found):
+                return None
+            # an inner tensor nothing wrote while another was written: none of its bytes refreshed
+            return sum(_nbytes(part) if left is None else left for part, left in zip(parts, found, strict=True))
         storage = tensor.untyped_storage()
         coverage = self._watched.get(id(storage))
         if coverage is None or coverage.ref() is not storage:
@@ -747,6 +755,19 @@ def _parts(tensor: torch.Tensor) -> list[torch.Tensor] | None:
     if is_traceable_wrapper_subclass(tensor):
         return [part for part in memory_tensors(tensor) if _strided(part)]
     return [tensor] if _strided(tensor) else None
+
+
+def _address(storage: Any) -> int | None:
+    """Where a storage's memory starts, or ``None`` for one with none to read (a wrapper subclass's own storage)."""
+    try:
+        return int(storage.data_ptr())
+    except RuntimeError:
+        return None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    start, end = _span(tensor) if tensor.numel() else (0, 0)
+    return end - start
 
 
 def _strided(tensor: Any) -> bool:
