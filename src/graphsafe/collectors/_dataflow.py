@@ -629,7 +629,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             if access != _VIEW:
                 opaque.append(tensor)
             return
-        inner = parts != [tensor]
+        inner = len(parts) != 1 or parts[0] is not tensor  # identity: == on tensors compares values
         for part in parts:
             seen.add(id(part.untyped_storage()))
             if access == _WRITE:
@@ -678,7 +678,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         parts = _parts(tensor) if isinstance(tensor, torch.Tensor) else None
         if not parts:
             return None
-        if parts != [tensor]:
+        if len(parts) != 1 or parts[0] is not tensor:
             found = [self.unwritten_bytes(part) for part in parts]
             if all(left is None for left in found):
                 return None
