@@ -279,3 +279,30 @@ def test_a_layerwise_reload_with_a_tie_across_two_swapping_layers() -> None:
         layers=(layer0, layer1), mode="recapture", detect="every-reload", manifest=False, layerwise="plain"
     )
     _assert_honest(scenario)
+
+
+_OPEN_ATTRIBUTE = (
+    "open (docs/fault-matrix.md): a weight attribute PWAL hangs, on a condition, on a complex subclass slot held at a "
+    "child as a view of its old tensor, after a loader that rebinds the weight with metadata: committed with the "
+    "attribute naming neither the cold model's tensor nor PWAL's"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=_OPEN_ATTRIBUTE)
+def test_a_conditional_weight_attribute_on_a_subclass_view_at_a_child_follows_the_rebound_weight() -> None:
+    """Found by the long fuzz run (strict, ``declared-only``, under a capture manifest): the loader binds a new
+    Parameter at ``weight`` carrying loader metadata; PWAL keeps ``d0`` (a complex subclass at a child module) as a view
+    of its old tensor and, where a condition on the new weights holds, hangs the weight on it (``d0.fz_attr``). The
+    reload commits with ``d0.fz_attr`` naming a tensor that is neither the cold model's weight nor the one PWAL left."""
+    slot = SlotSpec(
+        "d0",
+        source="complex",
+        subclass=True,
+        holder="child",
+        mutation="view_old",
+        attr="peer",
+        attr_of=-1,
+        attr_when="cond",
+    )
+    layer = LayerSpec(rows=3, cols=1, slots=(slot,), loader="rebind", meta="load")
+    _assert_honest(Scenario(layers=(layer,), mode="strict", detect="declared-only", manifest=True))
