@@ -407,9 +407,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             if node is None:
                 continue
             storage = tensor.untyped_storage()
-            watched = self._watched.get(id(storage)) if self._watched else None
-            if watched is not None and watched.ref() is not storage:
-                watched = None
+            watched = self._coverage_of(storage)
             aliases = self._aliases(node, storage) if self._watched and watched is None else ()
             if not (node.stale or stale or watched is not None or aliases):
                 node.written = True
@@ -426,7 +424,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             if watched is not None:
                 self._note(watched, func, tensor, named, overwrite, stale, inner)
             for alias in aliases:
-                self._note_alias(alias, func, tensor, named, overwrite, stale)
+                self._note(alias, func, tensor, named, overwrite, stale, inner, alias=True)
         self._outputs(out, sources, stale, argument_storages)
         return out
 
@@ -465,8 +463,8 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             for tensor in read:
                 node = self._node(tensor, created=False)
                 storage = tensor.untyped_storage()
-                coverage = self._watched.get(id(storage))
-                if coverage is not None and coverage.ref() is storage:
+                coverage = self._coverage_of(storage)
+                if coverage is not None:
                     coverage.written = coverage.unknown = True
                 for alias in self._aliases(node, storage) if node is not None and self._watched else ():
                     alias.written = alias.unknown = True
@@ -484,50 +482,30 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         overwrite: bool,
         stale: frozenset[tuple[int, int]],
         inner: bool,
+        *,
+        alias: bool = False,
     ) -> None:
-        """Count a write into a watched storage; where it drew on another watched storage's unrefreshed bytes,
-        remember that storage's generation (a later refresh of it makes this write's values old)."""
-        own = id(coverage.ref())
-        try:
-            coverage.note(
-                func, tensor, named, overwrite=overwrite, stale=any(key == own for key, _ in stale), inner=inner
-            )
-        except Exception:  # the user's op went through; what it reached is not known
-            coverage.unknown = True
-        self._drawn(coverage, own, stale)
-
-    def _note_alias(
-        self,
-        coverage: _Coverage,
-        func: Any,
-        tensor: torch.Tensor,
-        named: dict[str, Any],
-        overwrite: bool,
-        stale: frozenset[tuple[int, int]],
-    ) -> None:
-        """Count a write through another storage object over a watched storage's memory, on the bytes of it the
-        write reaches."""
+        """Count a write into a watched storage: through one of its own views, or (``alias``) through another storage
+        object over its memory, on the bytes of it the write reaches. Where the values drew on another watched
+        storage's unrefreshed bytes, remember that storage's generation (a later refresh of it makes them old)."""
         other = coverage.ref()
-        if other is None or not tensor.numel():
+        if other is None or (alias and not tensor.numel()):
             return
         own = id(other)
+        own_stale = any(key == own for key, _ in stale)
         try:
-            first, last = _span(tensor)
-            shift = tensor.untyped_storage().data_ptr() - other.data_ptr()
-            start, end = max(first + shift, 0), min(last + shift, other.nbytes())
-            if start < end:
-                exact = _exact_span(tensor) is not None  # no gaps, clipped to the watched storage or not
-                coverage.note_between(
-                    func,
-                    start,
-                    end,
-                    named,
-                    overwrite=overwrite,
-                    stale=any(key == own for key, _ in stale),
-                    exact=exact,
-                )
+            if not alias:
+                coverage.note(func, tensor, named, overwrite=overwrite, stale=own_stale, inner=inner)
+            else:
+                first, last = _span(tensor)
+                shift = tensor.untyped_storage().data_ptr() - other.data_ptr()
+                start, end = max(first + shift, 0), min(last + shift, other.nbytes())
+                if start < end:
+                    exact = _exact_span(tensor) is not None  # no gaps, clipped to the watched storage or not
+                    coverage.note_between(func, start, end, named, overwrite=overwrite, stale=own_stale, exact=exact)
         except Exception:  # the user's op went through; what it reached is not known
-            coverage.written = coverage.unknown = True
+            coverage.unknown = True
+            coverage.written = coverage.written or alias
         self._drawn(coverage, own, stale)
 
     @staticmethod
@@ -555,8 +533,8 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
                 node = self._node(tensor, created=False)
                 if node is not None and node.stale:
                     stale |= {entry for entry in node.stale if entry[0] != id(storage)}  # its own: coverage tells
-                coverage = self._watched.get(id(storage))
-                if coverage is not None and coverage.ref() is storage:
+                coverage = self._coverage_of(storage)
+                if coverage is not None:
                     if coverage.unrefreshed(tensor):
                         stale.add((id(storage), coverage.generation))
                 elif node is not None and tensor.numel():
@@ -573,6 +551,11 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             for coverage in self._watched.values():
                 coverage.unknown = True
         return frozenset(stale)
+
+    def _coverage_of(self, storage: Any) -> _Coverage | None:
+        """The account of a watched storage, or ``None`` (not watched, or its id now names another storage)."""
+        coverage = self._watched.get(id(storage))
+        return coverage if coverage is not None and coverage.ref() is storage else None
 
     def _aliases(self, node: _Node, storage: Any) -> tuple[_Coverage, ...]:
         """The watched storages whose memory ``storage`` (another storage object) overlaps, asked once per node."""
@@ -661,8 +644,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         for tensor in tensors:
             for part in (_parts(tensor) or []) if isinstance(tensor, torch.Tensor) else ():
                 storage = part.untyped_storage()
-                coverage = self._watched.get(id(storage))
-                if coverage is None or coverage.ref() is not storage:
+                if self._coverage_of(storage) is None:
                     self._watched[id(storage)] = _Coverage(storage)
                     self._index = None
 
@@ -684,9 +666,8 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
                 return None
             # an inner tensor nothing wrote while another was written: none of its bytes refreshed
             return sum(_nbytes(part) if left is None else left for part, left in zip(parts, found, strict=True))
-        storage = tensor.untyped_storage()
-        coverage = self._watched.get(id(storage))
-        if coverage is None or coverage.ref() is not storage:
+        coverage = self._coverage_of(tensor.untyped_storage())
+        if coverage is None:
             return None
         for key, generation in coverage.drawn.items():
             other = self._watched.get(key)
