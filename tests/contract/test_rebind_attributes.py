@@ -413,3 +413,89 @@ def test_a_large_workspace_pointing_only_at_what_the_graph_reads_leaves_the_skip
     assert outcome is not None and outcome.status is Status.COMMITTED, outcome
     assert outcome.skip_refused is None, outcome.skip_refused
     assert outcome.slots_skipped == 1, (outcome.slots_skipped, outcome.skip_notes)
+
+
+# -- 6. an attribute naming a rebound tensor on a tensor no slot path names --------------------------------------
+class _KernelRef(nn.Module):
+    """A kernel tensor at a child module keeps a reference to the weight it was built from
+    (``sub.kernel.weight_ref = weight``), set by PWAL where a condition on the weights holds (not at the first
+    load). Nothing declares ``sub.kernel``: under ``declared-only`` no slot path names it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((N,), -1.0), requires_grad=False)
+        self.sub = nn.Module()
+
+    def pwal(self) -> None:
+        kernel = getattr(self.sub, "kernel", None)
+        if kernel is None:
+            self.sub.kernel = kernel = self.weight * 2
+        else:
+            kernel.copy_(self.weight * 2)  # in place: the graph keeps reading it
+        if bool(self.weight.sum() > 0):
+            kernel.weight_ref = self.weight
+        else:
+            kernel.__dict__.pop("weight_ref", None)
+
+
+def _rebind_weight(model: _KernelRef, value: float) -> nn.Parameter:
+    """A loader that binds a new Parameter (``layer.weight = nn.Parameter(new)``), then PWAL."""
+    new = nn.Parameter(torch.full((N,), value), requires_grad=False)
+    model.weight = new
+    with torch.no_grad():
+        model.pwal()
+    return new
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+@pytest.mark.parametrize("detect", DETECTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_an_attribute_off_every_slot_path_follows_the_rebound_weight(mode: str, detect: str, layerwise: bool) -> None:
+    """Attack: the loader rebinds ``weight``; graphsafe copies the new values into the captured Parameter and binds
+    that back, while ``sub.kernel.weight_ref`` (a tensor no slot path names) still names the new Parameter, which
+    nothing else holds: the next in-place load writes ``model.weight`` and the kernel's reference keeps the old
+    values. Promise: after the reload ``sub.kernel.weight_ref`` is the tensor at ``weight``, whatever the status."""
+    model = _KernelRef()
+    with torch.no_grad():
+        model.pwal()
+    contract = GraphContract(model, mode, detect=detect).seal()  # type: ignore[arg-type]
+    captured = model.weight
+    with contextlib.suppress(ContractViolation), contract.reload(layerwise=layerwise) as txn:
+        if layerwise:
+            txn.before_layer(model)
+        _rebind_weight(model, 3.0)
+        if layerwise:
+            txn.after_layer(model)
+    outcome = contract.last_outcome
+    assert outcome is not None
+    assert model.weight is captured, outcome.summary()  # the premise: the captured Parameter was bound back
+    assert model.sub.kernel.weight_ref is model.weight, (
+        f"{outcome.status.name}: sub.kernel.weight_ref is {'the orphaned new' if model.sub.kernel.weight_ref is not captured else '?'} "
+        "Parameter, not the one at weight"
+    )
+    with torch.no_grad():
+        model.weight.fill_(7.0)  # the next load, in place
+    assert torch.equal(model.sub.kernel.weight_ref, torch.full((N,), 7.0))
+
+
+def test_a_rebound_tensor_held_elsewhere_than_a_tensor_attribute_is_left_as_it_is() -> None:
+    """What the remap must not touch: a list and a plain object of the user's that hold the new Parameter keep it
+    (graphsafe rewrites only tensors' attributes), and a new Parameter nothing else holds is let go."""
+    model = _KernelRef()
+    with torch.no_grad():
+        model.pwal()
+    contract = GraphContract(model, "strict", detect="declared-only").seal()
+
+    class Holder:
+        pass
+
+    with contract.reload():
+        new = _rebind_weight(model, 3.0)
+        kept, holder = [new], Holder()
+        holder.param = new
+    assert model.sub.kernel.weight_ref is model.weight and model.weight is not new
+    assert kept[0] is new and holder.param is new
+    del new, kept, holder
+    with contract.reload():
+        gone = weakref.ref(_rebind_weight(model, 4.0))
+    assert gone() is None and model.sub.kernel.weight_ref is model.weight

@@ -281,19 +281,12 @@ def test_a_layerwise_reload_with_a_tie_across_two_swapping_layers() -> None:
     _assert_honest(scenario)
 
 
-_OPEN_ATTRIBUTE = (
-    "open (docs/fault-matrix.md): a weight attribute PWAL hangs, on a condition, on a complex subclass slot held at a "
-    "child as a view of its old tensor, after a loader that rebinds the weight with metadata: committed with the "
-    "attribute naming neither the cold model's tensor nor PWAL's"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_OPEN_ATTRIBUTE)
 def test_a_conditional_weight_attribute_on_a_subclass_view_at_a_child_follows_the_rebound_weight() -> None:
     """Found by the long fuzz run (strict, ``declared-only``, under a capture manifest): the loader binds a new
     Parameter at ``weight`` carrying loader metadata; PWAL keeps ``d0`` (a complex subclass at a child module) as a view
     of its old tensor and, where a condition on the new weights holds, hangs the weight on it (``d0.fz_attr``). The
-    reload commits with ``d0.fz_attr`` naming a tensor that is neither the cold model's weight nor the one PWAL left."""
+    reload committed with ``d0.fz_attr`` naming the orphaned new Parameter: no slot path names ``d0`` under
+    ``declared-only``, so no remap reached it (the attribute of any tensor naming a rebound one is remapped now)."""
     slot = SlotSpec(
         "d0",
         source="complex",

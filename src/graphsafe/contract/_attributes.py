@@ -3,7 +3,9 @@ takes the attributes of the tensor the load put there."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import gc
+import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,7 +13,7 @@ import torch
 from graphsafe.contract._slots import _MISSING
 from graphsafe.outcome import Origin
 
-__all__: list[str] = []
+__all__ = ["remap_held_elsewhere"]
 
 
 _LOADED = (Origin.PARAMETER, Origin.BUFFER)
@@ -62,3 +64,33 @@ def _move_attributes(
     if not keep:
         captured.__dict__.clear()
     captured.__dict__.update(attributes)
+
+
+def remap_held_elsewhere(rebound: Sequence[tuple[weakref.ref[torch.Tensor], torch.Tensor]]) -> None:
+    """After a step's rebinds, with graphsafe's own references to the new tensors dropped: a new tensor still alive
+    is held by something else. Where that is a tensor's attribute (``kernel.weight_ref = layer.weight`` on a tensor
+    no slot path names, an undeclared one under ``declared-only``), it names what its path holds now, as
+    :meth:`LayerSnapshot.remap_attributes` does for the tensors at slot paths; else a later in-place load writes
+    the path's tensor and the attribute keeps the orphan's old values. ``rebound``: (weak reference to each new
+    tensor the step replaced, what replaced it). Costs a weak-reference call per rebind; two walks of the
+    collector's objects only where a new tensor survived."""
+    alive: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for ref, held in rebound:
+        new = ref()
+        if new is not None:
+            alive[id(new)] = (new, held)
+    if not alive:
+        return
+    holders = [d for d in gc.get_referrers(*(new for new, _ in alive.values())) if type(d) is dict]
+    if not holders:
+        return
+    ids = {id(d) for d in holders}
+    for owner in gc.get_referrers(*holders):
+        if not isinstance(owner, torch.Tensor):
+            continue
+        attributes = owner.__dict__
+        if id(attributes) not in ids:  # (a tensor that refers to the dict otherwise)
+            continue
+        for name, value in list(attributes.items()):
+            if isinstance(value, torch.Tensor) and id(value) in alive:
+                attributes[name] = alive[id(value)][1]

@@ -283,7 +283,8 @@ def _restore_group(self: ReloadTransaction, group: list[LayerSnapshot], *, close
         kept_at_paths = {id(t) for snapshot, rebinds in work for t in snapshot.kept_tensors(rebinds)}
         for snapshot, rebinds in work:
             snapshot.carry_attributes(rebinds, kept_at_paths)
-    swapped = {id(new): held for snapshot, rebinds in work for new, held in snapshot.bound_instead(rebinds)}
+    pairs = [pair for snapshot, rebinds in work for pair in snapshot.bound_instead(rebinds)]
+    swapped = {id(new): held for new, held in pairs}
     for snapshot, rebinds in work:
         snapshot.rebind(rebinds, swapped)
     if plan.moves and any(f.kind is FindingKind.MOVED for snapshot, _ in work for f in snapshot.findings):
@@ -294,6 +295,8 @@ def _restore_group(self: ReloadTransaction, group: list[LayerSnapshot], *, close
         for snapshot, _ in work:
             if snapshot.attributed:
                 snapshot.remap_attributes(swapped)
+        self._rebound.extend((weakref.ref(new), held) for new, held in pairs)
+    del pairs
     for snapshot, _ in work:  # after every rebind: two layers' paths can reach one place (nested layers)
         snapshot.verify()
     self._doubt_abandoned(work, plan)

@@ -22,6 +22,7 @@ from torch import nn
 from graphsafe._gcpause import collections_paused
 from graphsafe.collectors import Dataflow
 from graphsafe.contract._agreement import Agreement
+from graphsafe.contract._attributes import remap_held_elsewhere
 from graphsafe.contract._departures import Departures
 from graphsafe.contract._freshness import ClosedLayer, check_closed, permuted_deferred
 from graphsafe.contract._late import LateModule, late_stale
@@ -78,6 +79,8 @@ class ReloadTransaction:
         self._findings: list[Finding] = []
         #: New tensors earlier restore steps left at their paths (findings): later steps treat them as readers.
         self._kept: list[torch.Tensor] = []
+        #: (weak reference to each new tensor a restore step replaced, what replaced it): see _settle.
+        self._rebound: list[tuple[weakref.ReferenceType[torch.Tensor], torch.Tensor]] = []
         #: id(storage) -> (storage, offset, bytes) of the new tensors earlier restore steps copied from on it (see
         #: _note_earlier_new).
         self._earlier: dict[int, list[tuple[weakref.ReferenceType[Any], int, int]]] = {}
@@ -502,6 +505,9 @@ class ReloadTransaction:
                 if self._closed:  # tied layers after_layer() left to this restore: permuted since?
                     self._findings.extend(permuted_deferred(self._closed.values()))
                 self._restore_group(group)
+                if self._rebound:  # attributes naming a replaced tensor from outside any slot path
+                    rebound, self._rebound = self._rebound, []
+                    remap_held_elsewhere(rebound)
                 if self._order_digests:  # a layer whose weights were written before its before_layer()
                     noted, self._order_digests = self._order_digests, []
                     changed = changed_since([digests for _, digests in noted])
