@@ -1,9 +1,11 @@
-"""The recorded (first) reload of an engine-shaped model: what recording what PWAL reads and refreshes costs.
+"""The recorded reload of an engine-shaped model: what recording what PWAL reads and refreshes costs.
 
     PYTHONPATH=src python3 benchmarks/first_reload.py [--models 5]
 
-Each model is built, sealed (``declared-only``, strict) and reloaded once with other weights; the first reload after
-a seal records the load and PWAL (``collectors.Dataflow``), later ones do not. Prints the median over fresh models.
+Each model is built, sealed (``declared-only``, strict) and reloaded with other weights; the first reload after a
+seal records the load and PWAL (``collectors.Dataflow``), later ones do not unless ``record_every_reload`` is set.
+Prints the median over fresh models of the first reload, and of later reloads without and with
+``record_every_reload``, taken in turns on one model.
 """
 
 from __future__ import annotations
@@ -33,15 +35,28 @@ def main() -> None:
     template = _engine.EngineModel(shape, torch.device("meta"))
     initial, new = (_engine.make_weights(template, seed, device) for seed in (0, 1))
     Dataflow.prepare()  # torch's one-time dispatch set-up, outside the timing
-    seconds = []
+    first: list[float] = []
+    later: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(args.models):
         model = _engine.build(shape, device, declare=True, weights=initial)
         contract = GraphContract(model, "strict", detect="declared-only").seal()
-        start = time.perf_counter()
-        with contract.reload():
-            _engine.load_weights(model, new, declare=True)
-        seconds.append(time.perf_counter() - start)
-    print(f"{shape.name}: the recorded reload, median of {args.models}: {statistics.median(seconds) * 1e3:.1f} ms")
+        first.append(_reload(contract, model, new))
+        for turn in range(4):
+            every = turn % 2 == 1
+            contract.record_every_reload = every
+            later[every].append(_reload(contract, model, initial if turn % 2 else new))
+    print(f"{shape.name}, medians over {args.models} models:")
+    print(f"  the first (recorded) reload            {statistics.median(first) * 1e3:7.1f} ms")
+    plain, every = (statistics.median(later[flag]) * 1e3 for flag in (False, True))
+    print(f"  a later reload                         {plain:7.1f} ms")
+    print(f"  a later reload, record_every_reload    {every:7.1f} ms  ({every / plain:.2f}x)")
+
+
+def _reload(contract: GraphContract, model: _engine.EngineModel, weights: list[list[torch.Tensor]]) -> float:
+    start = time.perf_counter()
+    with contract.reload():
+        _engine.load_weights(model, weights, declare=True)
+    return time.perf_counter() - start
 
 
 if __name__ == "__main__":

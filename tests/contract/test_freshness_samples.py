@@ -300,9 +300,9 @@ def test_an_in_place_refresh_written_in_parts_that_cover_it_commits(mode: str) -
 
 
 _PARTIAL_UNRECORDED = (
-    "open (docs/fault-matrix.md): on a reload nothing records (every one after the first), a PWAL that refreshes "
-    "only part of a slot in place changes its value sample, which is what a legitimate write whose new values agree "
-    "with the old ones in places does too"
+    "open (docs/fault-matrix.md): on a reload nothing records (every one after the first, unless "
+    "record_every_reload), a PWAL that refreshes only part of a slot in place changes its value sample, which is what "
+    "a legitimate write whose new values agree with the old ones in places does too"
 )
 
 
@@ -314,6 +314,22 @@ def test_a_partial_in_place_refresh_on_a_later_reload_does_not_commit_stale(n: i
     assert _partial_reload(layer, contract, 3).status is Status.COMMITTED
     layer.writes = writes
     _partial_reload(layer, contract, 4)
+
+
+@_PARTS
+def test_a_partial_in_place_refresh_on_a_later_reload_is_stale_where_every_reload_records(
+    n: int, writes: tuple[slice, ...]
+) -> None:
+    """``record_every_reload``: the later reload's partial write is counted as on the first."""
+    layer = _Partial(n, (slice(0, n),))
+    contract = GraphContract(layer, "recapture", detect="declared-only").seal()
+    contract.record_every_reload = True
+    for seed in (3, 4):  # whole refreshes commit, recorded each time
+        assert _partial_reload(layer, contract, seed).status is Status.COMMITTED
+    layer.writes = writes
+    outcome = _partial_reload(layer, contract, 5)
+    assert outcome.status is not Status.COMMITTED
+    assert any(f.kind is FindingKind.STALE and "only in part" in f.detail for f in outcome.findings), outcome
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -167,6 +167,11 @@ class GraphContract:
         self.reloads = 0
         #: Whether the first reload transaction records what PWAL reads (see :meth:`recorded_inputs`).
         self.record_first_reload = True
+        #: Whether every reload transaction records PWAL, not only the first: a slot PWAL rewrites in place only in
+        #: part is then found on any reload (an unrecorded reload judges an in-place rewrite by its value sample,
+        #: which a partial write changes too). Costs a dispatch-mode call per op of the load and PWAL
+        #: (``benchmarks/first_reload.py``).
+        self.record_every_reload = False
         self._recorded = False  # a recording was taken (at a reload, or of the initial load by record_inputs())
         # declared-only with a manifest: the paths the manifest saw holding captured storage that no sealed slot
         # tracks, each as a walker-found slot kept across reloads (so a recording's lesson about it is kept)
