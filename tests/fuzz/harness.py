@@ -225,6 +225,7 @@ def prepare(
         name=name,  # type: ignore[arg-type]
     )
     contract.fast_tier = fast_tier
+    contract.record_first_reload = scenario.record == "first"
     try:
         contract.seal()
         models.warm(model)

@@ -101,6 +101,11 @@ LAYERWISE = ("none", "plain", "repwal", "rewrite_same", "rewrite_new", "rewrite_
 #: tensor), at the reload, at both.
 INFERENCE = ("none", "first", "reload", "both")
 
+#: Whether the reload is recorded (``GraphContract.record_first_reload``): ``first``, the contract's default (the
+#: first reload after a seal records the load and PWAL); ``none``, judged as every later reload is (value samples,
+#: version counters and digests, no dispatch mode), against the whole layer's tensors as inputs.
+RECORDS = ("first", "none")
+
 #: How the loader puts a layer's new weight in place.
 LOADERS = (
     "copy",  # ``weight.copy_(new)`` under no_grad (upstream)
@@ -192,6 +197,7 @@ class Scenario:
     layerwise: str = "none"  # see LAYERWISE
     touch: int = 0  # the layer a layerwise touch acts on
     inference: str = "none"  # see INFERENCE
+    record: str = "first"  # see RECORDS
     #: The class of scenario (``fuzz.classes.CLASSES``): ``base``, or one extra feature on layer ``at`` of the
     #: model (a ContextVar-held tensor, a module-level cache, a lazy module, ...), built as ``variant`` says and
     #: changed by the reload as ``fault`` says.
@@ -208,6 +214,8 @@ class Scenario:
             head += f" layerwise:{self.layerwise}" + (f"@{self.touch}" if self.layerwise != "plain" else "")
         if self.inference != "none":
             head += f" inference:{self.inference}"
+        if self.record != "first":
+            head += f" record:{self.record}"
         return head + "".join(f"\n  layers.{i}: {layer.describe()}" for i, layer in enumerate(self.layers))
 
     def mutations(self) -> set[str]:

@@ -24,6 +24,7 @@ from fuzz.models import (
     LOADERS,
     METAS,
     MODES,
+    RECORDS,
     STATIC_SOURCES,
     SWAP_LOADERS,
     LayerSpec,
@@ -251,4 +252,5 @@ def base_scenarios(draw: Any) -> Scenario:
         layerwise=layerwise,
         touch=touch,
         inference=inference,
+        record=draw(st.sampled_from(RECORDS)),
     )
