@@ -3,9 +3,8 @@ takes the attributes of the tensor the load put there."""
 
 from __future__ import annotations
 
-import gc
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -66,30 +65,30 @@ def _move_attributes(
     captured.__dict__.update(attributes)
 
 
-def remap_held_elsewhere(rebound: Sequence[tuple[weakref.ref[torch.Tensor], torch.Tensor]]) -> None:
-    """After a step's rebinds, with graphsafe's own references to the new tensors dropped: a new tensor still alive
-    is held by something else. Where that is a tensor's attribute (``kernel.weight_ref = layer.weight`` on a tensor
-    no slot path names, an undeclared one under ``declared-only``), it names what its path holds now, as
-    :meth:`LayerSnapshot.remap_attributes` does for the tensors at slot paths; else a later in-place load writes
-    the path's tensor and the attribute keeps the orphan's old values. ``rebound``: (weak reference to each new
-    tensor the step replaced, what replaced it). Costs a weak-reference call per rebind; two walks of the
-    collector's objects only where a new tensor survived."""
-    alive: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+def remap_held_elsewhere(
+    rebound: Sequence[tuple[weakref.ref[torch.Tensor], torch.Tensor]], owners: Callable[[], Iterable[torch.Tensor]]
+) -> None:
+    """After a reload's rebinds, with graphsafe's own references to the new tensors dropped: a new tensor still
+    alive is held by something else. Where that is an attribute of a tensor of the model that no slot path names
+    (``kernel.weight_ref = layer.weight`` on an undeclared kernel tensor under ``declared-only``), it names what
+    replaced the new tensor, as :meth:`LayerSnapshot.remap_attributes` does for the tensors at slot paths; else a
+    later in-place load writes the path's tensor and the attribute keeps the orphan's old values. ``rebound``:
+    (weak reference to each new tensor a restore step replaced, what replaced it). ``owners``: the model's tensors,
+    asked only where a new tensor survived (a walk of the model). Lists, dicts and objects of the caller's (a
+    loader's ``params`` dict) are never rewritten."""
+    alive: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # held for the sweep: no id is reused meanwhile
     for ref, held in rebound:
         new = ref()
         if new is not None:
             alive[id(new)] = (new, held)
     if not alive:
         return
-    holders = [d for d in gc.get_referrers(*(new for new, _ in alive.values())) if type(d) is dict]
-    if not holders:
-        return
-    ids = {id(d) for d in holders}
-    for owner in gc.get_referrers(*holders):
-        if not isinstance(owner, torch.Tensor):
+    for owner in owners():
+        try:
+            attributes = owner.__dict__
+        except Exception:  # a subclass that keeps its dict to itself: nothing to remap through
             continue
-        attributes = owner.__dict__
-        if id(attributes) not in ids:  # (a tensor that refers to the dict otherwise)
+        if not attributes:
             continue
         for name, value in list(attributes.items()):
             if isinstance(value, torch.Tensor) and id(value) in alive:

@@ -26,8 +26,8 @@ def broken_paths(self: LayerSnapshot) -> set[str]:
 
 def bound_instead(
     self: LayerSnapshot, rebinds: list[tuple[int, torch.Tensor]]
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(new tensor, what its path will hold)`` for every rebind :meth:`rebind` will make: the captured
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """``(slot index, new tensor, what its path will hold)`` for every rebind :meth:`rebind` will make: the captured
     tensor; an ``alias-broken`` slot's kept clone of its values (a slot that keeps its new tensor is left out).
     Ask after every copy of the step was taken back or not (the rebinds left are the ones made)."""
     broken = self.broken_paths() if self.findings else set()
@@ -36,9 +36,9 @@ def bound_instead(
         if new is None:
             continue
         if self.slots[index].path.text not in broken:
-            yield new, captured
+            yield index, new, captured
         elif index in self.keep:
-            yield new, self.keep[index]
+            yield index, new, self.keep[index]
 
 
 def carry_attributes(self: LayerSnapshot, rebinds: list[tuple[int, torch.Tensor]], kept_at_paths: set[int]) -> None:

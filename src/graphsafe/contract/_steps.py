@@ -14,6 +14,7 @@ from torch import nn
 
 from graphsafe.collectors import UNTRACKABLE_ADVICE
 from graphsafe.contract._access import submodule_is
+from graphsafe.contract._attributes import _LOADED
 from graphsafe.contract._copy import CopyBatch, byte_span
 from graphsafe.contract._fast import Rebinds, plan_common, step_conditions
 from graphsafe.contract._freshness import ClosedLayer, check_freshness, judge_noted
@@ -22,7 +23,7 @@ from graphsafe.contract._order import loaded_early, moved_since, note_digests
 from graphsafe.contract._owned import take_back_reasons
 from graphsafe.contract._plan import RestorePlan
 from graphsafe.contract._samples import version_of
-from graphsafe.contract._slots import SealedLayer
+from graphsafe.contract._slots import SealedLayer, SealedSlot
 from graphsafe.contract._snapshot import LayerSnapshot
 from graphsafe.contract._unnamed import note_unnamed
 from graphsafe.contract._unread import skip_unread
@@ -283,8 +284,8 @@ def _restore_group(self: ReloadTransaction, group: list[LayerSnapshot], *, close
         kept_at_paths = {id(t) for snapshot, rebinds in work for t in snapshot.kept_tensors(rebinds)}
         for snapshot, rebinds in work:
             snapshot.carry_attributes(rebinds, kept_at_paths)
-    pairs = [pair for snapshot, rebinds in work for pair in snapshot.bound_instead(rebinds)]
-    swapped = {id(new): held for new, held in pairs}
+    pairs = [(snapshot, *bound) for snapshot, rebinds in work for bound in snapshot.bound_instead(rebinds)]
+    swapped = {id(new): held for _, _, new, held in pairs}
     for snapshot, rebinds in work:
         snapshot.rebind(rebinds, swapped)
     if plan.moves and any(f.kind is FindingKind.MOVED for snapshot, _ in work for f in snapshot.findings):
@@ -295,7 +296,7 @@ def _restore_group(self: ReloadTransaction, group: list[LayerSnapshot], *, close
         for snapshot, _ in work:
             if snapshot.attributed:
                 snapshot.remap_attributes(swapped)
-        self._rebound.extend((weakref.ref(new), held) for new, held in pairs)
+    self._note_rebound(pairs, close)
     del pairs
     for snapshot, _ in work:  # after every rebind: two layers' paths can reach one place (nested layers)
         snapshot.verify()
@@ -313,6 +314,51 @@ def _restore_group(self: ReloadTransaction, group: list[LayerSnapshot], *, close
         snapshot.overrides, snapshot.kept, snapshot.keep, snapshot.attributes = {}, [], {}, {}
         snapshot.swapped, snapshot.carried, snapshot.attributed = {}, {}, []
     del work
+
+
+def _note_rebound(
+    self: ReloadTransaction, pairs: list[tuple[LayerSnapshot, int, torch.Tensor, torch.Tensor]], close: bool
+) -> None:
+    """Keep a weak reference to each new tensor the step replaced at its path (the path holds what replaced it,
+    whatever else the step found), for what the reload's end asks of those something else keeps alive: their
+    attributes elsewhere in the model follow (``remap_held_elsewhere``), and after ``after_layer()`` (``close``)
+    no write may land in one (:func:`written_after_close`)."""
+    for snapshot, index, new, held in pairs:
+        slot = snapshot.slots[index]
+        if slot.get(snapshot.layer) is not held:  # not rebound (a holder refused it): the path keeps its new tensor
+            continue
+        ref = weakref.ref(new)
+        self._rebound.append((ref, held))
+        if close and slot.origin in _LOADED:  # (a derived one may become another slot's, written legitimately)
+            try:
+                version = new._version
+            except RuntimeError:  # an inference tensor counts no writes
+                continue
+            self._closed_rebinds.append((ref, version, snapshot.sealed, slot))
+
+
+def written_after_close(
+    rebinds: list[tuple[weakref.ref[torch.Tensor], int, SealedLayer, SealedSlot]],
+) -> list[Finding]:
+    """A new tensor ``after_layer()`` replaced by its captured one that something still holds (a loader's
+    ``params`` dict) and that was written since: that write (a later shard) reached the orphan, never the captured
+    tensor the graph reads (``stale``)."""
+    findings = []
+    for ref, version, sealed, slot in rebinds:
+        new = ref()
+        if new is None or new._version == version:
+            continue
+        findings.append(
+            sealed.finding(
+                FindingKind.STALE,
+                slot,
+                detail="the tensor the load bound here was written after its layer's after_layer() put the captured "
+                "one back, through a reference the loader kept (its params dict): the graph reads the captured "
+                "tensor, which never got that write. Load a layer's weights completely before its after_layer(), "
+                "or write them through the model's path",
+            )
+        )
+    return findings
 
 
 def _plan_common(

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from graphsafe._gcpause import collections_paused
-from graphsafe.collectors import Dataflow
+from graphsafe.collectors import Dataflow, walk
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._attributes import remap_held_elsewhere
 from graphsafe.contract._departures import Departures
@@ -29,7 +29,7 @@ from graphsafe.contract._late import LateModule, late_stale
 from graphsafe.contract._order import LoadStamp, changed_since, load_stamps, loaded_early
 from graphsafe.contract._repeat import Repeat, late_loads, note_repeat
 from graphsafe.contract._samples import Digest, SampleBatch
-from graphsafe.contract._slots import InputRef, SealedLayer
+from graphsafe.contract._slots import InputRef, SealedLayer, SealedSlot
 from graphsafe.contract._snapshot import LayerSnapshot
 from graphsafe.contract._tensorref import TensorRef
 from graphsafe.contract._unnamed import UnnamedNote, UnownedNote, note_unowned, unnamed_stale, unwritten_unowned
@@ -81,6 +81,8 @@ class ReloadTransaction:
         self._kept: list[torch.Tensor] = []
         #: (weak reference to each new tensor a restore step replaced, what replaced it): see _settle.
         self._rebound: list[tuple[weakref.ReferenceType[torch.Tensor], torch.Tensor]] = []
+        #: Of those, the ones after_layer() replaced, with their version then (see _steps.written_after_close).
+        self._closed_rebinds: list[tuple[weakref.ReferenceType[torch.Tensor], int, SealedLayer, SealedSlot]] = []
         #: id(storage) -> (storage, offset, bytes) of the new tensors earlier restore steps copied from on it (see
         #: _note_earlier_new).
         self._earlier: dict[int, list[tuple[weakref.ReferenceType[Any], int, int]]] = {}
@@ -506,9 +508,9 @@ class ReloadTransaction:
                 if self._closed:  # tied layers after_layer() left to this restore: permuted since?
                     self._findings.extend(permuted_deferred(self._closed.values()))
                 self._restore_group(group)
-                if self._rebound:  # attributes naming a replaced tensor from outside any slot path
-                    rebound, self._rebound = self._rebound, []
-                    remap_held_elsewhere(rebound)
+                if self._closed_rebinds:  # a loader's write into a tensor after_layer() replaced
+                    self._findings.extend(_steps.written_after_close(self._closed_rebinds))
+                    self._closed_rebinds = []
                 if self._order_digests:  # a layer whose weights were written before its before_layer()
                     noted, self._order_digests = self._order_digests, []
                     changed = changed_since([digests for _, digests in noted])
@@ -568,6 +570,9 @@ class ReloadTransaction:
                         "and the weights may be half-loaded",
                     )
                 )
+            if self._rebound:  # (an error too: after_layer() steps rebound before it)
+                rebound, self._rebound = self._rebound, []
+                remap_held_elsewhere(rebound, self._model_tensors)
             # Deciding asks code outside the contract too (the adapter's graphless hook, the manifest): an error
             # there leaves an unrestored model, so it must not leave the contract serving-safe either.
             status = contract._decide(self._findings, error)
@@ -603,6 +608,17 @@ class ReloadTransaction:
             skip_notes=tuple(self._skip.notes),
         )
 
+    def _model_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor of the model: its parameters and buffers, and what the walker reaches from each module."""
+        contract = self.contract
+        model = contract.model
+        yield from (p for _, p in model.named_parameters(remove_duplicate=False))
+        yield from (b for _, b in model.named_buffers(remove_duplicate=False))
+        units = frozenset(id(module) for module in model.modules())
+        for module in model.modules():
+            for ref in walk(module, budget=contract.budget, devices=contract.devices, units=units).refs:
+                yield ref.tensor
+
     # The restore steps (contract._steps).
     _reads_no_copy_reached = _steps._reads_no_copy_reached
     _snapshot = _steps._snapshot
@@ -616,6 +632,7 @@ class ReloadTransaction:
     _quarantine = _steps._quarantine
     _quarantine_all = _steps._quarantine_all
     _restore_group = _steps._restore_group
+    _note_rebound = _steps._note_rebound
     _plan_common = _steps._plan_common
     _launch_common = _steps._launch_common
     _plan_by_rules = _steps._plan_by_rules
