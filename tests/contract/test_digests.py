@@ -7,6 +7,7 @@ may be taken alone. Equal bytes must give equal digests either way, and a change
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -95,3 +96,15 @@ def test_the_host_weighted_row_sums_are_the_exact_int64_sums(rows: int, width: i
     words = words.to(torch.int32)
     exact = (words.to(torch.int64) * _row_weights(words.device)[:width]).sum(1)
     assert torch.equal(_row_sums(words, torch.int32, True), exact)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 1024, 1025])
+def test_the_device_weighted_row_sums_give_one_sum_per_row_none_for_no_row(rows: int) -> None:
+    """The device route of the weighted row sums (int64 blocks of rows; run here on the meta device, which keeps
+    shapes and dtypes only): one int64 sum per row, and none for no row (a device tensor shorter than one row has
+    no full row, and summing its blocks raised ``torch.cat`` of nothing on a GPU)."""
+    from graphsafe.contract._samples import _row_sums
+
+    sums = _row_sums(torch.empty(rows, DIGEST_ROW, dtype=torch.int32, device="meta"), torch.int32, True)
+    assert sums.dtype == torch.int64 and sums.device.type == "meta"
+    assert sums.shape == (rows,)

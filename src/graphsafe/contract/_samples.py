@@ -355,7 +355,8 @@ def _row_sums(rows: torch.Tensor, total: torch.dtype, weighted: bool) -> torch.T
     # is several times slower), on a device the temporaries stay bounded.
     if rows.device.type != "cpu":  # an int64 multiply and sum: no BLAS call (and no BLAS workspace) on a device
         step = _DEVICE_ROWS_PER_STEP
-        return torch.cat([(rows[i : i + step].to(torch.int64) * weights).sum(1) for i in range(0, rows.shape[0], step)])
+        blocks = [(rows[i : i + step].to(torch.int64) * weights).sum(1) for i in range(0, rows.shape[0], step)]
+        return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.int64, device=rows.device)
     # Float64 matrix-vector products (BLAS), exact below 2**53: the int64 sums, in any order of summation.
     weights = weights.to(torch.float64)
     sums = torch.empty(rows.shape[0], dtype=torch.float64)
