@@ -288,8 +288,9 @@ def judge_noted(snapshots: Sequence[LayerSnapshot]) -> None:
     same = unchanged([(entry[4], entry[2]) for _, entry in noted], SLOT_ELEMENTS)
     for (snapshot, entry), kept in zip(noted, same, strict=True):
         if kept:
+            snapshot.unseen.discard(entry[0])  # (its sample says no write: judged as any slot left as it was)
             snapshot.fresh_due.append(entry[:4])
-        elif entry[0] in snapshot.partly:  # rewritten in place only in part: judged by its inputs
+        elif entry[0] in snapshot.partly or entry[0] in snapshot.unseen:  # in part, or unseen: by its inputs
             snapshot.fresh_due.append((entry[0], entry[1], entry[2], True))
         else:
             snapshot.resampled.add(entry[0])
@@ -440,6 +441,20 @@ def _check_fresh(
                     "reads what it writes (mul_, a custom op's mutable argument) or whose reach is not known, or "
                     "given values computed from old ones); the graph would read old values there. Rewrite all of "
                     "it from its inputs in PWAL (or rebuild it as a new tensor)",
+                )
+            )
+        return
+    if index in self.unseen:  # changed, by no write the recording saw
+        if not fresh:
+            self.findings.append(
+                self.sealed.finding(
+                    FindingKind.STALE,
+                    slot,
+                    after=fingerprint(current),
+                    detail=f"its input(s) {', '.join(changed)} changed and so did its values, but the recording of "
+                    "this reload saw no write to it (a NumPy view, a raw kernel or another thread wrote it): nothing "
+                    "says all of it is new, and the graph would read any old values left. Write it with torch ops "
+                    "in PWAL (or rebuild it as a new tensor)",
                 )
             )
         return

@@ -64,6 +64,10 @@ class LayerSnapshot:
     #: Slot index -> how many bytes of its captured tensor a recorded PWAL's in-place writes left out, for each slot
     #: PWAL wrote in place only in part (:meth:`note_partial_writes`): not refreshed, whatever its sample says.
     partly: dict[int, int] = field(default_factory=dict)
+    #: Slots a recorded reload watched on their tensor and saw no write to (:meth:`note_partial_writes`): a value
+    #: sample that changed anyway was changed where the recording could not see (a NumPy view, a raw kernel,
+    #: another thread), and says nothing about how much of it.
+    unseen: set[int] = field(default_factory=set)
     #: New tensors :meth:`restore` leaves at their paths (findings): the plan must not change what they read.
     kept: list[torch.Tensor] = field(default_factory=list)
     #: Slots planned for a copy whose captured tensor, its base or its storage something besides the snapshot still
@@ -204,14 +208,17 @@ class LayerSnapshot:
     def note_partial_writes(self, unwritten_bytes: Callable[[torch.Tensor], int | None]) -> None:
         """After a recorded PWAL, before restore: note each slot watched for freshness still on its tensor that the
         recording saw written in place only in part (``unwritten_bytes``: the bytes its in-place writes left out,
-        ``None`` where unknown). Its changed value sample then says nothing: part of it keeps the old values."""
+        ``None`` where it saw none), or not at all. Its changed value sample then says nothing: part of it may keep
+        the old values."""
         for index, (before, _, _, _) in self.freshness.items():
             current = self.slots[index].get(self.layer)
             # The same tensor, or a new view reading its memory as it did (``.view()``, ``.detach()``): judged by the
             # bytes of the tensor the slot held before the load.
             if _reads_as(current, before):
                 left = unwritten_bytes(before)
-                if left:
+                if left is None:
+                    self.unseen.add(index)
+                elif left:
                     self.partly[index] = left
 
     def learn_inputs(
