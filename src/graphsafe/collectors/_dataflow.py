@@ -36,6 +36,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 import torch.utils._pytree as pytree
 from torch._ops import HigherOrderOperator
+from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from graphsafe.collectors._kernelscan import _span
@@ -351,6 +352,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.paused = False
+        self.abandoned = False  # stopped where it could not leave the stack: inert there until popped
         self._nodes: dict[int, _Node] = {}  # id(storage) -> node; the weak reference confirms the id
         self._watched: dict[int, _Coverage] = {}  # id(storage) -> what in-place writes reached (see watch())
         # id(tensor) -> (the tensor, weakly; stale) of results followed by object (sparse, mkldnn; see _outputs).
@@ -376,6 +378,32 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             torch.zeros(1).add_(1)
         cls._prepared = True
         return time.perf_counter() - start
+
+    def stop(self) -> None:
+        """End the recording on the thread that began it: leave the dispatch-mode stack where it is on top (and drop
+        the abandoned recordings that surface under it); under a recording begun after it and still open (two
+        contracts' reloads interleaved), it cannot leave without taking that one off: it is abandoned there."""
+        if _python_dispatch._get_current_dispatch_mode() is self:
+            self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            Dataflow.drop_abandoned()
+        else:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Stop recording without leaving the stack (another thread's, or under another mode): inert from now on,
+        popped by :meth:`drop_abandoned` once it is on top of its thread's stack."""
+        self.paused = True
+        self.abandoned = True
+
+    @staticmethod
+    def drop_abandoned() -> None:
+        """Pop the abandoned recordings on top of this thread's dispatch-mode stack (each reload that stops one from
+        another thread would otherwise leave a mode every op of this thread passes through)."""
+        while True:
+            top = _python_dispatch._get_current_dispatch_mode()
+            if not (isinstance(top, Dataflow) and top.abandoned):
+                return
+            top.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

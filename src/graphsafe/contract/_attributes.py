@@ -91,5 +91,7 @@ def remap_held_elsewhere(
         if not attributes:
             continue
         for name, value in list(attributes.items()):
-            if isinstance(value, torch.Tensor) and id(value) in alive:
-                attributes[name] = alive[id(value)][1]
+            # By id first, then identity: no class of the caller's is asked anything (a proxy's ``__class__``).
+            found = alive.get(id(value))
+            if found is not None and found[0] is value:
+                attributes[name] = found[1]

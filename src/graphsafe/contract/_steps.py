@@ -22,7 +22,7 @@ from graphsafe.contract._memory import address_range
 from graphsafe.contract._order import loaded_early, moved_since, note_digests
 from graphsafe.contract._owned import take_back_reasons
 from graphsafe.contract._plan import RestorePlan
-from graphsafe.contract._samples import version_of
+from graphsafe.contract._samples import SLOT_ELEMENTS, signature, version_of
 from graphsafe.contract._slots import SealedLayer, SealedSlot
 from graphsafe.contract._snapshot import LayerSnapshot
 from graphsafe.contract._unnamed import note_unnamed
@@ -298,6 +298,8 @@ def _restore_group(self: ReloadTransaction, group: list[LayerSnapshot], *, close
                 snapshot.remap_attributes(swapped)
     self._note_rebound(pairs, close)
     del pairs
+    if self._closed_rebinds:  # a loader's write since into a tensor an earlier after_layer() replaced
+        self._findings.extend(written_after_close(self._closed_rebinds, final=False))
     for snapshot, _ in work:  # after every rebind: two layers' paths can reach one place (nested layers)
         snapshot.verify()
     self._doubt_abandoned(work, plan)
@@ -329,25 +331,39 @@ def _note_rebound(
             continue
         ref = weakref.ref(new)
         self._rebound.append((ref, held))
+        # A tensor bound again at a later path (a loader's scratch Parameter reused) answers to that one only.
+        self._closed_rebinds.pop(id(new), None)
         if close and slot.origin in _LOADED:  # (a derived one may become another slot's, written legitimately)
-            try:
-                version = new._version
-            except RuntimeError:  # an inference tensor counts no writes
-                continue
-            self._closed_rebinds.append((ref, version, snapshot.sealed, slot))
+            self._closed_rebinds[id(new)] = (ref, _version(new), held, snapshot.sealed, slot)
 
 
-def written_after_close(
-    rebinds: list[tuple[weakref.ref[torch.Tensor], int, SealedLayer, SealedSlot]],
-) -> list[Finding]:
-    """A new tensor ``after_layer()`` replaced by its captured one that something still holds (a loader's
-    ``params`` dict) and that was written since: that write (a later shard) reached the orphan, never the captured
-    tensor the graph reads (``stale``)."""
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor counts no writes
+        return None
+
+
+ClosedRebinds = dict[int, tuple[weakref.ref[torch.Tensor], "int | None", torch.Tensor, SealedLayer, SealedSlot]]
+
+
+def written_after_close(rebinds: ClosedRebinds, *, final: bool) -> list[Finding]:
+    """The new tensors ``after_layer()`` replaced by their captured ones that something still holds (a loader's
+    ``params`` dict), written since: that write (a later shard) reached the orphan, never the captured tensor the
+    graph reads (``stale``). Asked at each later restore step (its version counter moved: then its value sample
+    against the captured one's) and at the reload's end (``final``: every one still held, by value sample, which
+    sees a write through ``.data`` or under inference mode too). Found ones leave ``rebinds``."""
     findings = []
-    for ref, version, sealed, slot in rebinds:
+    for ident, (ref, version, held, sealed, slot) in list(rebinds.items()):
         new = ref()
-        if new is None or new._version == version:
+        if new is None:
+            del rebinds[ident]
             continue
+        if not final and version is not None and _version(new) == version:
+            continue
+        if torch.equal(signature(new, SLOT_ELEMENTS), signature(held, SLOT_ELEMENTS)):
+            continue  # (written again with the values it had: the captured tensor has them)
+        del rebinds[ident]
         findings.append(
             sealed.finding(
                 FindingKind.STALE,

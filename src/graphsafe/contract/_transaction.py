@@ -29,7 +29,7 @@ from graphsafe.contract._late import LateModule, late_stale
 from graphsafe.contract._order import LoadStamp, changed_since, load_stamps, loaded_early
 from graphsafe.contract._repeat import Repeat, late_loads, note_repeat
 from graphsafe.contract._samples import Digest, SampleBatch
-from graphsafe.contract._slots import InputRef, SealedLayer, SealedSlot
+from graphsafe.contract._slots import InputRef, SealedLayer
 from graphsafe.contract._snapshot import LayerSnapshot
 from graphsafe.contract._tensorref import TensorRef
 from graphsafe.contract._unnamed import UnnamedNote, UnownedNote, note_unowned, unnamed_stale, unwritten_unowned
@@ -82,7 +82,7 @@ class ReloadTransaction:
         #: (weak reference to each new tensor a restore step replaced, what replaced it): see _settle.
         self._rebound: list[tuple[weakref.ReferenceType[torch.Tensor], torch.Tensor]] = []
         #: Of those, the ones after_layer() replaced, with their version then (see _steps.written_after_close).
-        self._closed_rebinds: list[tuple[weakref.ReferenceType[torch.Tensor], int, SealedLayer, SealedSlot]] = []
+        self._closed_rebinds: _steps.ClosedRebinds = {}
         #: id(storage) -> (storage, offset, bytes) of the new tensors earlier restore steps copied from on it (see
         #: _note_earlier_new).
         self._earlier: dict[int, list[tuple[weakref.ReferenceType[Any], int, int]]] = {}
@@ -206,6 +206,7 @@ class ReloadTransaction:
             # The first reload, or one watching a graph-read path no recording saw (it appeared after the one
             # recording): record what PWAL computes, so a table it never touches stops being watched.
             self._setup_seconds = Dataflow.prepare()  # once per process, reported apart from the reload's time
+            Dataflow.drop_abandoned()
             self._dataflow = Dataflow()
             for snapshot in self._snapshots.values():  # which bytes of each watched slot PWAL rewrites in place
                 self._dataflow.watch(entry[0] for entry in snapshot.freshness.values())
@@ -257,10 +258,11 @@ class ReloadTransaction:
             return None
         if threading.get_ident() != self._recording_thread:
             # Dispatch modes are per thread: this one sits on the stack of the thread that began the reload and
-            # cannot be popped from here. Made inert, it learns nothing (it never saw this thread's ops).
-            dataflow.paused = True
+            # cannot be popped from here. Made inert, it learns nothing (it never saw this thread's ops); that
+            # thread's next reload pops it.
+            dataflow.abandon()
             return None
-        dataflow.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        dataflow.stop()
         return dataflow
 
     def _learn_inputs(self, dataflow: Dataflow, snapshots: list[LayerSnapshot]) -> None:
@@ -509,8 +511,8 @@ class ReloadTransaction:
                     self._findings.extend(permuted_deferred(self._closed.values()))
                 self._restore_group(group)
                 if self._closed_rebinds:  # a loader's write into a tensor after_layer() replaced
-                    self._findings.extend(_steps.written_after_close(self._closed_rebinds))
-                    self._closed_rebinds = []
+                    self._findings.extend(_steps.written_after_close(self._closed_rebinds, final=True))
+                    self._closed_rebinds = {}
                 if self._order_digests:  # a layer whose weights were written before its before_layer()
                     noted, self._order_digests = self._order_digests, []
                     changed = changed_since([digests for _, digests in noted])
