@@ -205,11 +205,12 @@ class LayerSnapshot:
             witnesses=witnesses,
         )
 
-    def note_partial_writes(self, unwritten_bytes: Callable[[torch.Tensor], int | None]) -> None:
+    def note_partial_writes(self, unwritten_bytes: Callable[[torch.Tensor], int | None], *, saw_load: bool) -> None:
         """After a recorded PWAL, before restore: note each slot watched for freshness still on its tensor that the
         recording saw written in place only in part (``unwritten_bytes``: the bytes its in-place writes left out,
-        ``None`` where it saw none), or not at all. Its changed value sample then says nothing: part of it may keep
-        the old values."""
+        ``None`` where it saw none), or not at all where it saw the layer's weights written (``saw_load``: else the
+        recording is blind to this layer's load and PWAL, run on another thread). Its changed value sample then says
+        nothing: part of it may keep the old values."""
         for index, (before, _, _, _) in self.freshness.items():
             current = self.slots[index].get(self.layer)
             # The same tensor, or a new view reading its memory as it did (``.view()``, ``.detach()``): judged by the
@@ -217,7 +218,8 @@ class LayerSnapshot:
             if _reads_as(current, before):
                 left = unwritten_bytes(before)
                 if left is None:
-                    self.unseen.add(index)
+                    if saw_load:
+                        self.unseen.add(index)
                 elif left:
                     self.partly[index] = left
 

@@ -278,7 +278,7 @@ class ReloadTransaction:
         for snapshot in snapshots:
             written = {storage for module in snapshot.layer.modules() for storage in updated.get(id(module), ())}
             self._unloaded.extend(snapshot.learn_inputs(reads, dataflow.updated, written))
-            snapshot.note_partial_writes(dataflow.unwritten_bytes)
+            snapshot.note_partial_writes(dataflow.unwritten_bytes, saw_load=bool(written))
             for slot in snapshot.slots:
                 if slot.watch_only and not slot.unrecorded:
                     self.contract._recorded_extras[(snapshot.sealed.qualname, slot.path.text)] = slot.inputs
