@@ -379,15 +379,19 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         cls._prepared = True
         return time.perf_counter() - start
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
         """End the recording on the thread that began it: leave the dispatch-mode stack where it is on top (and drop
-        the abandoned recordings that surface under it); under a recording begun after it and still open (two
-        contracts' reloads interleaved), it cannot leave without taking that one off: it is abandoned there."""
-        if _python_dispatch._get_current_dispatch_mode() is self:
+        the abandoned recordings that surface under it); under a mode entered after it and still open (two
+        contracts' reloads interleaved), it cannot leave without taking that one off: it is abandoned there.
+        Returns whether it recorded until now: ``False`` where something else took it off the stack (a mode entered
+        before it and exited while it was open pops it), so that what it holds is a part only."""
+        stack = _python_dispatch._get_current_dispatch_mode_stack()
+        if stack and stack[-1] is self:
             self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
             Dataflow.drop_abandoned()
-        else:
-            self.abandon()
+            return True
+        self.abandon()
+        return any(mode is self for mode in stack)
 
     def abandon(self) -> None:
         """Stop recording without leaving the stack (another thread's, or under another mode): inert from now on,

@@ -53,9 +53,14 @@ def record_inputs(self: GraphContract) -> Iterator[None]:
     )
     Dataflow.prepare()  # torch's one-time dispatch set-up, before the caller's load starts
     dataflow = Dataflow()
-    with dataflow:
+    Dataflow.drop_abandoned()
+    dataflow.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    try:
         yield
-    self._pending = (dataflow, before)
+    finally:
+        whole = dataflow.stop()  # (not ``with``: its exit pops whatever mode is on top, another's recording)
+    if whole:
+        self._pending = (dataflow, before)
 
 
 def recorded_inputs(self: GraphContract) -> dict[SlotRef, tuple[SlotRef, ...]]:

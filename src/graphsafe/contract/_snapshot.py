@@ -218,7 +218,7 @@ class LayerSnapshot:
             if _reads_as(current, before):
                 left = unwritten_bytes(before)
                 if left is None:
-                    if saw_load:
+                    if saw_load and _on_captured(before, self.slots[index]):  # (not moved by .data =, set_)
                         self.unseen.add(index)
                 elif left:
                     self.partly[index] = left
@@ -353,3 +353,11 @@ def _no_memory(tensor: torch.Tensor) -> bool:
         and tensor.device.type != "meta"
         and tensor.untyped_storage().nbytes() == 0
     )
+
+
+def _on_captured(tensor: torch.Tensor, slot: SealedSlot) -> bool:
+    """Whether ``tensor`` still lies at the slot's captured address (an object PWAL gave new memory does not)."""
+    try:
+        return bool(tensor.data_ptr() == slot.fp.data_ptr)
+    except RuntimeError:  # a wrapper subclass: no memory of its own
+        return False

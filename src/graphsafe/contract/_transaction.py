@@ -258,12 +258,11 @@ class ReloadTransaction:
             return None
         if threading.get_ident() != self._recording_thread:
             # Dispatch modes are per thread: this one sits on the stack of the thread that began the reload and
-            # cannot be popped from here. Made inert, it learns nothing (it never saw this thread's ops); that
-            # thread's next reload pops it.
+            # cannot be popped from here. Made inert (that thread's next reload pops it), it still tells what ran on
+            # that thread; of a layer loaded on this one it saw nothing, and says nothing (note_partial_writes).
             dataflow.abandon()
-            return None
-        dataflow.stop()
-        return dataflow
+            return dataflow
+        return dataflow if dataflow.stop() else None  # (one taken off the stack by another holds a part only)
 
     def _learn_inputs(self, dataflow: Dataflow, snapshots: list[LayerSnapshot]) -> None:
         """Before restore: keep on each slot PWAL recomputed what the recording saw it read."""
