@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import pytest
 import torch
 from torch import nn
 
 from graphsafe import ContractViolation, GraphContract, GraphSafeError, Status
 
 N = 4
+DETECTS = ("declared-only", "sealed-paths", "every-reload")
 
 
 class _Leaf(nn.Module):
@@ -297,3 +299,36 @@ def _reload_five_times_finishing_in_a_worker(contract: GraphContract, layer: _Pa
         worker.start()
         worker.join()
     assert contract.last_outcome is not None and contract.last_outcome.status is Status.COMMITTED
+
+
+@pytest.mark.parametrize("detect", DETECTS)
+def test_a_write_into_a_replaced_tensor_after_its_after_layer_does_not_commit(detect: str) -> None:
+    """A layerwise loader binds new Parameters and keeps them in its own ``params`` dict (the usual
+    ``params[name].copy_(shard)`` loop); ``a.weight`` is a fused weight whose second half comes in the next shard,
+    after ``after_layer(a)``. ``after_layer(a)`` copied the first half into the captured Parameter and bound it back;
+    the second shard's write lands in the replaced new Parameter (alive: ``params`` holds it), never in what the
+    graph reads: ``stale``, not a commit with the graph reading [5, 5, 0, 0] (the closed layer's paths alone look
+    right)."""
+    model = _Pair()
+    contract = GraphContract(model, "strict", detect=detect).seal()  # type: ignore[arg-type]
+    with contextlib.suppress(ContractViolation), contract.reload(layerwise=True) as txn:
+        txn.before_layer(model.a)
+        txn.before_layer(model.b)
+        params = {}
+        for name, layer in (("a", model.a), ("b", model.b)):
+            layer.weight = nn.Parameter(torch.zeros(N), requires_grad=False)
+            params[name] = layer.weight
+        with torch.no_grad():
+            params["a"][:2] = 5.0  # shard 1
+        txn.after_layer(model.a)
+        with torch.no_grad():
+            params["a"][2:] = 5.0  # shard 2
+            params["b"][:] = 6.0
+        txn.after_layer(model.b)
+    outcome = contract.last_outcome
+    assert outcome is not None
+    if outcome.status is Status.COMMITTED:
+        assert torch.equal(model.a.weight, torch.full((N,), 5.0)), (
+            f"COMMITTED while a.weight (what the graph reads) is {model.a.weight.tolist()}; the loader wrote "
+            f"{params['a'].tolist()} (into the replaced new Parameter)"
+        )
