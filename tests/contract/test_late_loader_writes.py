@@ -67,12 +67,9 @@ def _load_layerwise(model: _Pair, txn) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_a_late_write_is_caught_even_when_the_loader_dropped_its_params_dict_before_finish() -> None:
-    """the same late shard as test_remap_elsewhere section 8, but the loader's ``params`` dict is a local of
-    its ``load_weights()`` (the usual shape: the engine calls ``model.load_weights(...)`` inside the reload and
-    ``after_layer`` runs from its per-layer hook). ``written_after_close`` only looks at the weak references when the
-    reload finishes; by then the new Parameter is freed, ``ref()`` is ``None`` and the write is skipped: the reload
-    COMMITS with the graph reading [5, 5, 0, 0] while a cold load gives [5, 5, 5, 5]. Promise: never COMMITTED while
-    a graph reads memory other than what the reload produced."""
+    """The late shard of the last test in this file, but the loader's ``params`` dict is a local of its load
+    function, gone when the reload finishes: the write is found at the next ``after_layer()``, while the dict still
+    holds the replaced Parameter."""
     model, contract = _sealed()
     with contextlib.suppress(ContractViolation), contract.reload(layerwise=True) as txn:
         _load_layerwise(model, txn)
@@ -81,10 +78,9 @@ def test_a_late_write_is_caught_even_when_the_loader_dropped_its_params_dict_bef
 
 # -- 2. the late write goes through .data (vLLM's default_weight_loader: param.data.copy_(w)) ------------------------
 def test_a_late_write_through_dot_data_does_not_commit() -> None:
-    """the loader keeps its params dict alive, but writes the second shard through ``param.data`` (vLLM's
-    ``default_weight_loader`` does ``param.data.copy_(loaded_weight)``; many loaders narrow ``param.data``). ``.data``
-    is a tensor with its own version counter, so ``new._version`` never moves and ``written_after_close`` sees no
-    write: COMMITTED with the graph reading [5, 5, 0, 0]. Promise: never COMMITTED while a graph reads stale memory."""
+    """The loader keeps its ``params`` dict and writes the second shard through ``param.data`` (vLLM's
+    ``default_weight_loader`` style), which moves no version counter of the Parameter: the reload's end compares the
+    value samples and finds it."""
     model, contract = _sealed()
     params = {}
     with contextlib.suppress(ContractViolation), contract.reload(layerwise=True) as txn:
@@ -100,10 +96,8 @@ def test_a_late_write_through_dot_data_does_not_commit() -> None:
 
 # -- 3. the loader runs under torch.inference_mode() -----------------------------------------------------------------
 def test_a_late_write_into_an_inference_tensor_does_not_commit() -> None:
-    """the loader builds and writes its new Parameters under ``torch.inference_mode()`` (engines load under
-    it). An inference tensor has no version counter: ``_note_rebound`` catches the RuntimeError and records nothing,
-    so the second shard written after ``after_layer(a)`` is never seen: COMMITTED with the graph reading [5, 5, 0, 0].
-    Promise: never COMMITTED while a graph reads stale memory (fail closed where the write cannot be counted)."""
+    """The loader builds and writes its new Parameters under ``torch.inference_mode()``: inference tensors count
+    no writes; the reload's end compares the value samples and finds the second shard."""
     model, contract = _sealed()
     params = {}
     with contextlib.suppress(ContractViolation), contract.reload(layerwise=True) as txn:
@@ -121,11 +115,8 @@ def test_a_late_write_into_an_inference_tensor_does_not_commit() -> None:
 
 # -- 4. false alarms: a late write that the captured tensor already holds, a scratch Parameter reused ----------------
 def test_rewriting_the_same_values_after_close_is_no_stale_finding() -> None:
-    """No false alarm: the loader writes the replaced new Parameter again after ``after_layer(a)`` with the values
-    it already had (a loader that re-applies a shard, or a quantizer's idempotent ``fill_``). The captured tensor the
-    graph reads holds exactly those values, and a cold load gives the same, yet the version counter moved and the
-    reload FAILS ``stale``. Promise: false alarms (not COMMITTED although every captured read is right) are a cost;
-    values equal to what the graph reads are no stale read."""
+    """The loader writes the replaced Parameter again after ``after_layer(a)`` with the values it already had: the
+    captured tensor holds them, so that is no finding."""
     model, contract = _sealed()
     params = {}
     with contextlib.suppress(ContractViolation), contract.reload(layerwise=True) as txn:
@@ -145,10 +136,9 @@ def test_rewriting_the_same_values_after_close_is_no_stale_finding() -> None:
 
 
 def test_a_scratch_parameter_reused_for_the_next_layer_is_no_stale_finding() -> None:
-    """No false alarm: a loader reuses one scratch Parameter: bound at ``a.weight``, filled, ``after_layer(a)``
-    copies it into a's captured tensor; then bound at ``b.weight``, filled with b's values, ``after_layer(b)`` copies
-    those into b's. Every captured tensor holds what a cold load gives ([5]*4, [6]*4), yet the write for b moved the
-    scratch's version counter and the reload FAILS ``stale`` on ``a.weight``. Promise: false alarms are a cost."""
+    """A loader reuses one scratch Parameter: bound at ``a.weight``, filled, ``after_layer(a)`` copies it into
+    a's captured tensor; then bound at ``b.weight`` and filled with b's values. It answers to ``b`` from then on:
+    every captured tensor holds what a cold load gives, and that is no finding."""
     model, contract = _sealed()
     with contextlib.suppress(ContractViolation), contract.reload(layerwise=True) as txn:
         txn.before_layer(model.a)
@@ -169,11 +159,9 @@ def test_a_scratch_parameter_reused_for_the_next_layer_is_no_stale_finding() -> 
 
 
 def test_a_write_into_the_next_layers_slice_of_a_shared_staging_buffer_is_no_stale_finding() -> None:
-    """No false alarm: the loader stages every weight in one flat buffer (a checkpoint blob, a pinned staging
-    tensor) and binds ``nn.Parameter(flat[i*N:(i+1)*N])`` views of it; ``nn.Parameter`` of a view shares the blob's
-    version counter. Writing b's slice after ``after_layer(a)`` moves a's replaced Parameter's counter too, so
-    ``written_after_close`` flags ``a.weight`` stale, although nothing wrote a's bytes and every captured tensor holds
-    what a cold load gives. Promise: false alarms are a cost (this one hits every layer but the last)."""
+    """The loader stages every weight in one flat buffer and binds ``nn.Parameter(flat[i*N:(i+1)*N])`` views of
+    it (one version counter for all): writing b's slice after ``after_layer(a)`` moves a's counter too, but a's
+    values are the captured ones, so that is no finding."""
     model, contract = _sealed()
     params = {}
     with contextlib.suppress(ContractViolation), contract.reload(layerwise=True) as txn:
@@ -204,12 +192,8 @@ class _Lazy:
 
 
 def test_a_lazy_proxy_in_another_layers_tensor_attributes_does_not_break_the_reload() -> None:
-    """layer ``b``'s weight carries a user attribute ``meta = _Lazy()`` (set after the seal; nothing of
-    graphsafe's looks at it until the end). A layerwise loader replaces ``a.weight`` and keeps the new Parameter (its
-    params dict). At the end ``remap_held_elsewhere`` walks every model tensor's ``__dict__`` and calls
-    ``isinstance(value, torch.Tensor)`` on each value, which reads the proxy's ``__class__``: its RuntimeError escapes
-    the reload's exit (after the restore). Promise: graphsafe never makes a legal operation on the user's model
-    raise a foreign exception."""
+    """Layer ``b``'s weight carries a user attribute whose ``__class__`` property raises (legal Python): the
+    remap of attributes naming a replaced tensor asks no value for its class, and nothing raises."""
     model, contract = _sealed()
     params = {}
     with contextlib.suppress(ContractViolation), contract.reload(layerwise=True) as txn:
@@ -232,13 +216,10 @@ class _Partial(nn.Module):
 
 
 def test_record_every_reload_counts_a_partial_refresh_when_another_contract_finishes_first() -> None:
-    """two models (a speculative-decoding draft and target), each with its own contract and
-    ``record_every_reload = True``, reloaded together in one thread: A.begin(), B.begin(), ..., A.finish(),
-    B's PWAL, B.finish(). Each transaction pushes its Dataflow dispatch mode; A's ``_stop_recording`` pops the TOP of
-    torch's mode stack, which is B's, so B's PWAL (refreshing only half of ``s`` in place) is recorded by A's
-    orphaned mode and B's own recording misses it. B COMMITS with ``s`` half stale (the same partial refresh alone is
-    found ``stale ... only in part``, test_freshness_samples section 3). Promise: never COMMITTED while a graph reads
-    values other than the reload produced (the flag promises a partial refresh is counted on every reload)."""
+    """Two models (a draft and a target), each with its own contract and ``record_every_reload``, reloaded together
+    in one thread: A begins, B begins, A finishes, then B's PWAL refreshes half of ``s`` in place and B finishes.
+    A's recording, under B's, is abandoned where it lies rather than popping B's; B counts its half refresh
+    (``stale``) and A commits."""
     a, b = _Partial(), _Partial()
     ca = GraphContract(a, "recapture", detect="declared-only").seal()
     cb = GraphContract(b, "recapture", detect="declared-only").seal()
@@ -265,12 +246,10 @@ def test_record_every_reload_counts_a_partial_refresh_when_another_contract_fini
 
 
 def test_record_every_reload_leaves_no_dispatch_modes_behind_when_finish_runs_in_another_thread() -> None:
-    """a server begins each reload on its event-loop thread and finishes it from a worker thread (a supported
-    case: ``_stop_recording`` makes the mode inert because a dispatch mode can only be popped on the thread that
-    pushed it). With ``record_every_reload`` every reload leaves one more inert Dataflow mode on the begin thread's
-    stack, forever: each eager op of that thread then runs through all of them (measured: 2000 ``x + 1`` on a
-    256x256 CPU tensor, 25 ms before, 390 ms after 20 reloads, 2070 ms after 100). With only the first reload
-    recorded it is one mode, once. Promise: graphsafe must not degrade the user's torch ops without bound."""
+    """A server begins each reload on its event-loop thread and finishes it from a worker thread: a dispatch mode
+    can only be popped on the thread that pushed it, so each finish leaves its recording there, inert. The next
+    reload begun on that thread pops it: with ``record_every_reload`` at most one is ever left (else every eager op
+    of the thread would run through one more mode per reload)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     layer = _Partial()
