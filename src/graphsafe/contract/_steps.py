@@ -361,8 +361,9 @@ def written_after_close(rebinds: ClosedRebinds, *, final: bool) -> list[Finding]
             continue
         if not final and version is not None and _version(new) == version:
             continue
-        if torch.equal(signature(new, SLOT_ELEMENTS), signature(held, SLOT_ELEMENTS)):
-            continue  # (written again with the values it had: the captured tensor has them)
+        if _same_values(new, held):  # (written again with the values it had: the captured tensor has them)
+            rebinds[ident] = (ref, _version(new), held, sealed, slot)
+            continue
         del rebinds[ident]
         findings.append(
             sealed.finding(
@@ -375,6 +376,18 @@ def written_after_close(rebinds: ClosedRebinds, *, final: bool) -> list[Finding]
             )
         )
     return findings
+
+
+def _same_values(new: torch.Tensor, held: torch.Tensor) -> bool:
+    """Whether a replaced tensor still holds what its captured replacement does: their value samples where both are
+    laid out alike, else every value (on the captured tensor's device and dtype)."""
+    with torch.no_grad():
+        if new.dtype == held.dtype and new.shape == held.shape:
+            return torch.equal(signature(new, SLOT_ELEMENTS).to(held.device), signature(held, SLOT_ELEMENTS))
+        try:
+            return torch.equal(new.detach().to(device=held.device, dtype=held.dtype).reshape(held.shape), held)
+        except RuntimeError:  # nothing to compare it with: what it holds cannot be said to be the captured values
+            return False
 
 
 def _plan_common(
