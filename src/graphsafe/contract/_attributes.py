@@ -12,7 +12,7 @@ import torch
 from graphsafe.contract._slots import _MISSING
 from graphsafe.outcome import Origin
 
-__all__ = ["remap_held_elsewhere"]
+__all__ = ["point_at_replacements", "remap_held_elsewhere"]
 
 
 _LOADED = (Origin.PARAMETER, Origin.BUFFER)
@@ -65,6 +65,16 @@ def _move_attributes(
     captured.__dict__.update(attributes)
 
 
+def point_at_replacements(attributes: dict[str, Any], replaced: Mapping[int, torch.Tensor]) -> None:
+    """Point each attribute in ``attributes`` (a tensor's ``__dict__``) that is a replaced new tensor at what replaced
+    it. ``replaced``: id() of each replaced tensor -> its replacement, every replaced tensor alive meanwhile, so an id
+    names that tensor alone (no value of the caller's is asked anything: a proxy's ``__class__``)."""
+    for name, value in list(attributes.items()):
+        found = replaced.get(id(value))
+        if found is not None:
+            attributes[name] = found
+
+
 def remap_held_elsewhere(
     rebound: Sequence[tuple[weakref.ref[torch.Tensor], torch.Tensor]], owners: Callable[[], Iterable[torch.Tensor]]
 ) -> None:
@@ -76,22 +86,14 @@ def remap_held_elsewhere(
     (weak reference to each new tensor a restore step replaced, what replaced it). ``owners``: the model's tensors,
     asked only where a new tensor survived (a walk of the model). Lists, dicts and objects of the caller's (a
     loader's ``params`` dict) are never rewritten."""
-    alive: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # held for the sweep: no id is reused meanwhile
-    for ref, held in rebound:
-        new = ref()
-        if new is not None:
-            alive[id(new)] = (new, held)
-    if not alive:
+    survivors = [(new, held) for new, held in ((ref(), held) for ref, held in rebound) if new is not None]
+    if not survivors:
         return
+    replaced = {id(new): held for new, held in survivors}  # (``survivors`` keeps them alive: no id is reused)
     for owner in owners():
         try:
             attributes = owner.__dict__
         except Exception:  # a subclass that keeps its dict to itself: nothing to remap through
             continue
-        if not attributes:
-            continue
-        for name, value in list(attributes.items()):
-            # By id first, then identity: no class of the caller's is asked anything (a proxy's ``__class__``).
-            found = alive.get(id(value))
-            if found is not None and found[0] is value:
-                attributes[name] = found[1]
+        if attributes:
+            point_at_replacements(attributes, replaced)

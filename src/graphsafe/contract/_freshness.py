@@ -428,34 +428,27 @@ def _check_fresh(
     if fresh and not slot.owed:
         return  # a partial reload that did not touch this slot's inputs, or the same values written again
     left = self.partly.get(index)
-    if left is not None:
+    if left is not None or index in self.unseen:  # rewritten in place, in part or by no write the recording saw
         if not fresh:
-            size = current.numel() * current.element_size()
-            self.findings.append(
-                self.sealed.finding(
-                    FindingKind.STALE,
-                    slot,
-                    after=fingerprint(current),
-                    detail=f"its input(s) {', '.join(changed)} changed but PWAL rewrote it in place only in part "
-                    f"({left:,} of its {size:,} bytes are not provably new: left out, written by an op that "
-                    "reads what it writes (mul_, a custom op's mutable argument) or whose reach is not known, or "
-                    "given values computed from old ones); the graph would read old values there. Rewrite all of "
-                    "it from its inputs in PWAL (or rebuild it as a new tensor)",
+            inputs = ", ".join(changed)
+            if left is not None:
+                size = current.numel() * current.element_size()
+                detail = (
+                    f"its input(s) {inputs} changed but PWAL rewrote it in place only in part ({left:,} of its "
+                    f"{size:,} bytes are not provably new: left out, written by an op that reads what it writes "
+                    "(mul_, a custom op's mutable argument) or whose reach is not known, or given values computed "
+                    "from old ones); the graph would read old values there. Rewrite all of it from its inputs in "
+                    "PWAL (or rebuild it as a new tensor)"
                 )
-            )
-        return
-    if index in self.unseen:  # changed, by no write the recording saw
-        if not fresh:
-            self.findings.append(
-                self.sealed.finding(
-                    FindingKind.STALE,
-                    slot,
-                    after=fingerprint(current),
-                    detail=f"its input(s) {', '.join(changed)} changed and so did its values, but the recording of "
-                    "this reload saw no write to it (a NumPy view, a raw kernel or another thread wrote it): nothing "
-                    "says all of it is new, and the graph would read any old values left. Write it with torch ops "
-                    "in PWAL (or rebuild it as a new tensor)",
+            else:
+                detail = (
+                    f"its input(s) {inputs} changed and so did its values, but the recording of this reload saw no "
+                    "write to it (a NumPy view, a raw kernel or another thread wrote it): nothing says all of it is "
+                    "new, and the graph would read any old values left. Write it with torch ops in PWAL (or rebuild "
+                    "it as a new tensor)"
                 )
+            self.findings.append(
+                self.sealed.finding(FindingKind.STALE, slot, after=fingerprint(current), detail=detail)
             )
         return
     if index in self.resampled:  # a carve of a loaded arena whose bytes changed (judge_noted)

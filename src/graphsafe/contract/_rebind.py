@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphsafe.contract._attributes import _LOADED, _move_attributes, _same_attributes, _would_change
+from graphsafe.contract._attributes import (
+    _LOADED,
+    _move_attributes,
+    _same_attributes,
+    _would_change,
+    point_at_replacements,
+)
 from graphsafe.contract._slots import SealedSlot, _describe_geometry_change, _view
 from graphsafe.outcome import FindingKind, fingerprint
 
@@ -84,9 +90,7 @@ def remap_attributes(self: LayerSnapshot, swapped: Mapping[int, torch.Tensor]) -
     """After the step's rebinds: an attribute of a tensor left in place that names a new tensor the step
     replaced (a kernel object keeping a reference to a rebound parameter) names what replaced it."""
     for tensor in self.attributed:
-        for name, value in list(tensor.__dict__.items()):
-            if isinstance(value, torch.Tensor) and id(value) in swapped:
-                tensor.__dict__[name] = swapped[id(value)]
+        point_at_replacements(tensor.__dict__, swapped)
 
 
 def conflicting_attributes(self: LayerSnapshot, rebinds: list[tuple[int, torch.Tensor]], seen: dict[int, Any]) -> None:

@@ -45,12 +45,7 @@ def record_inputs(self: GraphContract) -> Iterator[None]:
         )
     # What the walk finds now, before the load: a slot the recording does not see computed but whose values
     # changed was computed where it could not see (another thread, a raw kernel), not left as a fixed table.
-    units = frozenset(id(module) for module in self.model.modules())
-    before = ValuesBefore.take(
-        ref.tensor
-        for module in self.model.modules()
-        for ref in walk(module, budget=self.budget, devices=self.devices, units=units).refs
-    )
+    before = ValuesBefore.take(walked_tensors(self))
     Dataflow.prepare()  # torch's one-time dispatch set-up, before the caller's load starts
     dataflow = Dataflow()
     Dataflow.drop_abandoned()
@@ -61,6 +56,15 @@ def record_inputs(self: GraphContract) -> Iterator[None]:
         whole = dataflow.stop()  # (not ``with``: its exit pops whatever mode is on top, another's recording)
     if whole:
         self._pending = (dataflow, before)
+
+
+def walked_tensors(self: GraphContract) -> Iterator[torch.Tensor]:
+    """Every device tensor the walker reaches from each of the model's modules (its own attributes, each module a
+    unit of its own), as the model holds them now."""
+    units = frozenset(id(module) for module in self.model.modules())
+    for module in self.model.modules():
+        for ref in walk(module, budget=self.budget, devices=self.devices, units=units).refs:
+            yield ref.tensor
 
 
 def recorded_inputs(self: GraphContract) -> dict[SlotRef, tuple[SlotRef, ...]]:

@@ -334,17 +334,11 @@ def _note_rebound(
         # A tensor bound again at a later path (a loader's scratch Parameter reused) answers to that one only.
         self._closed_rebinds.pop(id(new), None)
         if close and slot.origin in _LOADED:  # (a derived one may become another slot's, written legitimately)
-            self._closed_rebinds[id(new)] = (ref, _version(new), held, snapshot.sealed, slot)
+            self._closed_rebinds[id(new)] = (ref, version_of(new), held, snapshot.sealed, slot)
 
 
-def _version(tensor: torch.Tensor) -> int | None:
-    try:
-        return tensor._version
-    except RuntimeError:  # an inference tensor counts no writes
-        return None
-
-
-ClosedRebinds = dict[int, tuple[weakref.ref[torch.Tensor], "int | None", torch.Tensor, SealedLayer, SealedSlot]]
+#: id() of a tensor ``after_layer()`` replaced -> (it, weakly; its version then, -1 for none; what replaced it; where).
+ClosedRebinds = dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor, SealedLayer, SealedSlot]]
 
 
 def written_after_close(rebinds: ClosedRebinds, *, final: bool) -> list[Finding]:
@@ -359,10 +353,10 @@ def written_after_close(rebinds: ClosedRebinds, *, final: bool) -> list[Finding]
         if new is None:
             del rebinds[ident]
             continue
-        if not final and version is not None and _version(new) == version:
+        if not final and version >= 0 and version_of(new) == version:
             continue
-        if _same_values(new, held):  # (written again with the values it had: the captured tensor has them)
-            rebinds[ident] = (ref, _version(new), held, sealed, slot)
+        if _agrees_with_captured(new, held):  # (written again with the values it had: the captured one has them)
+            rebinds[ident] = (ref, version_of(new), held, sealed, slot)
             continue
         del rebinds[ident]
         findings.append(
@@ -378,7 +372,7 @@ def written_after_close(rebinds: ClosedRebinds, *, final: bool) -> list[Finding]
     return findings
 
 
-def _same_values(new: torch.Tensor, held: torch.Tensor) -> bool:
+def _agrees_with_captured(new: torch.Tensor, held: torch.Tensor) -> bool:
     """Whether a replaced tensor still holds what its captured replacement does: their value samples where both are
     laid out alike, else every value (on the captured tensor's device and dtype)."""
     with torch.no_grad():

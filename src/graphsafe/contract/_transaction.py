@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from graphsafe._gcpause import collections_paused
-from graphsafe.collectors import Dataflow, walk
+from graphsafe.collectors import Dataflow
 from graphsafe.contract._agreement import Agreement
 from graphsafe.contract._attributes import remap_held_elsewhere
 from graphsafe.contract._departures import Departures
@@ -611,14 +611,10 @@ class ReloadTransaction:
 
     def _model_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor of the model: its parameters and buffers, and what the walker reaches from each module."""
-        contract = self.contract
-        model = contract.model
+        model = self.contract.model
         yield from (p for _, p in model.named_parameters(remove_duplicate=False))
         yield from (b for _, b in model.named_buffers(remove_duplicate=False))
-        units = frozenset(id(module) for module in model.modules())
-        for module in model.modules():
-            for ref in walk(module, budget=contract.budget, devices=contract.devices, units=units).refs:
-                yield ref.tensor
+        yield from self.contract._walked_tensors()
 
     # The restore steps (contract._steps).
     _reads_no_copy_reached = _steps._reads_no_copy_reached
