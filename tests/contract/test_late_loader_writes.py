@@ -48,8 +48,9 @@ def _not_committed_while_stale(contract: GraphContract, model: _Pair, loaded: li
 
 
 # -- 1. the loader's params dict is gone by the time the reload finishes ---------------------------------------------
-def _load_layerwise(model: _Pair, txn) -> None:  # type: ignore[no-untyped-def]
-    """A loader's ``load_weights``: its ``params`` dict is a local, gone when it returns (before ``finish``)."""
+def _load_layerwise(model: _Pair, txn) -> dict[str, nn.Parameter]:  # type: ignore[no-untyped-def]
+    """A loader's ``load_weights`` binding new Parameters and writing ``a``'s second shard after ``after_layer(a)``;
+    its ``params`` dict is returned (a caller that drops it lets it go before ``finish``)."""
     params = {}
     for name in ("a", "b"):
         txn.before_layer(getattr(model, name))
@@ -64,6 +65,7 @@ def _load_layerwise(model: _Pair, txn) -> None:  # type: ignore[no-untyped-def]
         params["a"][2:] = 5.0  # shard 2: lands in the replaced new Parameter
         params["b"][:] = 6.0
     txn.after_layer(model.b)
+    return params
 
 
 def test_a_late_write_is_caught_even_when_the_loader_dropped_its_params_dict_before_finish() -> None:
@@ -291,19 +293,7 @@ def test_a_write_into_a_replaced_tensor_after_its_after_layer_does_not_commit(de
     model = _Pair()
     contract = GraphContract(model, "strict", detect=detect).seal()  # type: ignore[arg-type]
     with contextlib.suppress(ContractViolation), contract.reload(layerwise=True) as txn:
-        txn.before_layer(model.a)
-        txn.before_layer(model.b)
-        params = {}
-        for name, layer in (("a", model.a), ("b", model.b)):
-            layer.weight = nn.Parameter(torch.zeros(N), requires_grad=False)
-            params[name] = layer.weight
-        with torch.no_grad():
-            params["a"][:2] = 5.0  # shard 1
-        txn.after_layer(model.a)
-        with torch.no_grad():
-            params["a"][2:] = 5.0  # shard 2
-            params["b"][:] = 6.0
-        txn.after_layer(model.b)
+        params = _load_layerwise(model, txn)  # kept until the reload finishes
     outcome = contract.last_outcome
     assert outcome is not None
     if outcome.status is Status.COMMITTED:

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from contract.test_rebind_attributes import _KernelRef, _rebind_weight
-from graphsafe import ContractViolation, GraphContract, Status, register_derived
+from contract.test_rebind_attributes import _KernelRef, _rebind_weight, _TiedLayer  # (section 2's tie)
+from graphsafe import ContractViolation, GraphContract, Status
 
 pytestmark = pytest.mark.both_tiers  # the rules hold on both restore tiers
 
@@ -53,27 +53,6 @@ def test_a_reload_that_raises_after_an_after_layer_still_remaps_the_attribute() 
 
 
 # -- 2. a problem in another layer of the step: a layer rebound is remapped ------------------------------------------
-class _TiedLayer(nn.Module):
-    """Two derived slots captured as one object; the reload gives them two tensors with other attributes
-    (``alias-broken``, a problem finding, see test_rebind_attributes section 2)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(N), requires_grad=False)
-
-    def pwal(self, first: bool = False) -> None:
-        if first:
-            self.a = self.b = self.weight * 2
-        else:
-            a = self.weight * 2
-            a.role = "gate"
-            b = self.weight * 2
-            b.role = "up"
-            self.a, self.b = a, b
-        register_derived(self, "a")
-        register_derived(self, "b")
-
-
 class _Two(nn.Module):
     def __init__(self) -> None:
         super().__init__()

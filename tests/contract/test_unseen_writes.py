@@ -11,21 +11,11 @@ import threading
 
 import pytest
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode
 
-from graphsafe import FindingKind, GraphContract, ReloadFailedError, Status, register_derived
+from contract.test_partial_refresh import N, _Slot
+from graphsafe import FindingKind, GraphContract, ReloadFailedError, Status
 from graphsafe.errors import GraphSafeError
-
-N = 4096
-
-
-class _Slot(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(N), requires_grad=False)
-        self.s = self.w.detach() * 2
-        register_derived(self, "s", self.s, derived_from="w")
 
 
 class _User(TorchDispatchMode):
