@@ -1149,20 +1149,13 @@ def test_a_contextvar_set_by_pwal_before_a_late_rewrite_is_not_left_to_a_recaptu
     _assert_honest(scenario)
 
 
-_OPEN_ROTATION_REPWAL = (
-    "open (docs/fault-matrix.md): layerwise, weights kept, PWAL run again after after_layer() over a rotation of "
-    "three fp8 slots (one restrided, one given another dtype, one skipped) and a freed alias: the reload asks for a "
-    "recapture that would read other values than a cold model in d0"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_OPEN_ROTATION_REPWAL)
 def test_a_repeated_pwal_over_a_rotation_with_respecified_slots_asks_no_recapture_that_reads_wrong_values() -> None:
     """Found by the long fuzz run (with and without a recording of the reload, on the code before the current rules
     too): layerwise (``repwal``: PWAL again after the layer's ``after_layer()``), the loader keeps the weight (a
     buffer, with loader metadata), PWAL rotates d1 -> d0 -> d2 -> d1 and gives d0 another stride, d1 another dtype,
-    skips d2 and frees d3 (an alias of d0). The reload ends NEEDS_RECAPTURE while d0, as the model holds it, has
-    other values than a cold model's: a recapture would read them."""
+    skips d2 and frees d3 (an alias of d0). ``after_layer()`` bound d2's captured tensor back although d0 kept it as
+    its new tensor (d0 and d1 respecified), tying the two paths; PWAL's second run then wrote d1's values through
+    the tie and d0 read them (a restore never ties two paths the model did not: ``_holders.new_ties``)."""
     slots = (
         SlotSpec("d0", source="fp8", holder="closure", declare="register_derived", mutation="respec_stride"),
         SlotSpec("d1", source="fp8", factor=3, subclass=True, holder="child", mutation="respec_dtype"),

@@ -20,7 +20,7 @@ from graphsafe.contract._tensorref import TensorRef
 from graphsafe.contract._witness import changed_since, sampled_whole
 from graphsafe.devices import WalkBudget
 from graphsafe.errors import hide_frames_in_pytest
-from graphsafe.outcome import FindingKind, Origin, fingerprint, geometry_key, memory_tensors
+from graphsafe.outcome import FindingKind, Origin, SlotRef, fingerprint, geometry_key, memory_tensors
 from graphsafe.paths import SlotPath
 
 #: pytest shows the test's line and graphsafe's message, not this module's frames (``errors.hide_frames_in_pytest``).
@@ -273,6 +273,56 @@ _WRITTEN_AFTER_REPLACED = (
     "no path the contract walks holds it (a table outside the model), and it was written after the module took "
     "another tensor in its place (a loader writes a parameter before that, not after)"
 )
+
+
+def new_ties(
+    work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]], plan: RestorePlan
+) -> dict[tuple[int, int], str]:
+    """The moves whose captured memory another path of the step keeps as its new tensor, where the seal had that
+    path on other memory ((id(snapshot), slot index) -> why): PWAL moved the captured tensor there (a rotation)
+    and that path keeps it (respecified, say). Copying and binding back would leave two paths on one storage
+    the model never shared, so the next in-place write through either changes both; a copy of equal values
+    passes every value check, so the tie is refused by memory, before any copy."""
+    if not plan.moves:
+        return {}
+    held: dict[tuple[str, int], str] = {}
+    for snapshot, rebinds in work:
+        rebound = {index for index, _ in rebinds}
+        for index, slot in enumerate(snapshot.slots):
+            captured = snapshot.captured[index]
+            if index in rebound or captured is None:
+                continue
+            current = slot.get(snapshot.layer)
+            if not isinstance(current, torch.Tensor) or current is captured:
+                continue
+            sealed_on = _storage_keys(captured)
+            for key in _storage_keys(current):
+                if key not in sealed_on:
+                    held.setdefault(key, str(SlotRef(snapshot.sealed.qualname, slot.path.text)))
+    if not held:
+        return {}
+    reasons: dict[tuple[int, int], str] = {}
+    for move in plan.moves:
+        where = next((held[key] for key in _storage_keys(move.dst) if key in held), None)
+        if where is not None:
+            reasons.setdefault(
+                (id(move.snapshot), move.index),
+                f"its captured memory is now the new tensor {where} keeps (PWAL moved it there), and binding it "
+                "back here would tie the two paths",
+            )
+    return reasons
+
+
+def _storage_keys(tensor: torch.Tensor) -> set[tuple[str, int]]:
+    """(device, storage address) of each storage ``tensor`` reads (a wrapper's inner tensors'); none for a tensor
+    without one (sparse)."""
+    keys: set[tuple[str, int]] = set()
+    for part in memory_tensors(tensor):
+        try:
+            keys.add((str(part.device), part.untyped_storage().data_ptr()))
+        except (RuntimeError, NotImplementedError):
+            continue
+    return keys
 
 
 def _take_back(

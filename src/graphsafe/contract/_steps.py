@@ -18,6 +18,7 @@ from graphsafe.contract._attributes import _LOADED
 from graphsafe.contract._copy import CopyBatch, byte_span
 from graphsafe.contract._fast import Rebinds, plan_common, step_conditions
 from graphsafe.contract._freshness import ClosedLayer, check_freshness, judge_noted
+from graphsafe.contract._holders import new_ties
 from graphsafe.contract._memory import address_range
 from graphsafe.contract._order import loaded_early, moved_since, note_digests
 from graphsafe.contract._owned import take_back_reasons
@@ -451,6 +452,8 @@ def _plan_by_rules(self: ReloadTransaction, group: list[LayerSnapshot], plan: Re
     owned = self.contract._owned
     if owned is not None and plan.moves:  # memory an import's owner, or an arena tracked as an alias, may use
         work = self._take_back(work, plan, take_back_reasons(owned, plan.moves, self._captured_of, self._version_of))
+    if plan.moves:
+        work = self._take_back(work, plan, new_ties(work, plan))
     crossing = plan.crossing()  # the same, for memory two copies write (ties made after the seal too)
     if crossing:
         both = (
