@@ -4,14 +4,17 @@ copy, one the load abandoned is doubted, and the manifest's extra holders are tr
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterable, Iterator
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from graphsafe.collectors import walk
 from graphsafe.contract._copy import clone_laid_out
-from graphsafe.contract._memory import address_range, reads_as_captured
+from graphsafe.contract._memory import _memory, address_range, reads_as_captured
 from graphsafe.contract._plan import RestorePlan
 from graphsafe.contract._samples import Digest, Sample, version_of
 from graphsafe.contract._slots import SealedLayer, SealedSlot
@@ -275,54 +278,86 @@ _WRITTEN_AFTER_REPLACED = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class Keeper:
+    """A path a restore step leaves on a tensor other than its captured one as sealed (respecified, its copy taken
+    back): the memory that tensor reads, and the memory the slot read at the seal."""
+
+    layer: nn.Module
+    slot: SealedSlot
+    tensor: torch.Tensor
+    reads: tuple[tuple[Any, int, int], ...]
+    sealed: tuple[tuple[Any, int, int], ...]
+    ref: str
+
+
+def keepers(snapshot: LayerSnapshot, skip: Container[int]) -> Iterator[Keeper]:
+    """The paths of ``snapshot`` (but ``skip``) that hold a tensor other than their captured one as sealed."""
+    layer = snapshot.layer
+    for index, slot in enumerate(snapshot.slots):
+        if index in skip:
+            continue
+        current = slot.get(layer)
+        if not isinstance(current, torch.Tensor):
+            continue
+        captured = snapshot.captured[index]
+        if current is captured and not slot.wrapped and current.data_ptr() == slot.fp.data_ptr:
+            continue  # on its captured memory: it reads what it read at the seal
+        reads = _ranges(current)
+        if reads:
+            sealed = _ranges(captured) if slot.wrapped and captured is not None else _sealed_range(slot)
+            yield Keeper(layer, slot, current, reads, sealed, str(SlotRef(snapshot.sealed.qualname, slot.path.text)))
+
+
 def new_ties(
-    work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]], plan: RestorePlan
+    work: list[tuple[LayerSnapshot, list[tuple[int, torch.Tensor]]]], plan: RestorePlan, earlier: Iterable[Keeper]
 ) -> dict[tuple[int, int], str]:
-    """The moves whose captured memory another path of the step keeps as its new tensor, where the seal had that
-    path on other memory ((id(snapshot), slot index) -> why): PWAL moved the captured tensor there (a rotation)
-    and that path keeps it (respecified, say). Copying and binding back would leave two paths on one storage
-    the model never shared, so the next in-place write through either changes both; a copy of equal values
-    passes every value check, so the tie is refused by memory, before any copy."""
-    if not plan.moves:
-        return {}
-    held: dict[tuple[str, int], str] = {}
-    for snapshot, rebinds in work:
-        rebound = {index for index, _ in rebinds}
-        for index, slot in enumerate(snapshot.slots):
-            captured = snapshot.captured[index]
-            if index in rebound or captured is None:
-                continue
-            current = slot.get(snapshot.layer)
-            if not isinstance(current, torch.Tensor) or current is captured:
-                continue
-            sealed_on = _storage_keys(captured)
-            for key in _storage_keys(current):
-                if key not in sealed_on:
-                    held.setdefault(key, str(SlotRef(snapshot.sealed.qualname, slot.path.text)))
-    if not held:
+    """The moves whose copy lands on memory a path keeps reading as its new tensor (a path of the step not rebound,
+    or one an earlier ``after_layer()`` left so: ``earlier``), where the seal had that path elsewhere ((id(snapshot),
+    slot index) -> why). PWAL moved the captured tensor there (a rotation) and that path keeps it (respecified,
+    say): copying and binding back would leave two paths on memory the model never shared, so the next in-place
+    write through either changes both. A copy of equal values passes every value check, so the tie is refused by
+    address (another storage object on the same bytes, an import, too), before any copy."""
+    found = [k for snapshot, rebinds in work for k in keepers(snapshot, {index for index, _ in rebinds})]
+    found.extend(k for k in earlier if k.slot.get(k.layer) is k.tensor)
+    if not found:
         return {}
     reasons: dict[tuple[int, int], str] = {}
     for move in plan.moves:
-        where = next((held[key] for key in _storage_keys(move.dst) if key in held), None)
-        if where is not None:
-            reasons.setdefault(
-                (id(move.snapshot), move.index),
-                f"its captured memory is now the new tensor {where} keeps (PWAL moved it there), and binding it "
-                "back here would tie the two paths",
-            )
+        dst = move.memory
+        for keeper in found:
+            if any(_overlap(r, dst) for r in keeper.reads) and not any(_overlap(r, dst) for r in keeper.sealed):
+                reasons.setdefault(
+                    (id(move.snapshot), move.index),
+                    f"its captured memory is what {keeper.ref} now reads as its new tensor (PWAL moved it there), "
+                    "and binding it back here would tie the two paths",
+                )
+                break
     return reasons
 
 
-def _storage_keys(tensor: torch.Tensor) -> set[tuple[str, int]]:
-    """(device, storage address) of each storage ``tensor`` reads (a wrapper's inner tensors'); none for a tensor
-    without one (sparse)."""
-    keys: set[tuple[str, int]] = set()
+def _ranges(tensor: torch.Tensor) -> tuple[tuple[Any, int, int], ...]:
+    """``(device, first address, end)`` of the bytes ``tensor`` reads (a wrapper's inner tensors'); none for a
+    tensor without memory of its own (sparse, meta, empty)."""
+    found: list[tuple[Any, int, int]] = []
     for part in memory_tensors(tensor):
         try:
-            keys.add((str(part.device), part.untyped_storage().data_ptr()))
+            memory = _memory(part)
         except (RuntimeError, NotImplementedError):
             continue
-    return keys
+        if memory is not None:
+            found.append(memory)
+    return tuple(found)
+
+
+def _sealed_range(slot: SealedSlot) -> tuple[tuple[Any, int, int], ...]:
+    start, end = slot.span
+    fp = slot.fp
+    return ((fp.device, fp.storage_ptr + start, fp.storage_ptr + end),) if end > start else ()
+
+
+def _overlap(a: tuple[Any, int, int], b: tuple[Any, int, int]) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 
 def _take_back(

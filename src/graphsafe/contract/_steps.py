@@ -18,7 +18,7 @@ from graphsafe.contract._attributes import _LOADED
 from graphsafe.contract._copy import CopyBatch, byte_span
 from graphsafe.contract._fast import Rebinds, plan_common, step_conditions
 from graphsafe.contract._freshness import ClosedLayer, check_freshness, judge_noted
-from graphsafe.contract._holders import new_ties
+from graphsafe.contract._holders import keepers, new_ties
 from graphsafe.contract._memory import address_range
 from graphsafe.contract._order import loaded_early, moved_since, note_digests
 from graphsafe.contract._owned import take_back_reasons
@@ -303,6 +303,10 @@ def _restore_group(self: ReloadTransaction, group: list[LayerSnapshot], *, close
         self._findings.extend(written_after_close(self._closed_rebinds, final=False))
     for snapshot, _ in work:  # after every rebind: two layers' paths can reach one place (nested layers)
         snapshot.verify()
+    if close:  # paths left on new tensors: a later step's copy must not tie another path to what they read
+        for snapshot, _ in work:
+            confirmed = snapshot.confirmed
+            self._keepers.extend(keepers(snapshot, {i for i, ok in enumerate(confirmed or ()) if ok}))
     self._doubt_abandoned(work, plan)
     for snapshot in group:
         snapshot.done = True
@@ -453,7 +457,7 @@ def _plan_by_rules(self: ReloadTransaction, group: list[LayerSnapshot], plan: Re
     if owned is not None and plan.moves:  # memory an import's owner, or an arena tracked as an alias, may use
         work = self._take_back(work, plan, take_back_reasons(owned, plan.moves, self._captured_of, self._version_of))
     if plan.moves:
-        work = self._take_back(work, plan, new_ties(work, plan))
+        work = self._take_back(work, plan, new_ties(work, plan, self._keepers))
     crossing = plan.crossing()  # the same, for memory two copies write (ties made after the seal too)
     if crossing:
         both = (

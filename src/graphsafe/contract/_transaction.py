@@ -79,6 +79,7 @@ class ReloadTransaction:
         self._findings: list[Finding] = []
         #: New tensors earlier restore steps left at their paths (findings): later steps treat them as readers.
         self._kept: list[torch.Tensor] = []
+        self._keepers: list[_holders.Keeper] = []  # paths earlier after_layer() steps left on new tensors
         #: (weak reference to each new tensor a restore step replaced, what replaced it): see _settle.
         self._rebound: list[tuple[weakref.ReferenceType[torch.Tensor], torch.Tensor]] = []
         #: Of those, the ones after_layer() replaced, with their version then (see _steps.written_after_close).
