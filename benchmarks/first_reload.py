@@ -1,6 +1,6 @@
 """The recorded reload of an engine-shaped model: what recording what PWAL reads and refreshes costs.
 
-    PYTHONPATH=src python3 benchmarks/first_reload.py [--models 5]
+    PYTHONPATH=src python3 benchmarks/first_reload.py [--models 5] [--device cuda]
 
 Each model is built, sealed (``declared-only``, strict) and reloaded with other weights; the first reload after a
 seal records the load and PWAL (``collectors.Dataflow``), later ones do not unless ``record_every_reload`` is set.
@@ -29,9 +29,11 @@ from graphsafe.collectors import Dataflow
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu (the CPU engine shape) or cuda (the GPU one)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    shape, device = _engine.CPU_SHAPE, torch.device("cpu")
+    device = torch.device(args.device)
+    shape = _engine.CUDA_SHAPE if device.type == "cuda" else _engine.CPU_SHAPE
     template = _engine.EngineModel(shape, torch.device("meta"))
     initial, new = (_engine.make_weights(template, seed, device) for seed in (0, 1))
     Dataflow.prepare()  # torch's one-time dispatch set-up, outside the timing
@@ -45,7 +47,7 @@ def main() -> None:
             every = turn % 2 == 1
             contract.record_every_reload = every
             later[every].append(_reload(contract, model, initial if turn % 2 else new))
-    print(f"{shape.name}, medians over {args.models} models:")
+    print(f"{shape.name} on {device}, medians over {args.models} models:")
     print(f"  the first (recorded) reload            {statistics.median(first) * 1e3:7.1f} ms")
     plain, every = (statistics.median(later[flag]) * 1e3 for flag in (False, True))
     print(f"  a later reload                         {plain:7.1f} ms")
@@ -53,10 +55,17 @@ def main() -> None:
 
 
 def _reload(contract: GraphContract, model: _engine.EngineModel, weights: list[list[torch.Tensor]]) -> float:
+    _sync(weights)
     start = time.perf_counter()
     with contract.reload():
         _engine.load_weights(model, weights, declare=True)
+    _sync(weights)
     return time.perf_counter() - start
+
+
+def _sync(weights: list[list[torch.Tensor]]) -> None:
+    if weights and weights[0] and weights[0][0].is_cuda:
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

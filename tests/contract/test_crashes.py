@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status
+from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status, register_derived
 from graphsafe.collectors import record_capture
+from graphsafe.errors import GraphSafeError
 
 pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
 
@@ -333,7 +334,7 @@ def test_two_threads_reloading_with_rebinding_loaders_never_break_a_registration
                         layer.weight = nn.Parameter(torch.full((2, 2), float(step)))
                 if errors:
                     return
-        except BaseException as exc:
+        except BaseException as exc:  # the test asks which
             errors.append(exc)
 
     interval = sys.getswitchinterval()
@@ -347,3 +348,82 @@ def test_two_threads_reloading_with_rebinding_loaders_never_break_a_registration
     finally:
         sys.setswitchinterval(interval)
     assert not errors, repr(errors[0])
+
+
+# ----------------------------------------------------------------------------------------------------
+# A derived slot PWAL gives a tensor whose memory cannot be read: a subclass whose ``__torch_function__`` refuses
+# ``untyped_storage()``, a wrapper subclass without the flatten protocol. The contract reads memory as it lies
+# (past a subclass's ``__torch_function__``); a tensor with no memory to read is respecified, never a raw error.
+# ----------------------------------------------------------------------------------------------------
+
+
+class _RefusesStorage(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.untyped_storage:
+            raise TypeError("this class hands out no storage")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _Opaque(torch.Tensor):
+    """A wrapper subclass with no ``__tensor_flatten__``: nothing outside it can reach its memory."""
+
+    inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Opaque:
+        made = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+        made.inner = inner
+        return made
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def unwrap(value: Any) -> Any:
+            return value.inner if isinstance(value, _Opaque) else value
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+class _Unreadable(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.weight = nn.Parameter(torch.randn(4, 2), requires_grad=False)
+        self.d = self.weight.detach() * 2
+        register_derived(self, "d", derived_from="weight")
+
+    def pwal(self) -> None:
+        values = self.weight.detach() * 2
+        self.d = values.as_subclass(_RefusesStorage) if self.kind == "refuses" else _Opaque(values)
+        register_derived(self, "d", derived_from="weight")
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+@pytest.mark.parametrize("record", [True, False], ids=["recorded", "unrecorded"])
+@pytest.mark.parametrize("kind", ["refuses", "opaque"])
+@pytest.mark.parametrize("mode", ["strict", "recapture", "migrate"])
+def test_a_new_tensor_whose_memory_cannot_be_read_is_respecified_not_a_raw_error(
+    mode: str, kind: str, record: bool, layerwise: bool
+) -> None:
+    layer = _Unreadable(kind)
+    contract = GraphContract(layer, mode).seal()  # type: ignore[arg-type]
+    contract.record_first_reload = record
+    new = torch.randn(4, 2, generator=torch.Generator().manual_seed(3))
+    raised: BaseException | None = None
+    try:
+        if layerwise:
+            with contract.reload(layerwise=True) as txn:
+                txn.before_layer(layer)
+                layer.weight.data.copy_(new)
+                layer.pwal()
+                txn.after_layer(layer)
+        else:
+            with contract.reload():
+                layer.weight.data.copy_(new)
+                layer.pwal()
+    except BaseException as exc:  # the test asks which
+        raised = exc
+    assert raised is None or isinstance(raised, GraphSafeError), f"a raw {type(raised).__name__} escaped: {raised}"
+    outcome = contract.last_outcome
+    assert outcome is not None and outcome.status is not Status.COMMITTED
+    assert any(f.kind is FindingKind.RESPECIFIED and f.path == "d" for f in outcome.findings), outcome.summary()

@@ -308,12 +308,17 @@ class LayerSnapshot:
 
     def _respecified(self, slot: SealedSlot, current: torch.Tensor, prefix: str, suffix: str = "") -> None:
         """A new tensor at the slot's path that no copy can restore: a finding, and the tensor stays (kept)."""
-        self.kept.append(current)
+        try:
+            after = fingerprint(current)
+        except (TypeError, RuntimeError):  # no storage and no flattenable inner tensors: no memory to keep either
+            after = None
+        else:
+            self.kept.append(current)
         self.findings.append(
             self.sealed.finding(
                 FindingKind.RESPECIFIED,
                 slot,
-                after=fingerprint(current),
+                after=after,
                 detail=prefix + _describe_geometry_change(slot, current) + suffix,
             )
         )

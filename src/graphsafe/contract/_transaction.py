@@ -387,7 +387,7 @@ class ReloadTransaction:
                     # Deferred to finish() (its storage is shared across layers): what it is computed from must
                     # not change from here on either (nothing runs PWAL for it again).
                     self._closed[id(sealed)] = ClosedLayer.of(snapshot, self._samples)
-            with collections_paused():
+            with collections_paused(), torch._C.DisableTorchFunctionSubclass():
                 if dataflow is not None:  # layers restored at finish() learn there, once
                     self._learn_inputs(dataflow, group)
                 self._restore_group(group, close=True)
@@ -413,7 +413,9 @@ class ReloadTransaction:
 
     def _finish(self, error: BaseException | None) -> ReloadOutcome:
         try:
-            with collections_paused():  # the contract's own work; the agreement, listeners and callbacks are not
+            # The contract's own work (the agreement, listeners and callbacks are not), reading memory as it lies:
+            # past any tensor subclass's __torch_function__ (one that refuses untyped_storage(), say).
+            with collections_paused(), torch._C.DisableTorchFunctionSubclass():
                 outcome = self._settle(error)
         except BaseException as exc:  # the restore raised (the contract is marked unsafe): the peers still wait
             self._record_failure(exc, "graphsafe's restore raised", agree=True)
