@@ -84,7 +84,11 @@ def _input_index(
     """Every tensor the model holds, by storage, as the first path found (parameters and buffers, then plain
     tensor attributes, then the seal's deeper paths); and by module id, the storages of its weights (anything
     but its declared slots) the recording saw written."""
-    index: dict[int, tuple[Any, InputRef]] = {}
+    # id(storage) -> (the storage, where the model holds it: module, qualified name, path); the InputRef is made
+    # when a walk finds it (a few of the thousands of tensors a model holds are some slot's inputs).
+    index: dict[int, tuple[Any, nn.Module, str, SlotPath]] = {}
+    found: dict[int, InputRef] = {}
+    paths: dict[str, SlotPath | None] = {}  # parsed once per attribute name
     updated: dict[int, set[int]] = {}
     modules = list(self.model.named_modules())
 
@@ -96,11 +100,15 @@ def _input_index(
             updated.setdefault(id(module), set()).add(id(storage))
         if id(storage) in index:
             return
-        try:
-            path = SlotPath(text)
-        except GraphSafeError:  # an attribute name outside the path grammar cannot be watched by path
-            return
-        index[id(storage)] = (storage, InputRef(weakref.ref(module), path, SlotRef(qualname, path.text)))
+        if text in paths:
+            path = paths[text]
+        else:
+            try:
+                path = paths[text] = SlotPath(text)
+            except GraphSafeError:  # an attribute name outside the path grammar cannot be watched by path
+                path = paths[text] = None
+        if path is not None:
+            index[id(storage)] = (storage, module, qualname, path)
 
     for qualname, module in modules:
         for name, value in (*module._parameters.items(), *module._buffers.items()):
@@ -117,7 +125,13 @@ def _input_index(
 
     def held(storage: Any) -> InputRef | None:
         entry = index.get(id(storage))
-        return entry[1] if entry is not None and entry[0] is storage else None
+        if entry is None or entry[0] is not storage:
+            return None
+        ref = found.get(id(storage))
+        if ref is None:  # one InputRef per storage: walks tell inputs apart by identity
+            _, module, qualname, path = entry
+            ref = found[id(storage)] = InputRef(weakref.ref(module), path, SlotRef(qualname, path.text))
+        return ref
 
     return held, updated
 
