@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -72,30 +72,62 @@ def _schema_access(func: Any) -> tuple[dict[int, tuple[int, str]], dict[str, int
     return cached
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def _tensors(value: Any) -> tuple[torch.Tensor, ...] | list[torch.Tensor]:
     """Tensors in an op argument or result: a tensor, or a (one level) list/tuple of optional tensors."""
     if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, list | tuple):
-        for item in value:
-            if isinstance(item, torch.Tensor):
-                yield item
+        return (value,)
+    if isinstance(value, list | tuple):
+        return [item for item in value if isinstance(item, torch.Tensor)]
+    return ()
 
 
-class _Node:
-    """One storage seen during the recording."""
+#: Shared empty values: a recording makes a node per storage an op touches (thousands per reload), and every object
+#: one keeps is one more for the cyclic GC to traverse.
+_NO_STALE: frozenset[tuple[int, int]] = frozenset()
 
-    __slots__ = ("aliases", "created", "ref", "sources", "stale", "written")
 
-    def __init__(self, storage: Any, *, created: bool) -> None:
-        self.ref = weakref.ref(storage)
-        self.sources: set[_Node] = set()
+class _Node(weakref.ref):  # type: ignore[type-arg]  # (a weak reference to an untyped storage)
+    """One storage seen during the recording: a weak reference to it (called, the storage or ``None``) that carries
+    what the recording learnt about it. One object per storage rather than a node holding a reference: fewer objects
+    for the cyclic GC. Compared and hashed by identity, whether its storage is alive or not."""
+
+    __slots__ = ("aliases", "created", "sources", "stale", "written")
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+
+    def __new__(cls, storage: Any, *, created: bool) -> _Node:
+        return super().__new__(cls, storage)
+
+    def __init__(self, storage: Any, *, created: bool) -> None:  # (``weakref.ref.__new__`` took ``storage``)
+        # What its values were computed from: a frozenset shared with other nodes (the results of one op) until it
+        # grows, then a set of its own.
+        self.sources: frozenset[_Node] | set[_Node] = _NO_NODES
         self.created = created  # allocated during the recording
         self.written = False  # written in place during the recording
         # (id, generation) of each watched storage whose unrefreshed bytes its values were computed from (_Coverage).
-        self.stale: frozenset[tuple[int, int]] = frozenset()
+        self.stale = _NO_STALE
         # Watched storages whose memory this other storage object overlaps (a DLPack or NumPy import), once asked.
         self.aliases: tuple[_Coverage, ...] | None = None
+
+    def gain(self, sources: frozenset[_Node]) -> None:
+        """Its values now also computed from ``sources`` (never from itself: an in-place write reads its own)."""
+        if not sources:
+            return
+        if not self.sources and self not in sources:
+            self.sources = sources  # shared (frozen) until it grows
+            return
+        if isinstance(self.sources, frozenset):
+            self.sources = set(self.sources)
+        self.sources |= sources
+        self.sources.discard(self)
+
+    def taint(self, stale: frozenset[tuple[int, int]]) -> None:
+        """Its values now also computed from the unrefreshed bytes ``stale`` names."""
+        if stale:
+            self.stale = self.stale | stale if self.stale else stale
+
+
+_NO_NODES: frozenset[_Node] = frozenset()
 
 
 #: Contiguous in-place writes kept as byte ranges per watched storage; past this many, a bitmap takes over.
@@ -304,10 +336,17 @@ def _indexed(named: dict[str, Any]) -> bool:
     return any(isinstance(named.get(key), torch.Tensor | list | tuple) for key in _INDEXING)
 
 
+_READS_VALUES: dict[Any, bool] = {}
+
+
 def _reads_values(func: Any) -> bool:
-    """Whether ``func`` reads its tensor arguments' values (``empty_like``, ``new_zeros`` read only their shape)."""
-    name = _op_name(func)
-    return not (name.endswith("_like") or name.startswith("new_"))
+    """Whether ``func`` reads its tensor arguments' values (``empty_like``, ``new_zeros`` read only their shape);
+    cached per overload (asked of every op recorded)."""
+    reads = _READS_VALUES.get(func)
+    if reads is None:
+        name = _op_name(func)
+        reads = _READS_VALUES[func] = not (name.endswith("_like") or name.startswith("new_"))
+    return reads
 
 
 def _metadata_only(func: Any) -> bool:
@@ -430,29 +469,25 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             access = names.get(key, 0)
             for tensor in _tensors(value):
                 self._sort(tensor, access, key, read, written, opaque, argument_storages)
-        stale = self._stale_reads(func, read, opaque) if self._watched else frozenset()
+        stale = self._stale_reads(func, read, opaque) if self._watched else _NO_STALE
         out = func(*args, **kwargs)
-        sources = {node for node in (self._node(t, created=False) for t in read) if node is not None}
+        sources = self._sources(read)
         named: dict[str, Any] | None = None
         for tensor, argument, inner in written:
-            node = self._node(tensor, created=False)
-            if node is None:
-                continue
             storage = tensor.untyped_storage()
+            node = self._node_of(storage, created=False)
             watched = self._coverage_of(storage)
             aliases = self._aliases(node, storage) if self._watched and watched is None else ()
+            node.written = True
+            node.gain(sources)
             if not (node.stale or stale or watched is not None or aliases):
-                node.written = True
-                node.sources |= sources - {node}
                 continue
             named = named if named is not None else _named(func, args, kwargs)
             overwrite = _overwrites(func, named, argument, outs)
-            node.written = True
-            node.sources |= sources - {node}
             if node.stale and _replaces_whole(func, tensor, named, overwrite):
                 node.stale = stale  # all its values are this op's now
-            elif stale:
-                node.stale |= stale
+            else:
+                node.taint(stale)
             if watched is not None:
                 self._note(watched, func, tensor, named, overwrite, stale, inner)
             for alias in aliases:
@@ -461,7 +496,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         return out
 
     def _outputs(
-        self, out: Any, sources: set[_Node], stale: frozenset[tuple[int, int]], argument_storages: set[int]
+        self, out: Any, sources: frozenset[_Node], stale: frozenset[tuple[int, int]], argument_storages: set[int]
     ) -> None:
         """Nodes for an op's new results (a wrapper subclass's inner tensors), computed from ``sources``; a result
         the recorder follows by object (sparse, mkldnn) keeps ``stale`` too."""
@@ -472,12 +507,11 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
                     self._opaque[id(tensor)] = (weakref.ref(tensor), stale)
                 continue
             for part in parts:
-                if id(part.untyped_storage()) not in argument_storages:
-                    node = self._node(part, created=True)
-                    if node is not None:
-                        node.sources |= sources
-                        if stale:
-                            node.stale |= stale
+                storage = part.untyped_storage()
+                if id(storage) not in argument_storages:
+                    node = self._node_of(storage, created=True)
+                    node.gain(sources)
+                    node.taint(stale)
 
     def _higher_order(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A higher-order op (``torch.cond``, ``map``): its body runs unseen. Every tensor passed counts as read and
@@ -490,19 +524,18 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         for leaf in pytree.tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.Tensor):
                 self._sort(leaf, 0, "", read, written, opaque, argument_storages)
-        stale = self._stale_reads(func, read, opaque) if self._watched else frozenset()
+        stale = self._stale_reads(func, read, opaque) if self._watched else _NO_STALE
         if any(word in _op_name(func) for word in ("mutation", "functionalize", "effects")):
             for tensor in read:
-                node = self._node(tensor, created=False)
                 storage = tensor.untyped_storage()
+                node = self._node_of(storage, created=False)
                 coverage = self._coverage_of(storage)
                 if coverage is not None:
                     coverage.written = coverage.unknown = True
-                for alias in self._aliases(node, storage) if node is not None and self._watched else ():
+                for alias in self._aliases(node, storage) if self._watched else ():
                     alias.written = alias.unknown = True
         out = func(*args, **kwargs)
-        sources = {node for node in (self._node(t, created=False) for t in read) if node is not None}
-        self._outputs(pytree.tree_leaves(out), sources, stale, argument_storages)
+        self._outputs(pytree.tree_leaves(out), self._sources(read), stale, argument_storages)
         return out
 
     def _note(
@@ -553,7 +586,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         another storage object over the same memory, or through values computed from them (a sparse or mkldnn
         tensor's followed by object)."""
         if not _reads_values(func):
-            return frozenset()
+            return _NO_STALE
         stale: set[tuple[int, int]] = set()
         for tensor in opaque:
             held = self._opaque.get(id(tensor))
@@ -562,14 +595,14 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         try:
             for tensor in read:
                 storage = tensor.untyped_storage()
-                node = self._node(tensor, created=False)
-                if node is not None and node.stale:
+                node = self._node_of(storage, created=False)
+                if node.stale:
                     stale |= {entry for entry in node.stale if entry[0] != id(storage)}  # its own: coverage tells
                 coverage = self._coverage_of(storage)
                 if coverage is not None:
                     if coverage.unrefreshed(tensor):
                         stale.add((id(storage), coverage.generation))
-                elif node is not None and tensor.numel():
+                elif tensor.numel() and self._aliases(node, storage):
                     first, last = _span(tensor)
                     for alias in self._aliases(node, storage):
                         other = alias.ref()
@@ -582,7 +615,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         except Exception:  # what it read is not known: nothing watched is provably fresh from here on
             for coverage in self._watched.values():
                 coverage.unknown = True
-        return frozenset(stale)
+        return frozenset(stale) if stale else _NO_STALE
 
     def _coverage_of(self, storage: Any) -> _Coverage | None:
         """The account of a watched storage, or ``None`` (not watched, or its id now names another storage)."""
@@ -652,12 +685,16 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             elif access != _VIEW:
                 read.append(part)
 
-    def _node(self, tensor: torch.Tensor, *, created: bool) -> _Node | None:
-        if not _strided(tensor):
-            return None
-        storage = tensor.untyped_storage()
+    def _sources(self, read: list[torch.Tensor]) -> frozenset[_Node]:
+        """The nodes of the storages an op read (strided tensors: ``_sort`` filed them)."""
+        if not read:
+            return _NO_NODES
+        return frozenset([self._node_of(tensor.untyped_storage(), created=False) for tensor in read])
+
+    def _node_of(self, storage: Any, *, created: bool) -> _Node:
+        """The node of a strided tensor's storage (made now if unseen)."""
         node = self._nodes.get(id(storage))
-        if node is None or node.ref() is not storage:  # unseen, or the id now names another storage
+        if node is None or node() is not storage:  # unseen, or the id now names another storage
             node = self._nodes[id(storage)] = _Node(storage, created=created)
         return node
 
@@ -668,7 +705,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             return False
         storage = tensor.untyped_storage()
         node = self._nodes.get(id(storage))
-        return node is not None and node.ref() is storage and (node.created or node.written)
+        return node is not None and node() is storage and (node.created or node.written)
 
     def watch(self, tensors: Iterable[Any]) -> None:
         """Keep, from now on, which elements of each of ``tensors``' storages in-place writes reach
@@ -720,7 +757,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             return []
         storage = tensor.untyped_storage()
         start = self._nodes.get(id(storage))
-        if start is None or start.ref() is not storage:
+        if start is None or start() is not storage:
             return []
         found: list[T] = []
         seen_values: set[int] = set()
@@ -731,7 +768,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             if node in visited:
                 continue
             visited.add(node)
-            alive = node.ref()
+            alive = node()
             value = held(alive) if alive is not None else None
             if value is not None:
                 if id(value) not in seen_values:
