@@ -150,15 +150,17 @@ _OVERWRITES = frozenset(
 )
 
 
-class _Coverage:
+class _Coverage(weakref.ref):  # type: ignore[type-arg]  # (a weak reference to an untyped storage)
     """Which bytes of one watched storage the recorded writes refreshed: byte ranges while every refreshing write is
     contiguous, then a bitmap of its bytes on the host (strided and indexed writes mark exactly the bytes they
-    reach, whatever the dtype of the view written through)."""
+    reach, whatever the dtype of the view written through). Like a node, a weak reference to the storage (called,
+    the storage or ``None``), compared and hashed by identity."""
 
-    __slots__ = ("bitmap", "drawn", "generation", "ref", "spans", "unknown", "written")
+    __slots__ = ("bitmap", "drawn", "generation", "spans", "unknown", "written")
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
 
-    def __init__(self, storage: Any) -> None:
-        self.ref = weakref.ref(storage)
+    def __init__(self, storage: Any) -> None:  # (``weakref.ref.__new__`` took ``storage``)
         self.spans: list[tuple[int, int]] = []
         self.bitmap: torch.Tensor | None = None
         self.written = False
@@ -254,7 +256,7 @@ class _Coverage:
     def _bitmap(self, end: int) -> torch.Tensor:
         """The bitmap (made now, holding the byte ranges so far), at least ``end`` bytes long."""
         if self.bitmap is None:
-            storage = self.ref()
+            storage = self()
             self.bitmap = torch.zeros(storage.nbytes() if storage is not None else 0, dtype=torch.bool)
             for first, last in self.spans:
                 self._grown(last)[first:last] = True
@@ -553,7 +555,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         """Count a write into a watched storage: through one of its own views, or (``alias``) through another storage
         object over its memory, on the bytes of it the write reaches. Where the values drew on another watched
         storage's unrefreshed bytes, remember that storage's generation (a later refresh of it makes them old)."""
-        other = coverage.ref()
+        other = coverage()
         if other is None or (alias and not tensor.numel()):
             return
         own = id(other)
@@ -585,7 +587,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         """``(id, generation)`` of each watched storage whose unrefreshed bytes ``func`` reads, directly, through
         another storage object over the same memory, or through values computed from them (a sparse or mkldnn
         tensor's followed by object)."""
-        if not _reads_values(func):
+        if not (read or opaque) or not _reads_values(func):
             return _NO_STALE
         stale: set[tuple[int, int]] = set()
         for tensor in opaque:
@@ -605,7 +607,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
                 elif tensor.numel() and self._aliases(node, storage):
                     first, last = _span(tensor)
                     for alias in self._aliases(node, storage):
-                        other = alias.ref()
+                        other = alias()
                         if other is None:
                             continue
                         shift = storage.data_ptr() - other.data_ptr()  # the read's bytes, where ``other`` starts
@@ -620,7 +622,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
     def _coverage_of(self, storage: Any) -> _Coverage | None:
         """The account of a watched storage, or ``None`` (not watched, or its id now names another storage)."""
         coverage = self._watched.get(id(storage))
-        return coverage if coverage is not None and coverage.ref() is storage else None
+        return coverage if coverage is not None and coverage() is storage else None
 
     def _aliases(self, node: _Node, storage: Any) -> tuple[_Coverage, ...]:
         """The watched storages whose memory ``storage`` (another storage object) overlaps, asked once per node."""
@@ -635,7 +637,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         if self._index is None:
             index: dict[str, list[tuple[int, int, _Coverage]]] = {}
             for coverage in self._watched.values():
-                other = coverage.ref()
+                other = coverage()
                 start = _address(other) if other is not None else None
                 if other is not None and start is not None:
                     index.setdefault(str(other.device), []).append((start, start + other.nbytes(), coverage))
@@ -655,7 +657,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         position = bisect.bisect_left(starts, end) - 1
         while position >= 0 and starts[position] + longest > first:
             start, stop, coverage = entries[position]
-            if start < end and first < stop and coverage.ref() is not storage:
+            if start < end and first < stop and coverage() is not storage:
                 overlapping.append(coverage)
             position -= 1
         return tuple(overlapping)

@@ -116,7 +116,8 @@ def _input_index(
     for qualname, module in modules:
         declared = declarations_of(module)
         for name, value in list(vars(module).items()):
-            add(module, qualname, name, value, name not in declared)
+            if isinstance(value, torch.Tensor):  # (most attributes are not: no call for those)
+                add(module, qualname, name, value, name not in declared)
     for sealed in self._layers:
         layer = sealed.layer_ref()
         if layer is not None:
