@@ -386,6 +386,10 @@ def _mark(name: str, elements: torch.Tensor, named: dict[str, Any]) -> bool:
     return False
 
 
+#: A tensor an op reads (strided: ``_parts``), its storage and that storage's node.
+_Read = tuple[torch.Tensor, Any, _Node]
+
+
 class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
     """Records ``written <- read`` edges between storages while active. ``paused`` lets ops through unrecorded
     (the contract's own snapshot and copies run inside the recording)."""
@@ -459,7 +463,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         if isinstance(func, HigherOrderOperator):
             return self._higher_order(func, args, kwargs)
         positions, names, outs = _schema_access(func)
-        read: list[torch.Tensor] = []
+        read: list[_Read] = []
         written: list[tuple[torch.Tensor, str, bool]] = []
         opaque: list[torch.Tensor] = []
         argument_storages: set[int] = set()
@@ -519,7 +523,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         """A higher-order op (``torch.cond``, ``map``): its body runs unseen. Every tensor passed counts as read and
         what it returns as computed from all of them; one that may write what it is passed (a mutation wrapper)
         leaves nothing watched it was passed provably fresh."""
-        read: list[torch.Tensor] = []
+        read: list[_Read] = []
         written: list[tuple[torch.Tensor, str, bool]] = []
         opaque: list[torch.Tensor] = []
         argument_storages: set[int] = set()
@@ -528,9 +532,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
                 self._sort(leaf, 0, "", read, written, opaque, argument_storages)
         stale = self._stale_reads(func, read, opaque) if self._watched else _NO_STALE
         if any(word in _op_name(func) for word in ("mutation", "functionalize", "effects")):
-            for tensor in read:
-                storage = tensor.untyped_storage()
-                node = self._node_of(storage, created=False)
+            for _, storage, node in read:
                 coverage = self._coverage_of(storage)
                 if coverage is not None:
                     coverage.written = coverage.unknown = True
@@ -582,7 +584,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
                 coverage.drawn[key] = min(generation, coverage.drawn.get(key, generation))
 
     def _stale_reads(
-        self, func: Any, read: list[torch.Tensor], opaque: list[torch.Tensor]
+        self, func: Any, read: list[_Read], opaque: list[torch.Tensor]
     ) -> frozenset[tuple[int, int]]:
         """``(id, generation)`` of each watched storage whose unrefreshed bytes ``func`` reads, directly, through
         another storage object over the same memory, or through values computed from them (a sparse or mkldnn
@@ -595,9 +597,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             if held is not None and held[0]() is tensor:
                 stale |= held[1]
         try:
-            for tensor in read:
-                storage = tensor.untyped_storage()
-                node = self._node_of(storage, created=False)
+            for tensor, storage, node in read:
                 if node.stale:
                     stale |= {entry for entry in node.stale if entry[0] != id(storage)}  # its own: coverage tells
                 coverage = self._coverage_of(storage)
@@ -662,18 +662,19 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             position -= 1
         return tuple(overlapping)
 
-    @staticmethod
     def _sort(
+        self,
         tensor: torch.Tensor,
         access: int,
         argument: str,
-        read: list[torch.Tensor],
+        read: list[_Read],
         written: list[tuple[torch.Tensor, str, bool]],
         opaque: list[torch.Tensor],
         seen: set[int],
     ) -> None:
         """File an op's tensor argument under what the op does to it: its memory (a wrapper subclass's inner
-        tensors) read or written, or a tensor followed by object (sparse, mkldnn)."""
+        tensors) read or written, or a tensor followed by object (sparse, mkldnn). A read one's node is found now,
+        once for the op (the op cannot give a tensor it only reads another storage)."""
         parts = _parts(tensor)
         if parts is None:
             if access != _VIEW:
@@ -681,17 +682,17 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             return
         inner = len(parts) != 1 or parts[0] is not tensor  # identity: == on tensors compares values
         for part in parts:
-            seen.add(id(part.untyped_storage()))
+            storage = part.untyped_storage()
+            seen.add(id(storage))
             if access == _WRITE:
                 written.append((part, argument, inner))
             elif access != _VIEW:
-                read.append(part)
+                read.append((part, storage, self._node_of(storage, created=False)))
 
-    def _sources(self, read: list[torch.Tensor]) -> frozenset[_Node]:
-        """The nodes of the storages an op read (strided tensors: ``_sort`` filed them)."""
-        if not read:
-            return _NO_NODES
-        return frozenset([self._node_of(tensor.untyped_storage(), created=False) for tensor in read])
+    @staticmethod
+    def _sources(read: list[_Read]) -> frozenset[_Node]:
+        """The nodes of the storages an op read."""
+        return frozenset([node for _, _, node in read]) if read else _NO_NODES
 
     def _node_of(self, storage: Any, *, created: bool) -> _Node:
         """The node of a strided tensor's storage (made now if unseen)."""
