@@ -805,7 +805,7 @@ def _exact_span(tensor: torch.Tensor) -> tuple[int, int] | None:
 def _parts(tensor: torch.Tensor) -> list[torch.Tensor] | None:
     """The strided tensors whose memory ``tensor`` is: itself, or a wrapper subclass's inner tensors (a nested
     jagged tensor's values); ``None`` for one the recorder follows by object instead (sparse, mkldnn)."""
-    if is_traceable_wrapper_subclass(tensor):
+    if type(tensor) not in _PLAIN and is_traceable_wrapper_subclass(tensor):
         return [part for part in memory_tensors(tensor) if _strided(part)]
     return [tensor] if _strided(tensor) else None
 
@@ -823,5 +823,12 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return end - start
 
 
+#: Tensor types that are no wrapper subclass and read their device from their own TensorImpl (no
+#: ``__torch_function__`` of their own): ``is_meta`` says what ``device.type`` would without making a device object.
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 def _strided(tensor: Any) -> bool:
+    if type(tensor) in _PLAIN:
+        return tensor.layout is torch.strided and not tensor.is_meta
     return isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided and tensor.device.type != "meta"
