@@ -19,6 +19,11 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
         ("GRAPHSAFE_MODE", "bogus", "graphsafe: GRAPHSAFE_MODE='bogus': choose one of strict, recapture, migrate, off"),
         ("GRAPHSAFE_DETECT", "sometimes", "graphsafe: GRAPHSAFE_DETECT='sometimes': choose one of"),
         ("GRAPHSAFE_MANIFEST", "maybe", "graphsafe: GRAPHSAFE_MANIFEST='maybe': expected one of 1/0"),
+        (
+            "GRAPHSAFE_RECORD_RELOADS",
+            "always",
+            "graphsafe: GRAPHSAFE_RECORD_RELOADS='always': choose one of every, first, none",
+        ),
     ],
 )
 def test_a_bad_setting_stops_the_process_with_one_line(variable: str, value: str, expected: str) -> None:

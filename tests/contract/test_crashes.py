@@ -407,7 +407,7 @@ def test_a_new_tensor_whose_memory_cannot_be_read_is_respecified_not_a_raw_error
 ) -> None:
     layer = _Unreadable(kind)
     contract = GraphContract(layer, mode).seal()  # type: ignore[arg-type]
-    contract.record_first_reload = record
+    contract.record_reloads = "every" if record else "none"
     new = torch.randn(4, 2, generator=torch.Generator().manual_seed(3))
     raised: BaseException | None = None
     try:

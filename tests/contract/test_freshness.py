@@ -735,6 +735,7 @@ def _modes_active() -> int:
 def test_the_first_reload_records_what_pwal_reads_and_later_reloads_do_not_pay_for_it() -> None:
     model = build(0)
     contract = seal(model)
+    contract.record_reloads = "first"
     assert contract.recorded_inputs() == {}
     seen: list[int] = []
 
@@ -1027,7 +1028,7 @@ def test_record_inputs_is_for_the_initial_load() -> None:
 def test_a_reload_can_opt_out_of_the_recording() -> None:
     model = build(0)
     contract = seal(model)
-    contract.record_first_reload = False
+    contract.record_reloads = "none"
     seen: list[int] = []
 
     def loader(model: nn.Module, new: Mapping[str, torch.Tensor]) -> None:
@@ -1040,6 +1041,32 @@ def test_a_reload_can_opt_out_of_the_recording() -> None:
     with pytest.raises(ReloadFailedError):  # the fallback inputs still see the skipped rebuild
         reload(contract, model, weights(model, 2))
     assert stale(contract.last_outcome) == {("layers.0", "w_t")}
+
+
+@pytest.mark.parametrize("policy", ["every", "first"])
+def test_record_reloads_decides_which_reloads_run_under_the_recording(policy: str) -> None:
+    model = build(0)
+    contract = seal(model)
+    contract.record_reloads = policy  # type: ignore[assignment]
+    seen: list[int] = []
+
+    def loader(model: nn.Module, new: Mapping[str, torch.Tensor]) -> None:
+        seen.append(_modes_active())
+        load_data_copy(model, new)
+
+    for seed in (1, 2, 3):
+        reload(contract, model, weights(model, seed), loader)
+    assert seen == ([1, 1, 1] if policy == "every" else [1, 0, 0])
+
+
+def test_an_unknown_record_reloads_policy_is_refused_with_the_choices() -> None:
+    model = build(0)
+    with pytest.raises(ValueError, match=r"record_reloads policy 'always'.*'every'.*'first' or 'none'"):
+        GraphContract(model, record_reloads="always")  # type: ignore[arg-type]
+    contract = seal(model)
+    with pytest.raises(ValueError, match="record_reloads policy"):
+        contract.record_reloads = "all"  # type: ignore[assignment]
+    assert contract.record_reloads == "every"
 
 
 def test_a_first_reload_whose_pwal_ran_in_another_thread_learns_nothing_and_stays_checked() -> None:
@@ -1156,7 +1183,8 @@ def test_a_write_that_changes_one_byte_of_a_jointly_sampled_slot_is_a_refresh(
 ) -> None:
     layer = _InPlaceTrio(flip)
     layer.process_weights_after_loading()
-    contract = GraphContract(layer, "recapture", detect="declared-only").seal()
+    # Value samples judge the second reload (unrecorded): a recording would see the one-bit write as partial.
+    contract = GraphContract(layer, "recapture", detect="declared-only", record_reloads="first").seal()
     layer.whole = True  # the recording reload, which sees a write of part of a slot as partial
     with contract.reload(), torch.no_grad():
         layer.weight.copy_(torch.full((4,), 1.0))

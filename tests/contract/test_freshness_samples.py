@@ -1,10 +1,8 @@
-"""Attacks on the contract's freshness judgement and the batched value samples (contract/_samples.py).
-
-Written by an adversarial review of the batched samples (2026-12-02). Four of its cases made a reload commit stale
-values, all of them on the code before the batching too: a rotation written through ``.data`` (now ``stale``: a
-changed sample counts as a write where the version counter did not move), a second ``before_layer`` that re-took
-the samples after the load (now the first snapshot is kept), and two kinds that value samples cannot tell from a
-legitimate reload, kept here as strict xfails and documented in docs/fault-matrix.md.
+"""The contract's freshness judgement and the batched value samples (contract/_samples.py): a rotation written
+through ``.data`` is ``stale`` (a changed sample counts as a write where the version counter did not move), a
+second ``before_layer`` keeps the first snapshot (a snapshot taken after the load would see it as the old state),
+and a partial in-place refresh, which value samples cannot tell from a legitimate write whose new values agree with
+the old ones in places, is found by the recording every reload takes.
 
 Every reload loads DIFFERENT weights; the oracle is an eager recomputation of what PWAL should produce. The promise
 checked: (1) a COMMITTED reload leaves every declared path on its captured tensor holding the values a fresh PWAL
@@ -299,32 +297,13 @@ def test_an_in_place_refresh_written_in_parts_that_cover_it_commits(mode: str) -
         assert outcome.status is Status.COMMITTED, outcome.summary()
 
 
-_PARTIAL_UNRECORDED = (
-    "open (docs/fault-matrix.md): on a reload nothing records (every one after the first, unless "
-    "record_every_reload), a PWAL that refreshes only part of a slot in place changes its value sample, which is what "
-    "a legitimate write whose new values agree with the old ones in places does too"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_PARTIAL_UNRECORDED)
 @_PARTS
 def test_a_partial_in_place_refresh_on_a_later_reload_does_not_commit_stale(n: int, writes: tuple[slice, ...]) -> None:
-    layer = _Partial(n, (slice(0, n),))  # whole the first time
+    """Every reload is recorded (``record_reloads="every"``, the default): a later reload's partial write is
+    counted as on the first."""
+    layer = _Partial(n, (slice(0, n),))  # whole the first times
     contract = GraphContract(layer, "recapture", detect="declared-only").seal()
-    assert _partial_reload(layer, contract, 3).status is Status.COMMITTED
-    layer.writes = writes
-    _partial_reload(layer, contract, 4)
-
-
-@_PARTS
-def test_a_partial_in_place_refresh_on_a_later_reload_is_stale_where_every_reload_records(
-    n: int, writes: tuple[slice, ...]
-) -> None:
-    """``record_every_reload``: the later reload's partial write is counted as on the first."""
-    layer = _Partial(n, (slice(0, n),))
-    contract = GraphContract(layer, "recapture", detect="declared-only").seal()
-    contract.record_every_reload = True
-    for seed in (3, 4):  # whole refreshes commit, recorded each time
+    for seed in (3, 4):
         assert _partial_reload(layer, contract, seed).status is Status.COMMITTED
     layer.writes = writes
     outcome = _partial_reload(layer, contract, 5)

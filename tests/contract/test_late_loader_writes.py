@@ -1,7 +1,7 @@
 """A loader's writes into the tensors ``after_layer()`` replaced (``_note_rebound`` / ``written_after_close``: a later
 shard through a kept ``params`` dict is ``stale``, the same values written again, a reused scratch Parameter and a
 shared staging buffer are not), the remap of attributes held elsewhere asking no class of the caller's anything, and
-the recordings of ``record_every_reload`` across interleaved contracts and threads.
+the recordings of every reload (``record_reloads="every"``) across interleaved contracts and threads.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def test_a_lazy_proxy_in_another_layers_tensor_attributes_does_not_break_the_rel
     assert contract.last_outcome is not None
 
 
-# -- 6. record_every_reload: two contracts reloaded interleaved (a draft and a target model) -------------------------
+# -- 6. every reload recorded: two contracts reloaded interleaved (a draft and a target model) -------------------------
 class _Partial(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -217,15 +217,15 @@ class _Partial(nn.Module):
         register_derived(self, "s", self.s, derived_from="w")
 
 
-def test_record_every_reload_counts_a_partial_refresh_when_another_contract_finishes_first() -> None:
-    """Two models (a draft and a target), each with its own contract and ``record_every_reload``, reloaded together
+def test_a_recording_counts_a_partial_refresh_when_another_contract_finishes_first() -> None:
+    """Two models (a draft and a target), each with its own contract recording every reload, reloaded together
     in one thread: A begins, B begins, A finishes, then B's PWAL refreshes half of ``s`` in place and B finishes.
     A's recording, under B's, is abandoned where it lies rather than popping B's; B counts its half refresh
     (``stale``) and A commits."""
     a, b = _Partial(), _Partial()
     ca = GraphContract(a, "recapture", detect="declared-only").seal()
     cb = GraphContract(b, "recapture", detect="declared-only").seal()
-    ca.record_every_reload = cb.record_every_reload = True
+    ca.record_reloads = cb.record_reloads = "every"
     ta, tb = ca.reload(), cb.reload()
     ta.begin()
     tb.begin()
@@ -247,16 +247,16 @@ def test_record_every_reload_counts_a_partial_refresh_when_another_contract_fini
     assert ca.last_outcome is not None and ca.last_outcome.status is Status.COMMITTED, ca.last_outcome
 
 
-def test_record_every_reload_leaves_no_dispatch_modes_behind_when_finish_runs_in_another_thread() -> None:
+def test_recording_every_reload_leaves_no_dispatch_modes_behind_when_finish_runs_in_another_thread() -> None:
     """A server begins each reload on its event-loop thread and finishes it from a worker thread: a dispatch mode
     can only be popped on the thread that pushed it, so each finish leaves its recording there, inert. The next
-    reload begun on that thread pops it: with ``record_every_reload`` at most one is ever left (else every eager op
+    reload begun on that thread pops it: with every reload recorded at most one is ever left (else every eager op
     of the thread would run through one more mode per reload)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     layer = _Partial()
     contract = GraphContract(layer, "recapture", detect="declared-only").seal()
-    contract.record_every_reload = True
+    contract.record_reloads = "every"
     before = len(_get_current_dispatch_mode_stack())
     try:
         _reload_five_times_finishing_in_a_worker(contract, layer)

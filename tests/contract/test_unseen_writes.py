@@ -180,12 +180,12 @@ def test_record_inputs_of_another_contract_closed_while_a_reload_is_open() -> No
 
 
 def test_a_partial_refresh_finished_on_another_thread_is_not_committed() -> None:
-    """``record_every_reload = True``; the reload begins on the main thread (the recording sees the whole load and
+    """``record_reloads="every"``; the reload begins on the main thread (the recording sees the whole load and
     PWAL there) and is finished from a worker thread (an executor). The recording cannot leave the main thread's
     stack from there, but what it saw counts: the half refresh is stale, as when finished on the main thread."""
     layer = _Slot()
     contract = GraphContract(layer, "recapture", detect="declared-only").seal()
-    contract.record_every_reload = True
+    contract.record_reloads = "every"
     captured, v = layer.s, _new()
     txn = contract.reload()
     txn.__enter__()

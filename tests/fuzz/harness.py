@@ -225,7 +225,7 @@ def prepare(
         name=name,  # type: ignore[arg-type]
     )
     contract.fast_tier = fast_tier
-    contract.record_first_reload = scenario.record == "first"
+    contract.record_reloads = scenario.record  # type: ignore[assignment]
     try:
         contract.seal()
         models.warm(model)

@@ -101,9 +101,10 @@ LAYERWISE = ("none", "plain", "repwal", "rewrite_same", "rewrite_new", "rewrite_
 #: tensor), at the reload, at both.
 INFERENCE = ("none", "first", "reload", "both")
 
-#: Whether the reload is recorded (``GraphContract.record_first_reload``): ``first``, the contract's default (the
-#: first reload after a seal records the load and PWAL); ``none``, judged as every later reload is (value samples,
-#: version counters and digests, no dispatch mode), against the whole layer's tensors as inputs.
+#: Whether the reload is recorded (``GraphContract.record_reloads``): ``first`` (the reload after a seal records
+#: the load and PWAL, as every reload does under the default ``every``); ``none``, judged as a contract that records
+#: no reload judges it (value samples, version counters and digests, no dispatch mode), against the whole layer's
+#: tensors as inputs.
 RECORDS = ("first", "none")
 
 #: How the loader puts a layer's new weight in place.

@@ -583,9 +583,7 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
             if key != own:
                 coverage.drawn[key] = min(generation, coverage.drawn.get(key, generation))
 
-    def _stale_reads(
-        self, func: Any, read: list[_Read], opaque: list[torch.Tensor]
-    ) -> frozenset[tuple[int, int]]:
+    def _stale_reads(self, func: Any, read: list[_Read], opaque: list[torch.Tensor]) -> frozenset[tuple[int, int]]:
         """``(id, generation)`` of each watched storage whose unrefreshed bytes ``func`` reads, directly, through
         another storage object over the same memory, or through values computed from them (a sparse or mkldnn
         tensor's followed by object)."""

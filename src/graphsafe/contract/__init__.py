@@ -12,7 +12,7 @@ from graphsafe.contract._agreement import (
     KeyValueStore,
     StoreAgreement,
 )
-from graphsafe.contract._contract import DETECT_POLICIES, MODES, Detect, GraphContract, Mode
+from graphsafe.contract._contract import DETECT_POLICIES, MODES, RECORD_POLICIES, Detect, GraphContract, Mode, Record
 from graphsafe.contract._samples import version_of
 from graphsafe.contract._transaction import ReloadTransaction
 
@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DETECT_POLICIES",
     "MODES",
+    "RECORD_POLICIES",
     "SUMMARY_FINDINGS",
     "Agreement",
     "AgreementGroup",
@@ -27,6 +28,7 @@ __all__ = [
     "GraphContract",
     "KeyValueStore",
     "Mode",
+    "Record",
     "ReloadTransaction",
     "StoreAgreement",
     "version_of",

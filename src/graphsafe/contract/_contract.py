@@ -32,13 +32,25 @@ __tracebackhide__ = hide_frames_in_pytest
 from graphsafe.contract import _recording, _sealing, _verdict
 from graphsafe.contract._transaction import ReloadTransaction
 
-__all__ = ["DETECT_POLICIES", "MODES", "UNREAD_POLICIES", "Detect", "GraphContract", "Mode", "Unread"]
+__all__ = [
+    "DETECT_POLICIES",
+    "MODES",
+    "RECORD_POLICIES",
+    "UNREAD_POLICIES",
+    "Detect",
+    "GraphContract",
+    "Mode",
+    "Record",
+    "Unread",
+]
 
 Mode = Literal["strict", "recapture", "migrate"]
 Detect = Literal["every-reload", "sealed-paths", "declared-only"]
 Unread = Literal["restore", "skip"]
+Record = Literal["every", "first", "none"]
 MODES: tuple[str, ...] = ("strict", "recapture", "migrate")
 DETECT_POLICIES: tuple[str, ...] = ("every-reload", "sealed-paths", "declared-only")
+RECORD_POLICIES: tuple[str, ...] = ("every", "first", "none")
 
 
 class ManifestCheck(Protocol):
@@ -89,6 +101,14 @@ class GraphContract:
     fully known (a capture by the dispatch recorder, a kernel whose parameters the scan could not read), nothing is
     skipped and the outcome says why (``skip_refused``).
 
+    ``record_reloads`` decides which reloads record what the load and PWAL read and write (a dispatch mode over
+    their ops, ``collectors.Dataflow``): ``"every"`` (default); ``"first"``, the first after each seal (and one
+    watching a graph-read path no recording saw); ``"none"``. A recorded reload learns what each derived slot is
+    computed from and finds a slot PWAL rewrites in place only in part, and one whose bytes changed by no write it
+    saw (NumPy, a raw kernel): an unrecorded one judges an in-place rewrite by value samples, which a partial write
+    changes too, so ``"first"`` leaves a partial refresh first made on a later reload unfound. The price: a
+    dispatch-mode call per op of the load and PWAL (``benchmarks/first_reload.py``).
+
     ``name`` names the contract in every outcome it decides (``ReloadOutcome.contract``); rank agreement checks that
     every rank of a round decides the same contract. Default: the model's class name. Contracts that share an
     agreement group need distinct names (a target and a draft model of one class: pass ``name=``).
@@ -103,6 +123,7 @@ class GraphContract:
         budget: WalkBudget | None = None,
         devices: Collection[torch.device | str] | None = None,
         unread: Unread = "restore",
+        record_reloads: Record = "every",
         name: str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -165,13 +186,7 @@ class GraphContract:
         self.last_outcome: ReloadOutcome | None = None
         self.manifest: ManifestCheck | None = None
         self.reloads = 0
-        #: Whether the first reload transaction records what PWAL reads (see :meth:`recorded_inputs`).
-        self.record_first_reload = True
-        #: Whether every reload transaction records PWAL, not only the first: a slot PWAL rewrites in place only in
-        #: part is then found on any reload (an unrecorded reload judges an in-place rewrite by its value sample,
-        #: which a partial write changes too). Costs a dispatch-mode call per op of the load and PWAL
-        #: (``benchmarks/first_reload.py``).
-        self.record_every_reload = False
+        self.record_reloads = record_reloads
         self._recorded = False  # a recording was taken (at a reload, or of the initial load by record_inputs())
         # declared-only with a manifest: the paths the manifest saw holding captured storage that no sealed slot
         # tracks, each as a walker-found slot kept across reloads (so a recording's lesson about it is kept)
@@ -186,6 +201,20 @@ class GraphContract:
         #: a recapture would fix read no wrong memory (every forward reads the model's tensors as they are now),
         #: so such a reload commits; stale values and reload errors still fail.
         self.graphless: Callable[[], str | None] | None = None
+
+    @property
+    def record_reloads(self) -> Record:
+        """Which reloads record the load and PWAL: ``"every"``, ``"first"`` or ``"none"`` (see the class docs)."""
+        return self._record_reloads
+
+    @record_reloads.setter
+    def record_reloads(self, policy: Record) -> None:
+        if policy not in RECORD_POLICIES:
+            raise ValueError(
+                f"GraphContract: unknown record_reloads policy {policy!r}: choose 'every' (every reload recorded: "
+                "a partial in-place refresh is found on any), 'first' or 'none'"
+            )
+        self._record_reloads: Record = policy
 
     # -- state -------------------------------------------------------------------------------------------------
     @property

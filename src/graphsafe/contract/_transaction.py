@@ -200,8 +200,9 @@ class ReloadTransaction:
             if isinstance(exc, Exception):  # an interrupt does not take part (docs/distributed.md, pairing rule)
                 self._take_part_failed(exc)
             raise
-        if contract.record_every_reload or (
-            contract.record_first_reload
+        policy = contract.record_reloads
+        if policy == "every" or (
+            policy == "first"
             and (not contract._recorded or any(slot.unrecorded for slot in contract._manifest_slots.values()))
         ):
             # The first reload, or one watching a graph-read path no recording saw (it appeared after the one

@@ -3,7 +3,8 @@
 Installing graphsafe (its ``vllm`` extra pulls the vLLM it supports) registers the entry point; vLLM then calls
 :func:`register` in every process.
 Configuration is by environment (see ``docs/vllm.md``): ``GRAPHSAFE_MODE`` (``strict``, ``recapture``,
-``migrate`` (default) or ``off``), ``GRAPHSAFE_REPORT``, ``GRAPHSAFE_DETECT``, ``GRAPHSAFE_MANIFEST``.
+``migrate`` (default) or ``off``), ``GRAPHSAFE_REPORT``, ``GRAPHSAFE_DETECT``, ``GRAPHSAFE_MANIFEST``,
+``GRAPHSAFE_RECORD_RELOADS``.
 Importing this package does not import vLLM.
 """
 

@@ -53,7 +53,7 @@ def ensure_contract(state: AdapterState, model: nn.Module) -> GraphContract:
         from graphsafe.adapters.vllm._pack import declare_loaded
 
         declare_loaded(state.pack, model)  # a model loaded before the plugin was on: its PWAL ran undeclared
-    contract = GraphContract(model, mode=mode, detect=state.config.detect)
+    contract = GraphContract(model, mode=mode, detect=state.config.detect, record_reloads=state.config.record_reloads)
     contract.on_recapture(recapture_callback(state, model))
     contract.graphless = graphless_reason(state, model)
     contract.seal()

@@ -15,7 +15,7 @@ from typing import Any, Literal, cast
 
 from torch import nn
 
-from graphsafe.contract import DETECT_POLICIES, Detect, GraphContract, ReloadTransaction
+from graphsafe.contract import DETECT_POLICIES, RECORD_POLICIES, Detect, GraphContract, Record, ReloadTransaction
 from graphsafe.outcome import ReloadOutcome
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "ENV_FIX_NONPERSISTENT",
     "ENV_MANIFEST",
     "ENV_MODE",
+    "ENV_RECORD_RELOADS",
     "ENV_REPORT",
     "MODES",
     "AdapterConfig",
@@ -39,6 +40,7 @@ ENV_REPORT = "GRAPHSAFE_REPORT"
 ENV_DETECT = "GRAPHSAFE_DETECT"
 ENV_FIX_NONPERSISTENT = "GRAPHSAFE_FIX_NONPERSISTENT"
 ENV_MANIFEST = "GRAPHSAFE_MANIFEST"
+ENV_RECORD_RELOADS = "GRAPHSAFE_RECORD_RELOADS"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -75,14 +77,16 @@ class AdapterConfig:
     ``mode`` is the contract mode (``off`` installs nothing), ``explicit`` whether the operator set
     ``GRAPHSAFE_MODE`` (an unsupported vLLM then refuses to start instead of running without graphsafe),
     ``report_path`` where the JSON report of each reload goes (``{rank}`` is replaced by the global rank),
-    ``detect`` the collector policy, and ``record_manifest`` whether vLLM's graph captures are recorded into the
-    contract's manifest.
+    ``detect`` the collector policy, ``record_manifest`` whether vLLM's graph captures are recorded into the
+    contract's manifest, and ``record_reloads`` which reloads record the load and PWAL
+    (:attr:`GraphContract.record_reloads <graphsafe.GraphContract.record_reloads>`).
     """
 
     mode: AdapterMode = "migrate"
     report_path: str | None = None
     detect: Detect = "every-reload"
     record_manifest: bool = False
+    record_reloads: Record = "every"
     explicit: bool = False
 
     @classmethod
@@ -96,6 +100,11 @@ class AdapterConfig:
         detect = env.get(ENV_DETECT, "every-reload").strip().lower() or "every-reload"
         if detect not in DETECT_POLICIES:
             raise ConfigError(f"{ENV_DETECT}={env[ENV_DETECT]!r}: choose one of {', '.join(DETECT_POLICIES)}")
+        record = env.get(ENV_RECORD_RELOADS, "every").strip().lower() or "every"
+        if record not in RECORD_POLICIES:
+            raise ConfigError(
+                f"{ENV_RECORD_RELOADS}={env[ENV_RECORD_RELOADS]!r}: choose one of {', '.join(RECORD_POLICIES)}"
+            )
         report = env.get(ENV_REPORT, "").strip() or None
         if _flag(env, ENV_FIX_NONPERSISTENT):
             raise ConfigError(
@@ -108,6 +117,7 @@ class AdapterConfig:
             report_path=report,
             detect=cast(Detect, detect),
             record_manifest=_flag(env, ENV_MANIFEST),
+            record_reloads=cast(Record, record),
             explicit=explicit,
         )
 
