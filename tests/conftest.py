@@ -139,7 +139,7 @@ RESTORE_TIERS = ("fast-tier", "rule-engine")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """A test marked ``both_tiers`` runs once per restore tier: the attack tests hold for both, not only for the
+    """A test marked ``both_tiers`` runs once per restore tier: these tests hold for both, not only for the
     tier the default configuration happens to take."""
     if metafunc.definition.get_closest_marker("both_tiers") is not None:
         metafunc.parametrize("restore_tier", RESTORE_TIERS, indirect=True)

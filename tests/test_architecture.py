@@ -70,7 +70,7 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
         "graphsafe.contract._tensorref",
     },
     # the shared fake_cuda fixture: the kernel scan's driver, allocator view and live tensors from recorded tables;
-    # and the fast tier's step conditions, held false so that the attack tests run on the rule engine alone too
+    # and the fast tier's step conditions, held false so that the both-tier tests run on the rule engine alone too
     "tests/conftest.py": {"graphsafe.collectors._kernelscan", "graphsafe.contract._steps"},
     # the kernel scan's driver, allocator view and live-tensor source are replaced by recorded tables (no GPU)
     # (and the vLLM hook's recording step runs on a fake runner, without vLLM)
@@ -84,7 +84,7 @@ PRIVATE_IMPORTS_IN_TESTS: dict[str, set[str]] = {
     "tests/contract/test_unread_skip.py": {"graphsafe.collectors._kernelscan"},
     "tests/fuzz/test_fuzz_skip.py": {"graphsafe.collectors._kernelscan"},
     # a copy that raises halfway is injected into the copy batch
-    "tests/contract/test_adversarial.py": {"graphsafe.contract._copy"},
+    "tests/contract/test_faulty_reloads.py": {"graphsafe.contract._copy"},
     # the collector pause's own rule (what user code inside toggles stays), driven directly with nested pauses
     "tests/contract/test_gcpause.py": {"graphsafe._gcpause"},
     # the snapshot's per-layer steps are wrapped to see that no collection runs inside them

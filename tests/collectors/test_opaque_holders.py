@@ -93,7 +93,7 @@ def test_a_strided_view_slot_does_not_commit_the_stale_bytes_between_its_element
     the slot's 8 elements (columns 0 and 2) into the captured view; column 1 keeps the seal's values. The byte
     check (`_reads_no_copy_reached`) takes each copy's and each held path's *address span* as covered, and the
     span of a stride-(3, 2) view is the whole buffer, so the gap inside it is never seen. The packed-prefix
-    variant of this (tests/collectors/test_walker_attacks.py) is caught; this one commits."""
+    variant of this (tests/collectors/test_undeclared_tensors.py) is caught; this one commits."""
     layer = _Interleaved(declared)
     _load_interleaved(layer, 0)
     contract = GraphContract(layer, mode=mode, detect=detect).seal()  # type: ignore[arg-type]

@@ -1,7 +1,7 @@
-"""Attacks on the latest fixes: ``ClosedLayer``/``check_closed`` (layers ``after_layer()`` restored, checked again at
+"""``ClosedLayer``/``check_closed`` (layers ``after_layer()`` restored, checked again at
 ``finish()``), ``serving_safe`` around the outcome listeners, inference tensors, the kernel scan's integer pointer
 tables, ``_reads_no_copy_reached``, the attribute transfer in ``LayerSnapshot.rebind`` and ``sealed-paths`` watching
-graph-read paths that appeared after the seal.
+graph-read paths that appeared after the seal: what each must hold.
 
 Every reload loads DIFFERENT weights. The oracle never asks graphsafe: a cold model loaded with the final weights
 (load every weight, then PWAL), the tensor a captured graph reads (the object held at seal, its data pointer), and
@@ -69,7 +69,7 @@ class CrossLin(nn.Module):
 def test_first_layerwise_reload_sees_an_input_from_a_later_layer_change_after_after_layer(
     mode: str, detect: str
 ) -> None:
-    """Attacker: layer 0's PWAL reads layer 1's weight. A vLLM-style layerwise loader does before_layer, load, PWAL,
+    """Layer 0's PWAL reads layer 1's weight. A vLLM-style layerwise loader does before_layer, load, PWAL,
     after_layer for layer 0, then loads layer 1: layer 0's restored w_t was computed from layer 1's OLD weight.
 
     Promise: COMMITTED only if the captured layers.0.w_t holds what a cold model (all weights loaded, then PWAL)
@@ -124,7 +124,7 @@ def _flat() -> nn.Module:
 @pytest.mark.parametrize("again", [False, True], ids=["no_after", "after_layer_on_new"])
 @pytest.mark.parametrize("detect", DETECTS)
 def test_a_layer_replaced_after_its_after_layer_is_not_committed(detect: str, again: bool) -> None:
-    """Attacker: layer 0 is restored by after_layer(); then, before finish(), the loader re-materialises it (a new
+    """Layer 0 is restored by after_layer(); then, before finish(), the loader re-materialises it (a new
     module object loaded with the final weights and PWAL'd: meta-device re-init, a module swapped in by a quant
     method), optionally followed by after_layer() on the new module.
 
@@ -161,7 +161,7 @@ def test_a_layer_replaced_after_its_after_layer_is_not_committed(detect: str, ag
 @pytest.mark.parametrize("detect", DETECTS)
 @pytest.mark.parametrize("mode", MODES)
 def test_a_parameter_only_layer_rebound_after_its_after_layer_is_not_committed(mode: str, detect: str) -> None:
-    """Attacker: plain ``nn.Linear`` layers (parameters only, no derived slot: the most common layer there is). The
+    """Plain ``nn.Linear`` layers (parameters only, no derived slot: the most common layer there is). The
     layerwise loader copies layer 0's weight in place and calls after_layer(); then a late shard (or a loader that
     re-creates parameters) binds a NEW Parameter at layers.0.weight before finish().
 
@@ -213,7 +213,7 @@ def _load_grouped(layer: Grouped, seed: int) -> None:
 def test_skip_never_frees_a_slot_a_graph_reads_through_a_float_workspace(
     fake_cuda: dict[str, Any], dtype: torch.dtype
 ) -> None:
-    """Attacker: the captured kernel reads ``expert_t`` through a pointer table laid out in a small workspace whose
+    """The captured kernel reads ``expert_t`` through a pointer table laid out in a small workspace whose
     dtype is floating point (a generic scratch arena; half/bf16 workspaces are common). The scan now reads every
     integer/byte storage of at most 1 MiB for pointers, but a float one neither is read nor makes the scan
     incomplete (``_kernelscan.attribute``: ``_integer_storage_bytes`` returns None): ``truth()`` says "fully
@@ -266,12 +266,12 @@ def _load_zero(layer: ZeroPointLayer, values: torch.Tensor) -> None:
 @pytest.mark.parametrize("detect", DETECTS)
 @pytest.mark.parametrize("mode", ["strict", "recapture"])
 def test_rebind_does_not_bring_back_an_attribute_pwal_no_longer_sets(mode: str, detect: str) -> None:
-    """Attacker: the first load's PWAL hangs ``w_t.zero`` on its derived tensor; the reload's weights are symmetric,
+    """The first load's PWAL hangs ``w_t.zero`` on its derived tensor; the reload's weights are symmetric,
     so PWAL's new ``w_t`` carries no ``zero``. ``rebind`` transfers attributes with ``__dict__.update`` and only
     when the new tensor has any (``if current.__dict__``): the captured ``w_t`` is bound back still carrying the
     old ``zero``.
 
-    Promise (the one tests/collectors/test_walker_attacks.py holds the transfer to): after the reload the model
+    Promise (the one tests/collectors/test_undeclared_tensors.py holds the transfer to): after the reload the model
     resolves, at every path, what a cold model built on the new weights holds; a cold model has no ``w_t.zero`` (a
     forward doing ``getattr(self.w_t, "zero", None)`` applies the stale zero point)."""
     layer = ZeroPointLayer()
@@ -295,7 +295,7 @@ def test_rebind_does_not_bring_back_an_attribute_pwal_no_longer_sets(mode: str, 
 # -- 6. serving_safe while the outcome listeners run ----------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["recapture", "strict"])
 def test_serving_safe_is_false_for_a_failed_reload_while_its_listeners_run(mode: str) -> None:
-    """Attacker: an ``on_outcome`` listener (an eval hook, a metrics probe) asks ``contract.serving_safe`` before
+    """An ``on_outcome`` listener (an eval hook, a metrics probe) asks ``contract.serving_safe`` before
     replaying the graph, on a reload that did NOT commit (a respecified declared slot).
 
     Promise: ``serving_safe`` is "whether replaying the captured graphs is known to read the right memory"; never
@@ -368,7 +368,7 @@ class WrapperLayer(nn.Module):
 
 
 def test_a_wrapper_whose_inner_tensors_are_inference_tensors_is_restored_not_crashed() -> None:
-    """Attacker: the engine ran the first PWAL under ``torch.inference_mode()``, so the captured wrapper's inner
+    """The engine ran the first PWAL under ``torch.inference_mode()``, so the captured wrapper's inner
     tensors are inference tensors; the reload runs under ``no_grad`` (as the plain-tensor test in
     tests/contract/test_layerwise.py does).
 
@@ -440,7 +440,7 @@ class RotatingLayer(nn.Module):
 def test_slots_left_on_new_tensors_and_rotated_again_after_after_layer_are_not_left_to_a_recapture(
     mode: str, inference: bool
 ) -> None:
-    """Attacker: the first pass rotates the layer's tensors (``a`` takes ``b``'s subclass tensor: respecified, so
+    """The first pass rotates the layer's tensors (``a`` takes ``b``'s subclass tensor: respecified, so
     the restore leaves all three on their new tensors, the layer a recapture; the weight is not reloaded, so ``b``'s
     memory got ``a``'s values, the same as its own, and ``b_view`` still reads right); PWAL runs again after
     ``after_layer()`` and rotates them once more, writing each in place. ``b_view`` still views the memory that
@@ -480,7 +480,7 @@ class _Pair(nn.Module):
 
 @pytest.mark.parametrize("how", ["objects", "swap_tensors", "data"])
 def test_two_restored_slots_whose_memory_is_swapped_after_after_layer_are_stale(how: str) -> None:
-    """Attacker: after ``after_layer()`` restored ``a`` and ``b``, their memory is exchanged (the objects, their
+    """After ``after_layer()`` restored ``a`` and ``b``, their memory is exchanged (the objects, their
     memory through ``torch.utils.swap_tensors``, or ``.data``): each captured address now holds the other's values.
     A recapture would read the values of two passes, so the reload must fail, not ask for one."""
     layer = _Pair()

@@ -28,7 +28,7 @@ from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status, registe
 from graphsafe.collectors import record_capture
 from graphsafe.errors import GraphSafeError
 
-pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+pytestmark = pytest.mark.both_tiers  # these tests hold on both restore tiers
 
 
 def reload(contract: GraphContract, body: Any) -> ReloadOutcome:
@@ -167,8 +167,8 @@ def test_an_undeclared_view_of_a_dtensor_parameter_pwal_lets_go_of_is_a_finding_
 ) -> None:
     """Under ``declared-only`` an undeclared tensor is only watched: one PWAL lets go of leaves its captured memory
     abandoned. A view of a DTensor parameter owns no storage (its local shard does): letting go of it raised
-    ``RuntimeError: Attempted to access the data pointer on an invalid python storage`` (found by the fuzzer's
-    ``dtensor`` class)."""
+    ``RuntimeError: Attempted to access the data pointer on an invalid python storage`` (the fuzzer's ``dtensor``
+    class)."""
     layer = _dlayer(mesh)
     layer.w_t = layer.weight.data.t()  # undeclared: a DTensor view of the weight's local shard
     contract = GraphContract(layer, "recapture", detect="declared-only").seal()
@@ -305,7 +305,7 @@ def _global_hook_tables() -> list[dict[Any, Any]]:
 
 def test_a_reload_adds_or_removes_no_torch_global_hook() -> None:
     """torch iterates its global registration hooks on every ``register_parameter``: a hook added or removed while
-    another thread registers one raises ``OrderedDict mutated during iteration`` there (found by the fuzzer's
+    another thread registers one raises ``OrderedDict mutated during iteration`` there (the fuzzer's
     two-ranks-as-threads class). graphsafe's hooks are installed once, at import."""
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     contract = GraphContract(model, "recapture").seal()

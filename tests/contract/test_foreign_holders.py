@@ -1,5 +1,4 @@
-"""A captured storage whose slot PWAL moved, still held by something else, is never written (adversarial review
-of 2026-12-02, each case red on fba0957).
+"""A captured storage whose slot PWAL moved, still held by something else, is never written.
 
 The promise: a reload never reports COMMITTED while a graph reads wrong memory, and graphsafe never writes into a
 tensor values other than the ones the reload produced for it. A ping-pong buffer (PWAL swaps a declared slot with
@@ -24,7 +23,7 @@ from torch import nn
 from graphsafe import GraphContract, graph_visible, record_capture
 from graphsafe.errors import ContractViolation
 
-pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+pytestmark = pytest.mark.both_tiers  # these tests hold on both restore tiers
 
 DETECTS = ["declared-only", "sealed-paths", "every-reload"]
 
@@ -493,11 +492,11 @@ def test_a_callers_reference_to_the_captured_slot_does_not_block_the_copy() -> N
 
 # -- 3. a tracked holder tied at seal is written (not committed, but a write the reload did not produce) -------------
 # The captured ``cur`` is a row of a pool tensor an undeclared list holds (two pools, ping-pong between them). Under
-# declared-only today's block catches it (alias-broken, nothing written). Under sealed-paths / every-reload the pool
-# is a *tracked* walker slot ('pools[0]'), so _block_foreign_holders skips it as "tracked", and the restore copies
-# cur's new values (10) into pools[0], whose values the reload set to 15. The outcome is not COMMITTED, but
-# graphsafe wrote values the reload never produced into a tensor. Also red on fba0957 (pre-existing in the restore
-# path; today's block excludes tracked paths, so it does not close it).
+# declared-only the foreign-holder block catches it (alias-broken, nothing written). Under sealed-paths / every-reload
+# the pool is a *tracked* walker slot ('pools[0]'), so _block_foreign_holders skips it as "tracked", and the restore
+# copies cur's new values (10) into pools[0], whose values the reload set to 15. The outcome is not COMMITTED, but
+# graphsafe wrote values the reload never produced into a tensor. The restore path itself must hold this: the
+# foreign-holder block excludes tracked paths, so it does not close it.
 
 
 class _PoolPingPong(nn.Module):

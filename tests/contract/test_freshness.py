@@ -1228,8 +1228,8 @@ def test_samples_compared_in_a_batch_agree_with_each_compared_alone(
 
 
 def test_the_digest_of_a_one_element_tensor_with_any_stride_reads_its_bytes() -> None:
-    """Found by the long fuzz (a16a370, 5 crashes in 13,500 reloads): a one-element input is contiguous whatever its
-    stride, and the digest viewed it flat as bytes, which torch refuses for stride 2. The digest reads the element's
+    """A one-element input is contiguous whatever its stride, and a digest that views it flat as bytes crashes: torch
+    refuses that for stride 2. The digest reads the element's
     bytes: the same as a copy's, other than another value's."""
     from graphsafe.contract._samples import digest
 

@@ -19,7 +19,7 @@ from torch import nn
 from graphsafe import GraphContract, ReloadOutcome, Status
 from graphsafe.outcome import Origin
 
-pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+pytestmark = pytest.mark.both_tiers  # these tests hold on both restore tiers
 
 
 def reload(contract: GraphContract, body: Any) -> ReloadOutcome:

@@ -123,7 +123,7 @@ KINDS = ("static_fast", "static_scale", "parameter", "buffer", "module", "child"
 @pytest.mark.parametrize("kind", [*KINDS, "nothing"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_weight_written_with_other_values_after_after_layer_fails_the_reload(mode: str, kind: str) -> None:
-    """Attacker: the weight is written again with other values after ``after_layer()`` (a late shard), PWAL does not
+    """The weight is written again with other values after ``after_layer()`` (a late shard), PWAL does not
     run again: what it computed from the weight is the first pass's (the fast path taken for a weight that no longer
     sums positive; a scale of the old values), wherever it lives. Promise: not COMMITTED, and no recapture of a
     model whose forward differs from a cold one's; a ``stale`` finding names the weight. A layer whose PWAL computes
@@ -177,7 +177,7 @@ class Scaled(nn.Module):
 
 @pytest.mark.parametrize("late", ["other", "same", "none"])
 def test_a_contextvar_tensor_pwal_set_is_not_left_to_a_recapture_after_a_late_write(late: str) -> None:
-    """Attacker: PWAL sets a ContextVar to a tensor computed from the weight (untrackable: a recapture is the way
+    """PWAL sets a ContextVar to a tensor computed from the weight (untrackable: a recapture is the way
     out); the weight is written again with other values after ``after_layer()``. A recapture now would read the
     first pass's values. Promise: FAILED (stale), not NEEDS_RECAPTURE. With nothing or the same values written, a
     recapture reads right: NEEDS_RECAPTURE, as for any untrackable tensor."""
@@ -213,7 +213,7 @@ class Large(nn.Module):
 
 @pytest.mark.parametrize("through", ["data", "inference_mode"])
 def test_one_element_written_after_after_layer_past_the_version_counter_fails_the_reload(through: str) -> None:
-    """Attacker: a loader writes through ``.data`` (or under inference mode on an inference weight): no version
+    """A loader writes through ``.data`` (or under inference mode on an inference weight): no version
     counter moves; the late write changes one element, between any sample's elements, and it is the peak PWAL
     scaled by. Promise: not COMMITTED (the weights are compared by a digest of every byte)."""
     layer = Large()

@@ -1,9 +1,9 @@
-"""Attacks on the layerwise reload transaction, its error paths, ``unread="skip"`` and the torch adapter.
+"""The layerwise reload transaction, its error paths, ``unread="skip"`` and the torch adapter: what they must hold.
 
 Every test reloads DIFFERENT weights and judges with an oracle that does not use graphsafe's reasoning: what a fresh
 load + PWAL of the same final weights computes (``w(seed) * 2 + 1`` and friends, recomputed here), and whether the
 tensor a captured graph reads (the object held at seal, or its data pointer) is still the one at its path. Each test
-is a failing test on the code it was written against: the promise it states is broken there.
+pins one way the promise it states could break.
 
 Promise checked (absolute): a reload never reports COMMITTED while a captured address holds anything but the values a
 fresh load + PWAL gives; graphsafe never leaves a model half-restored without saying so (the contract is unsafe, or
@@ -68,7 +68,7 @@ def _flat() -> nn.Module:
 @pytest.mark.parametrize("detect", DETECTS)
 @pytest.mark.parametrize("mode", MODES)
 def test_a_layer_changed_after_its_after_layer_is_not_committed(mode: str, detect: str, variant: str) -> None:
-    """Attacker: a layerwise loader restores layer 0 (before_layer, load, PWAL, after_layer), then touches layer 0
+    """A layerwise loader restores layer 0 (before_layer, load, PWAL, after_layer), then touches layer 0
     again before finish(): a second PWAL (a loader that runs PWAL once per shard, or a second weight file for the
     layer), optionally followed by a second after_layer() without a before_layer(), or a late weight write.
 
@@ -150,7 +150,7 @@ def _nested() -> nn.Module:
 @pytest.mark.parametrize("detect", DETECTS)
 @pytest.mark.parametrize("mode", MODES)
 def test_a_parent_pwal_that_rebuilds_its_childs_slot_after_the_childs_after_layer(mode: str, detect: str) -> None:
-    """Attacker: a recursive (post-order) loader: before_layer(parent), before_layer(child), load and PWAL the child,
+    """A recursive (post-order) loader: before_layer(parent), before_layer(child), load and PWAL the child,
     after_layer(child), load the parent's own weight, the parent's PWAL (which rebuilds ``child.w_t`` as a new
     tensor), after_layer(parent).
 
@@ -245,7 +245,7 @@ def _interleavings(draw: st.DrawFn) -> list[tuple[str, str, int]]:
 def test_oracle_random_layerwise_orders_never_commit_wrong_memory(
     sequence: list[tuple[str, str, int]], mode: str, detect: str
 ) -> None:
-    """Attacker: any interleaving of before_layer/after_layer/load/PWAL over two parents and their children (a
+    """Any interleaving of before_layer/after_layer/load/PWAL over two parents and their children (a
     parent's after_layer covers its child; a module may be restored, then PWAL'd again, then restored again).
 
     Promise: COMMITTED only if every captured slot is still bound at its path, on its captured storage, holding what
@@ -287,7 +287,7 @@ def test_oracle_random_layerwise_orders_never_commit_wrong_memory(
 @pytest.mark.parametrize("fault", ["declared_drift", "loader_raised"])
 @pytest.mark.parametrize("mode", ["strict", "recapture"])
 def test_an_interrupt_in_an_outcome_listener_leaves_a_failed_reload_serving_safe(mode: str, fault: str) -> None:
-    """Attacker: Ctrl-C lands while an ``on_outcome`` listener (logging, metrics) runs, on a reload that did NOT
+    """Ctrl-C lands while an ``on_outcome`` listener (logging, metrics) runs, on a reload that did NOT
     commit (a respecified declared slot; or the loader raised after half the weights were loaded).
 
     Promise: a reload that was not committed leaves the contract unsafe (replay and further reloads refused), or the
@@ -321,13 +321,13 @@ def test_an_interrupt_in_an_outcome_listener_leaves_a_failed_reload_serving_safe
 
 
 def test_an_abandoned_layerwise_transaction_leaves_replay_allowed() -> None:
-    """Attacker: ``txn = contract.reload(layerwise=True).begin()``, layer 0 restored by after_layer(), then the
+    """``txn = contract.reload(layerwise=True).begin()``, layer 0 restored by after_layer(), then the
     loader raises in layer 1 between before_layer and after_layer; the exception escapes the caller's loop, so
     finish() never runs (the begin()/finish() form, not the context manager).
 
     Promise: no half-restored model without saying so: layer 1's captured w_t holds the old values while its weight
-    holds new ones. The contract must not call replay safe. Today ``serving_safe`` stays True and the adapter's
-    ``replay()`` goes ahead (only a later reload is refused, as "already open")."""
+    holds new ones. The contract must not call replay safe. Without the rule ``serving_safe`` stays True and the
+    adapter's ``replay()`` goes ahead (only a later reload is refused, as "already open")."""
     net = _flat()
     contract = GraphContract(net, "recapture")
     graph = capture(contract, lambda x: net.layers[0].w_t * x + net.layers[1].w_t, torch.ones(4))
@@ -396,7 +396,7 @@ def _load_grouped(layer: Grouped, seed: int) -> None:
     ["uint8_workspace", "int64_over_1MiB"],
 )
 def test_skip_frees_a_slot_a_graph_reads_through_a_pointer_table(scan: dict[str, Any], table: str) -> None:
-    """Attacker: the captured kernel reads ``expert_t`` through a pointer table (a grouped-GEMM argument array)
+    """The captured kernel reads ``expert_t`` through a pointer table (a grouped-GEMM argument array)
     that is a byte workspace (uint8, the way fused-MoE workspaces lay out their pointer arrays) or an int64 array
     just over 1 MiB. The kernel scan read pointer arrays only when they were int64/uint64 and at most 1 MiB, and
     said nothing about the others: truth() was "fully known". It now reads a small table of any dtype on the host
@@ -454,10 +454,10 @@ class Lazy(nn.Module):
 @pytest.mark.parametrize("where", ["pwal_under_inference_mode", "warmup_under_inference_mode"])
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 def test_tensors_made_under_inference_mode_do_not_crash_the_reload(where: str, layerwise: bool) -> None:
-    """Attacker: the engine runs its warm-up forward (which allocates a scratch) or the initial PWAL under
+    """The engine runs its warm-up forward (which allocates a scratch) or the initial PWAL under
     ``torch.inference_mode()``, as inference engines do; seal() accepts the model. Every reload then dies in the
-    snapshot with torch's "Inference tensors do not track version counter." (the snapshot reads ``._version``),
-    whether or not the reload itself runs under inference mode.
+    snapshot with torch's "Inference tensors do not track version counter." (the snapshot reads ``._version``), whether
+    or not the reload itself runs under inference mode.
 
     Promise: a failure is graphsafe's own, helpful error (at seal, naming the tensor and inference mode) or the reload
     works; never a raw crash out of graphsafe's internals that no recapture or reseal can get past."""

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 from graphsafe import FindingKind, GraphContract, ReloadOutcome, Status, register_derived
 from graphsafe.outcome import fingerprint, geometry_key
 
-pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+pytestmark = pytest.mark.both_tiers  # these tests hold on both restore tiers
 
 # ----------------------------------------------------------------------------------------------------
 # Helpers

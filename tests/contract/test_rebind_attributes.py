@@ -1,6 +1,6 @@
-"""Attacks on the attribute move on rebind (``_move_attributes``, ``LayerSnapshot.swapped``),
+"""The attribute move on rebind (``_move_attributes``, ``LayerSnapshot.swapped``),
 the reads-past-a-slot check against PWAL's new storages (``_same_as_new``), and what a recording teaches about a
-graph-read path no slot tracked (``_recorded_extras``, ``SealedSlot.unrecorded``).
+graph-read path no slot tracked (``_recorded_extras``, ``SealedSlot.unrecorded``): what each must hold.
 
 Every reload loads DIFFERENT weights (or, where said, leaves a layer's weights alone). The oracle never asks
 graphsafe: a cold model loaded with the same weights and processed (load + PWAL, + warm-up where the model computes
@@ -20,7 +20,7 @@ from _graph_tables import FakeGraph, kernel_row
 from graphsafe import ContractViolation, GraphContract, Status, register_derived
 from graphsafe.collectors import record_capture
 
-pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+pytestmark = pytest.mark.both_tiers  # these tests hold on both restore tiers
 
 MODES = ("strict", "recapture", "migrate")
 DETECTS = ("declared-only", "sealed-paths", "every-reload")
@@ -51,7 +51,7 @@ class _PoolLayer(nn.Module):
 @pytest.mark.parametrize("detect", DETECTS)
 @pytest.mark.parametrize("mode", MODES)
 def test_attribute_of_a_taken_back_slot_is_not_mapped_to_its_unwritten_captured_tensor(mode: str, detect: str) -> None:
-    """Attack: ``cur``'s copy is taken back (its captured buffer is held by ``spare``: alias-broken, nothing written,
+    """``cur``'s copy is taken back (its captured buffer is held by ``spare``: alias-broken, nothing written,
     ``cur`` keeps PWAL's new tensor). ``w_t`` is restored and rebound, and ``_move_attributes`` maps the attribute
     ``w_t.cur_ref`` (PWAL's new ``cur``) through ``swapped`` to ``cur``'s CAPTURED tensor, which was never written: it
     is now the pool's spare and holds the old values.
@@ -104,7 +104,7 @@ class _TiedLayer(nn.Module):
 @pytest.mark.parametrize("detect", DETECTS)
 @pytest.mark.parametrize("mode", MODES)
 def test_two_slots_on_one_captured_object_do_not_commit_with_one_slots_attributes_lost(mode: str, detect: str) -> None:
-    """Attack: ``a`` and ``b`` were captured as one tensor object. The reload gives them two new tensors with equal
+    """``a`` and ``b`` were captured as one tensor object. The reload gives them two new tensors with equal
     values (the tie agrees bitwise) and different attributes. Both are rebound to the one captured object, and
     ``_move_attributes`` clears and refills its ``__dict__`` once per slot: the last slot rebound wins, so one path
     now reads the other's attributes.
@@ -172,7 +172,7 @@ def _load_two_view(model: _TwoViewLayer, seed: int) -> None:
 @pytest.mark.parametrize("detect", DETECTS)
 @pytest.mark.parametrize("mode", MODES)
 def test_gap_bytes_equal_to_another_slots_new_storage_are_not_fresh(mode: str, detect: str) -> None:
-    """Attack: the manifest records that the graph reads ``[0, 2N)`` of the captured packed storage through ``A``
+    """The manifest records that the graph reads ``[0, 2N)`` of the captured packed storage through ``A``
     and ``[2N, 3N)`` through ``C``; the gap ``[N, 2N)`` is no slot's. The restore copies ``A`` and ``C`` and leaves
     the gap with the old ``w*3``. ``_same_as_new`` accepts the gap when ANY move into the storage has a new storage
     holding the same bytes at the same offsets: ``C``'s new storage is a clone of the captured buffer, so at
@@ -266,7 +266,7 @@ def _load_guard(model: _GuardModel, seed: int, only: set[int] | None = None) -> 
 def test_a_partial_reload_does_not_teach_that_a_stale_graph_read_table_is_static(
     mode: str, detect: str, kind: str, record_initial: bool
 ) -> None:
-    """Attack: the manifest ties the graph-read ``layers.1._x`` to a path no slot tracks, so it is watched (stale
+    """The manifest ties the graph-read ``layers.1._x`` to a path no slot tracks, so it is watched (stale
     when the weights change and PWAL leaves it) until a recording shows PWAL never computes it. Reload 1 is partial
     (layer 0's weights only; PWAL runs over every layer, as vLLM's does): it records (a watched path no recording
     saw), commits rightly (``_x``'s inputs did not change), and ``learn_inputs`` marks every slot of the layer as
@@ -340,7 +340,7 @@ def _load_grouped(layer: _Grouped, seed: int) -> None:
 
 @pytest.mark.parametrize("workspace", ["float32_over_1MiB", "int64_parameter_over_1MiB"])
 def test_skip_does_not_free_a_slot_a_large_workspace_points_at(fake_cuda: dict[str, object], workspace: str) -> None:
-    """Attack: the captured kernel reads ``expert_t`` through a pointer table laid out in a workspace just over
+    """The captured kernel reads ``expert_t`` through a pointer table laid out in a workspace just over
     1 MiB: a float32 buffer (the scan's own docstring: "a fused-MoE workspace lays its pointer tables out in a
     ``uint8`` or float buffer"), or an int64 table registered as an ``nn.Parameter`` (``requires_grad=False``). The
     scan read storages of at most 1 MiB whatever their dtype; above that only integer non-Parameter storages made
@@ -451,7 +451,7 @@ def _rebind_weight(model: _KernelRef, value: float) -> nn.Parameter:
 @pytest.mark.parametrize("detect", DETECTS)
 @pytest.mark.parametrize("mode", MODES)
 def test_an_attribute_off_every_slot_path_follows_the_rebound_weight(mode: str, detect: str, layerwise: bool) -> None:
-    """Attack: the loader rebinds ``weight``; graphsafe copies the new values into the captured Parameter and binds
+    """The loader rebinds ``weight``; graphsafe copies the new values into the captured Parameter and binds
     that back, while ``sub.kernel.weight_ref`` (a tensor no slot path names) still names the new Parameter, which
     nothing else holds: the next in-place load writes ``model.weight`` and the kernel's reference keeps the old
     values. Promise: after the reload ``sub.kernel.weight_ref`` is the tensor at ``weight``, whatever the status."""

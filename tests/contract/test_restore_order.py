@@ -28,7 +28,7 @@ from torch import nn
 
 from graphsafe import FindingKind, GraphContract, ReloadOutcome, SlotPath, Status, register_derived
 
-pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+pytestmark = pytest.mark.both_tiers  # these tests hold on both restore tiers
 
 N = 4  # elements of every slot
 
@@ -364,9 +364,9 @@ def test_random_permutations_never_commit_wrong_memory(case: tuple[Scenario, boo
 
 
 def test_a_slot_written_in_place_then_given_a_tensor_an_earlier_layer_restores_over_keeps_its_values() -> None:
-    """Found by the permutation test, layerwise: layer 1's ``s0`` is written in place (a caller holds it), then takes
-    layer 0's old ``s1`` tensor, which layer 0's restore fills with ``s1``'s fresh values. Its copy reads the values
-    saved before that; refusing the copy for the in-place write would leave it on ``s1``'s values."""
+    """Layerwise: layer 1's ``s0`` is written in place (a caller holds it), then takes layer 0's old ``s1`` tensor,
+    which layer 0's restore fills with ``s1``'s fresh values. Its copy reads the values saved before that; refusing the
+    copy for the in-place write would leave it on ``s1``'s values."""
     keys = [(layer, f"s{j}") for layer in range(3) for j in range(2)]
     tie_of = {key: key for key in keys} | {(2, "s0"): (1, "s1"), (2, "s1"): (1, "s1")}
     plan: dict[tuple[int, str], Any] = {key: "keep" for key in keys} | {(0, "s1"): "fresh", (1, "s0"): (0, "s1")}
@@ -375,9 +375,9 @@ def test_a_slot_written_in_place_then_given_a_tensor_an_earlier_layer_restores_o
 
 
 def test_a_tie_written_in_place_whose_partner_takes_a_later_layers_tensor_keeps_its_values() -> None:
-    """Found by the permutation test, layerwise: layers 0 and 1 share one tensor, written in place through layer 1
-    (a caller holds it); layer 0 gets a fresh tensor, layer 1 takes layer 2's, which layer 2's restore then fills
-    with its fresh values. Refusing the copy into the shared memory would leave layer 1 on layer 2's values."""
+    """Layerwise: layers 0 and 1 share one tensor, written in place through layer 1 (a caller holds it); layer 0 gets a
+    fresh tensor, layer 1 takes layer 2's, which layer 2's restore then fills with its fresh values. Refusing the copy
+    into the shared memory would leave layer 1 on layer 2's values."""
     keys = [(layer, "s0") for layer in range(3)]
     tie_of = {(0, "s0"): (0, "s0"), (1, "s0"): (0, "s0"), (2, "s0"): (2, "s0")}
     plan: dict[tuple[int, str], Any] = {(0, "s0"): "fresh", (1, "s0"): (2, "s0"), (2, "s0"): "fresh"}

@@ -23,7 +23,7 @@ from graphsafe.contract._copy import FOREACH_MAX_BYTES, CopyBatch, copy_group
 from graphsafe.errors import PathError
 from graphsafe.paths import MISSING, SlotPath, compile_getter, compile_setter
 
-pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+pytestmark = pytest.mark.both_tiers  # these tests hold on both restore tiers
 
 Pair = namedtuple("Pair", "a b")
 

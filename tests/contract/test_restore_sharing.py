@@ -1,5 +1,4 @@
-"""Attacks on the restore plan (an adversarial review, 2026-12-02): shared captured storages, rotations, layerwise
-sharing, walker finds, wrappers, odd layouts.
+"""The restore plan: shared captured storages, rotations, layerwise sharing, walker finds, wrappers, odd layouts.
 
 Every test reloads DIFFERENT weights and judges with an oracle independent of graphsafe: clones of every tensor
 held before the reload, and the values PWAL is recomputed to produce eagerly.
@@ -8,10 +7,10 @@ The promise:
 (1) never COMMITTED while a captured tensor holds values other than the ones this reload's PWAL produced for it;
 (2) graphsafe never writes into any tensor values other than the ones the reload produced for it.
 
-Each of these lied before the fixes of that day (docs/fault-matrix.md): a wrapper in a ping-pong written and
-committed; wrapper slots exchanged between layers, layerwise, committed stale; one memory under two storage
-objects (DLPack): an un-tied tie committed, a spare was written; a captured storage PWAL freed or shrank was copied
-into (a crash, a write past the allocation); a +0.0/-0.0 tie committed one sign under both paths.
+The cases pinned (docs/fault-matrix.md): a wrapper in a ping-pong must be neither written nor committed; wrapper
+slots exchanged between layers, layerwise, must not commit stale; one memory under two storage objects (DLPack):
+an un-tied tie must not commit, a spare must not be written; a captured storage PWAL freed or shrank must not be
+copied into (a crash, a write past the allocation); a +0.0/-0.0 tie must not commit one sign under both paths.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from torch.utils._pytree import tree_map
 from graphsafe import GraphContract, ReloadOutcome, Status, graph_visible, register_derived
 from graphsafe.errors import ContractViolation, GraphSafeError
 
-pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+pytestmark = pytest.mark.both_tiers  # these tests hold on both restore tiers
 
 MODES = ("strict", "recapture", "migrate")
 DETECTS = ("declared-only", "sealed-paths", "every-reload")

@@ -1,10 +1,10 @@
-"""Attacks on the contract's newest checks (an adversarial review, 2026-12-02): value samples and input digests,
-the memory-lost checks, the holder look by address, the cross-storage take-back, a repeated ``before_layer``. Each
-test reloads DIFFERENT weights and judges with an independent oracle.
+"""The contract's value samples and input digests, the memory-lost checks, the holder look by address, the
+cross-storage take-back, a repeated ``before_layer``: what they must hold. Each test reloads DIFFERENT weights and
+judges with an independent oracle.
 
-Found lying and fixed the same day: a DLPack tie made after the seal, a slot carved out of a parameter the loader
-replaces, an unsampled weight change through a ``Parameter`` subclass (no digest), a skipped refresh disguised as a
-re-import. The variants still lying are strict xfails (documented gaps); the subprocess scripts below keep long
+Pinned here: a DLPack tie made after the seal, a slot carved out of a parameter the loader replaces, an unsampled
+weight change through a ``Parameter`` subclass (no digest), a skipped refresh disguised as a re-import. The
+variants graphsafe cannot tell apart are strict xfails (documented gaps); the subprocess scripts below keep long
 lines."""
 
 # ruff: noqa: E501
@@ -24,7 +24,7 @@ from torch import nn
 from graphsafe import GraphContract, Status, register_derived
 from graphsafe.errors import ContractViolation, GraphSafeError
 
-pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+pytestmark = pytest.mark.both_tiers  # these tests hold on both restore tiers
 
 MODES = ("strict", "recapture", "migrate")
 
@@ -313,7 +313,7 @@ def test_pwal_mutates_the_captured_object(how: str, mode: str, layerwise: bool) 
 
 # ---------------------------------------------------------------------------------------------------------------
 # E. before_layer twice: a loader that calls before_layer once per weight and runs PWAL after each weight. The
-#    second before_layer keeps the first snapshot (today's change); the second weight's load is followed by no
+#    second before_layer keeps the first snapshot; the second weight's load is followed by no
 #    PWAL, so the slot holds f(first load) while the weights are the second load's. PWAL skipped the recompute for
 #    the weight change made after its last run: stale.
 # ---------------------------------------------------------------------------------------------------------------
@@ -882,7 +882,7 @@ def test_skip_disguised_as_a_reimport_is_stale(mode: str, detect: str, how: str)
 
 
 def _wrapper_case(hand: str) -> Any:
-    from contract.test_restore_sharing import quant_of  # the torchao-style wrapper of the restore attacks
+    from contract.test_restore_sharing import quant_of  # the torchao-style wrapper of the restore-plan tests
 
     class WPool(nn.Module):
         def __init__(self) -> None:

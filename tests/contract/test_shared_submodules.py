@@ -82,8 +82,8 @@ def test_the_manifest_ties_a_shared_module_storage_to_both_paths() -> None:
 def test_a_stale_slot_of_a_shared_submodule_replaced_at_one_path_fails_rather_than_recapture(path: str) -> None:
     """The shared layer's derived slot is not rebuilt although its weight changed, then another module is bound at
     one of its two paths. The captured layer is still held at the other path, stale: a recapture would read its old
-    values there, so the reload fails (``stale``), it does not ask for a recapture (found by the fuzzer's ``shared``
-    class: the replaced layer was only reported ``vanished``, never checked)."""
+    values there, so the reload fails (``stale``), it does not ask for a recapture (the fuzzer's ``shared``
+    class: a replaced layer reported only ``vanished``, never checked, would pass)."""
     model = Twice()
     model.a.w_t = model.a.weight.detach().t().contiguous()
     register_derived(model.a, "w_t")
@@ -130,8 +130,8 @@ def test_a_shared_submodule_written_after_its_after_layer_and_replaced_at_one_pa
 @pytest.mark.parametrize("detect", ["every-reload", "sealed-paths", "declared-only"])
 def test_a_shared_submodule_written_in_place_under_a_capture_manifest_commits(detect: str) -> None:
     """The capture manifest ties the shared layer's storages to both its names; the second name's holder is the
-    same slot, not an untracked path another tensor wrote: an in-place reload commits (it failed ``stale``, "the
-    reload wrote that memory through another path's new tensor"; found by the fuzzer's ``shared`` class)."""
+    same slot, not an untracked path another tensor wrote: an in-place reload commits (not ``stale``, "the
+    reload wrote that memory through another path's new tensor"; the fuzzer's ``shared`` class)."""
     model = Twice()
     model.a.w_t = model.a.weight.detach().t().contiguous()
     register_derived(model.a, "w_t")

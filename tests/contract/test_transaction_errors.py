@@ -1,9 +1,9 @@
-"""Attacks on the reload transaction, its error paths and "nothing lost".
+"""The reload transaction, its error paths and "nothing lost": what each must hold.
 
 Every test reloads DIFFERENT weights and judges with an oracle that does not use graphsafe's reasoning: the tensor a
 captured graph reads (the object, and so the storage, held at capture time) against what a cold load + PWAL of the
-same final weights computes (``w(seed) * 3`` and friends, recomputed here). Each test fails on the code it was
-written against, for the reason its docstring states.
+same final weights computes (``w(seed) * 3`` and friends, recomputed here). Each docstring states the rule its
+test pins.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class ScaledLayer(nn.Module):
 def test_a_recording_that_cannot_see_pwal_does_not_make_a_stale_undeclared_tensor_static(
     detect: str, recorded: str, writer: str
 ) -> None:
-    """Attacker: the engine runs load + PWAL on a worker thread (``executor.submit(load).result()`` inside the
+    """The engine runs load + PWAL on a worker thread (``executor.submit(load).result()`` inside the
     transaction), or PWAL writes ``scale`` outside the dispatcher. The recording (``record_inputs()`` of the initial
     load, or the first reload's automatic one) sees nothing of PWAL, concludes that PWAL never computes ``scale``,
     and from then on treats it as a fixed table. The next reload whose PWAL skips ``scale`` (weights changed) commits
@@ -76,7 +76,7 @@ def test_a_recording_that_cannot_see_pwal_does_not_make_a_stale_undeclared_tenso
     Promise 1, and the docs: "an undeclared tensor that the graph reads and that a reload with new weights leaves as
     it was is reported stale"; "ops on other threads are not recorded; a slot they compute has no record and keeps
     the fallback inputs". The same model with PWAL on the calling thread fails closed (stale).
-    Missing rule: ``LayerSnapshot._learn_recorded`` / ``LayerSnapshot.take`` (contract/_snapshot.py) and
+    Without the rule: ``LayerSnapshot._learn_recorded`` / ``LayerSnapshot.take`` (contract/_snapshot.py) and
     ``GraphContract._learn_initial_inputs``: a walker slot the recording did not see computed is static, even when
     its values changed during the recorded load (the recording was blind, not PWAL idle)."""
     net = nn.Sequential(ScaledLayer())
@@ -157,7 +157,7 @@ def _flat() -> nn.Module:
 def test_a_declared_slot_given_a_tensor_without_storage_is_a_finding_not_a_raw_crash(
     mode: str, kind: str, layerwise: bool
 ) -> None:
-    """Attacker: PWAL of ``layers.1`` re-creates its declared ``w_t`` as a sparse COO tensor (or a oneDNN/mkldnn
+    """PWAL of ``layers.1`` re-creates its declared ``w_t`` as a sparse COO tensor (or a oneDNN/mkldnn
     prepacked tensor, what CPU inference kernels prepack weights into): no strided storage, so no copy can restore
     it. The restore calls ``current.untyped_storage()`` on it unguarded and a raw ``NotImplementedError: Cannot
     access storage of SparseTensorImpl`` escapes from deep inside graphsafe (whole-model: out of ``finish()``, with no
@@ -166,7 +166,7 @@ def test_a_declared_slot_given_a_tensor_without_storage_is_a_finding_not_a_raw_c
 
     Promise 3: bad input gets a clear graphsafe error naming the layer, the path and what to do (here: a
     ``respecified`` finding, as for any other new tensor no copy can restore, like a ``meta`` tensor already is).
-    Missing rule: ``LayerSnapshot.restore`` (contract/_restore.py) calls ``untyped_storage()`` before checking that
+    Without the rule: ``LayerSnapshot.restore`` (contract/_restore.py) calls ``untyped_storage()`` before checking that
     the new value has a strided storage (``verify`` catches the same error, ``restore`` does not)."""
     net = _flat()
     contract = GraphContract(net, mode).seal()  # type: ignore[arg-type]
@@ -202,13 +202,13 @@ def test_a_declared_slot_given_a_tensor_without_storage_is_a_finding_not_a_raw_c
 @pytest.mark.parametrize("step", ["before_layer", "after_layer"])
 @pytest.mark.parametrize("value", ["layers.0", None])
 def test_a_layer_name_passed_to_before_or_after_layer_gets_a_clear_error(step: str, value: Any) -> None:
-    """Attacker: a layerwise loader that knows its layers by name (vLLM's loaders iterate ``named_modules()`` and
+    """A layerwise loader that knows its layers by name (vLLM's loaders iterate ``named_modules()`` and
     weight names) calls ``txn.before_layer("layers.0")``; or a lookup that found nothing passes ``None``.
 
-    Promise 3: a clear one-line graphsafe error naming what was passed and what to pass. Today:
+    Promise 3: a clear one-line graphsafe error naming what was passed and what to pass. Without it:
     ``AttributeError: 'str' object has no attribute 'modules'`` from ``GraphContract._layer_entries``, and the
     ``with`` block turns it into a FAILED reload whose finding says "the reload raised AttributeError(...)".
-    Missing rule: ``ReloadTransaction.before_layer``/``after_layer`` (contract/_transaction.py) never check that
+    Without the rule: ``ReloadTransaction.before_layer``/``after_layer`` (contract/_transaction.py) never check that
     ``layer`` is an ``nn.Module`` (``GraphContract.__init__`` and ``register_derived`` do)."""
     net = _flat()
     contract = GraphContract(net, "recapture").seal()
@@ -228,7 +228,7 @@ def test_a_layer_name_passed_to_before_or_after_layer_gets_a_clear_error(step: s
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_reload_sees_a_layer_added_after_the_seal(mode: str) -> None:
-    """Attacker: after the seal, the engine adds a layer (an adapter/LoRA-style module appended to the model, a
+    """After the seal, the engine adds a layer (an adapter/LoRA-style module appended to the model, a
     ModuleList grown by one) and captures a graph that reads it, without a capture manifest (a ``torch.cuda.graph``
     of its own). Each reload's PWAL re-creates the new layer's declared ``w_t``.
 
@@ -236,7 +236,7 @@ def test_every_reload_sees_a_layer_added_after_the_seal(mode: str) -> None:
     seal)". Registered modules are reload units the walk never enters, and a module registered after the seal is
     no seal entry either, so nothing looks at it: the reload commits while the graph reads the old ``w_t`` of the new
     layer (strict included). With ``record_capture`` it fails closed (the manifest sees the storage die), so the gap
-    is the walk's. Missing rule: ``GraphContract._seal``/``ReloadTransaction._snapshot`` (contract/_sealing.py,
+    is the walk's. Without the rule: ``GraphContract._seal``/``ReloadTransaction._snapshot`` (contract/_sealing.py,
     _steps.py): modules that are not in ``_units`` (registered after the seal) are neither sealed nor walked; a
     reload could report them (``vanished``-style "not sealed: reseal") or walk them."""
     net = _flat()
@@ -267,19 +267,18 @@ def test_every_reload_sees_a_layer_added_after_the_seal(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_graphless_hook_that_raises_does_not_leave_an_unrestored_model_serving_safe(mode: str) -> None:
-    """Attacker: the engine adapter's ``contract.graphless`` hook (vLLM's asks the runner bound to the model and
+    """The engine adapter's ``contract.graphless`` hook (vLLM's asks the runner bound to the model and
     vLLM's platform) raises while a reload decides, here on a reload whose PWAL respecified every declared ``w_t``
     (a shorter tensor: no copy can restore it, so the model keeps PWAL's new tensors and the captured storage keeps
     the old values).
 
     ``_decide`` runs after ``_settle``'s guarded block has already cleared the open transaction, so the hook's error
-    escapes with the contract never marked unsafe: ``serving_safe`` stays True (the torch adapter's ``replay()`` and
-    the vLLM serving gate go ahead), no outcome is recorded anywhere (``txn.outcome`` and ``last_outcome`` are
-    ``None``), and every captured address holds the old values. A rank agreement that raises at the same point is
-    guarded (``mark_unsafe``); the graphless hook is not.
-    Promise 1/3: no reload leaves a model half-restored without saying so. Missing rule: ``ReloadTransaction._settle``
-    (contract/_transaction.py) calls ``contract._decide`` (which calls ``graphless()``), and the manifest's
-    ``unread``, outside its ``except BaseException: mark_unsafe`` guard."""
+    escapes with the contract never marked unsafe: ``serving_safe`` stays True (the torch adapter's ``replay()`` and the
+    vLLM serving gate go ahead), no outcome is recorded anywhere (``txn.outcome`` and ``last_outcome`` are ``None``),
+    and every captured address holds the old values. A rank agreement that raises at the same point is guarded
+    (``mark_unsafe``); the graphless hook is not. Promise 1/3: no reload leaves a model half-restored without saying so.
+    Without the rule: ``ReloadTransaction._settle`` (contract/_transaction.py) calls ``contract._decide`` (which calls
+    ``graphless()``), and the manifest's ``unread``, outside its ``except BaseException: mark_unsafe`` guard."""
     net = _flat()
     contract = GraphContract(net, mode).seal()  # type: ignore[arg-type]
     graph_reads = [layer.w_t for layer in net.layers]
@@ -337,7 +336,7 @@ class PingPong(nn.Module):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_failed_rebind_after_a_swap_does_not_leave_the_model_on_memory_graphsafe_overwrote(mode: str) -> None:
-    """Attacker: PWAL swaps the captured tensors of ``params.a`` and ``params.b`` (ping-pong, a supported pattern:
+    """PWAL swaps the captured tensors of ``params.a`` and ``params.b`` (ping-pong, a supported pattern:
     "Permuted storages ... commit with the right values") under a holder whose ``__setattr__`` refuses the
     restore's rebind. The plan copies a's new values (read from b's old tensor, cloned first) into a's captured
     storage and b's into b's: exactly the memory PWAL's new tensors of the OTHER slot occupy. Then both rebinds raise
@@ -348,7 +347,7 @@ def test_a_failed_rebind_after_a_swap_does_not_leave_the_model_on_memory_graphsa
     recapture/migrate report NEEDS_RECAPTURE (strict: a DeclaredDriftError saying recapture and reseal), and the
     recapture reads the swapped values (with the torch adapter its on_recapture callback does so at once and the
     contract reseals serving-safe on them). Without the swap the same failed rebind leaves right values.
-    Missing rule: ``LayerSnapshot.rebind`` (contract/_rebind.py): a slot whose rebind fails keeps ``new`` even when
+    Without the rule: ``LayerSnapshot.rebind`` (contract/_rebind.py): a slot whose rebind fails keeps ``new`` even when
     the plan's copies overwrote the memory ``new`` reads (the broken-alias branch binds ``keep`` for that case; this
     one binds nothing, and no finding says the values at the path are wrong)."""
     net = nn.Sequential(PingPong())

@@ -1,11 +1,10 @@
-"""Attacks on the reload transaction across reloads, its error paths and "nothing lost": sequences of reloads,
-retries after a failure, threads.
+"""The reload transaction across reloads, its error paths and "nothing lost": sequences of reloads, retries after a
+failure, threads.
 
 Every test reloads DIFFERENT weights (or retries the same ones after a failure) and judges with an oracle that does
 not use graphsafe's reasoning: the tensors a captured graph reads (the objects, and so the storages, the model held
 when the graph was captured) against what a cold load + PWAL of the model's current weights computes
-(``weight * 2 + 1`` and friends, recomputed here). Each test fails on the code it was written against, for the
-reason its docstring states.
+(``weight * 2 + 1`` and friends, recomputed here). Each docstring states the rule its test pins.
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ class Guarded(nn.Module):
 def test_a_stale_slot_resealed_after_a_failed_reload_is_not_committed_by_a_same_weights_retry(
     mode: str, first: str
 ) -> None:
-    """Attacker: reload N loads weights B; PWAL's guard skips ``w_t`` (``stale``: FAILED, fine), or the loader raises
+    """Reload N loads weights B; PWAL's guard skips ``w_t`` (``stale``: FAILED, fine), or the loader raises
     after writing B and before PWAL (FAILED, fine). The RL loop does what the error says: recapture the graphs and
     ``reseal()``; the captured graph now reads ``w_t`` computed from weights A. Then it retries the step: the same
     weights B, written through ``param.data.copy_`` (the usual loader path, no version bump), and PWAL's guard skips
@@ -77,7 +76,7 @@ def test_a_stale_slot_resealed_after_a_failed_reload_is_not_committed_by_a_same_
     (docs/fault-matrix.md). Not after a reseal of a slot the contract itself found stale, or whose inputs a failed
     reload wrote: it COMMITS while the graph reads ``A * 2 + 1`` and a cold model on B computes ``B * 2 + 1``.
 
-    Promise 1. Missing rule: what a reload learned about a slot's freshness is dropped by the reseal
+    Promise 1. Without the rule: what a reload learned about a slot's freshness is dropped by the reseal
     (``LayerSnapshot._check_fresh`` judges against the inputs at the snapshot only; nothing carries "this slot's
     values are not derived from the inputs it has now" from the failed reload through ``GraphContract._seal``)."""
     net = nn.Sequential(Guarded())
@@ -137,16 +136,16 @@ class Scaled(nn.Module):
 def test_a_reload_that_found_an_undeclared_tensor_stale_does_not_teach_that_it_is_a_fixed_table(
     mode: str, detect: str
 ) -> None:
-    """Attacker: PWAL's guard skips the undeclared ``scale`` on every reload (the bug). The first reload (new
-    weights) reports it ``stale``: FAILED, fine. Its recording saw PWAL not compute ``scale`` while the weights
-    changed, and concluded that ``scale`` is a fixed table (``unrecorded`` cleared, no inputs). The loop recaptures
-    and reseals, and every later reload with NEW weights commits while the graph reads ``scale`` of the first
-    weights: the contract stopped watching the very tensor it had just found stale.
+    """PWAL's guard skips the undeclared ``scale`` on every reload (the bug). The first reload (new weights) reports it
+    ``stale``: FAILED, fine. Its recording saw PWAL not compute ``scale`` while the weights changed, and concluded that
+    ``scale`` is a fixed table (``unrecorded`` cleared, no inputs). The loop recaptures and reseals, and every later
+    reload with NEW weights commits while the graph reads ``scale`` of the first weights: the contract stopped watching
+    the very tensor it had just found stale.
 
     Promise 1 ("an undeclared tensor that the graph reads and that a reload with new weights leaves as it was is
     reported stale, because nothing says it does not depend on the weights"): a PWAL that skipped a tensor during a
     reload says nothing about whether it depends on the weights (the initial load's recording, ``record_inputs()``,
-    is evidence: a first PWAL runs in full). Missing rule: ``LayerSnapshot._learn_recorded`` (contract/_snapshot.py)
+    is evidence: a first PWAL runs in full). Without the rule: ``LayerSnapshot._learn_recorded`` (contract/_snapshot.py)
     takes "not computed while its inputs changed" for "a fixed table"."""
     net = nn.Sequential(Scaled())
     layer = net[0]
@@ -227,18 +226,18 @@ def _reload_flaky(contract: GraphContract, net: nn.Module, seed: int, agreement:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_restore_that_raises_records_a_failed_outcome_tells_the_listeners_and_the_peers(mode: str) -> None:
-    """Attacker: reload 1 commits. Reload 2's restore raises inside graphsafe's own copy (a CUDA OOM in
-    ``_foreach_copy_``; here a tensor subclass whose copy raises). The contract is marked unsafe (good), but
-    ``last_outcome`` is still reload 1's COMMITTED, ``txn.outcome`` is ``None``, no ``on_outcome`` listener (the
-    serving gate's log, metrics) hears anything, and the agreement is never called: with ``StoreAgreement`` every
-    peer waits for this rank until its timeout, and this rank's round counter falls one behind its peers' for good
-    (every later group reload pairs it with the wrong round).
+    """Reload 1 commits. Reload 2's restore raises inside graphsafe's own copy (a CUDA OOM in ``_foreach_copy_``; here a
+    tensor subclass whose copy raises). The contract is marked unsafe (good), but ``last_outcome`` is still reload 1's
+    COMMITTED, ``txn.outcome`` is ``None``, no ``on_outcome`` listener (the serving gate's log, metrics) hears anything,
+    and the agreement is never called: with ``StoreAgreement`` every peer waits for this rank until its timeout, and
+    this rank's round counter falls one behind its peers' for good (every later group reload pairs it with the wrong
+    round).
 
     Promise 3 (no reload leaves a model half-restored without saying so); the same lie the transaction refuses for an
-    interrupt in the ``with`` body (``test_an_interrupt_in_the_reload_body_records_a_failed_outcome...``), and the
-    rule ``begin()`` follows for a refused reload ("take part as FAILED so agreement rounds stay paired").
-    Missing rule: ``ReloadTransaction._finish`` (contract/_transaction.py) lets an error of ``_settle`` escape before
-    the outcome is recorded, agreed and announced."""
+    interrupt in the ``with`` body (``test_an_interrupt_in_the_reload_body_records_a_failed_outcome...``), and the rule
+    ``begin()`` follows for a refused reload ("take part as FAILED so agreement rounds stay paired"). Without the rule:
+    ``ReloadTransaction._finish`` (contract/_transaction.py) lets an error of ``_settle`` escape before the outcome is
+    recorded, agreed and announced."""
     net = _flaky_net()
     contract = GraphContract(net, mode).seal()  # type: ignore[arg-type]
     heard: list[ReloadOutcome] = []
@@ -280,14 +279,14 @@ class Layer(nn.Module):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_capture_reported_while_a_reload_is_open_does_not_commit(mode: str) -> None:
-    """Attacker: while the RL thread's reload is open (weights loaded, PWAL done, restore not yet run), the serving
+    """While the RL thread's reload is open (weights loaded, PWAL done, restore not yet run), the serving
     thread captures a graph of its own (a new batch size) and reports it with ``contract.note_capture()``, as the
     docs tell code that captures graphs itself. That graph reads the tensors the model holds at that moment: PWAL's
     new ``w_t``. The restore then copies their values into the captured storage, binds the captured tensors back
     and drops the new ones: the reload COMMITS while the new graph reads memory the model no longer holds (freed on a
     GPU). The contract was told of the capture, during its own transaction, and ignored it.
 
-    Promise 1. Missing rule: ``GraphContract.note_capture`` (contract/_contract.py) does not tell an open
+    Promise 1. Without the rule: ``GraphContract.note_capture`` (contract/_contract.py) does not tell an open
     transaction, whose outcome cannot then be COMMITTED (a recapture after it fixes the graph)."""
     net = nn.Sequential(Layer(1), Layer(2))
     contract = GraphContract(net, mode).seal()  # type: ignore[arg-type]
@@ -337,14 +336,14 @@ class SlowWalk(nn.Module):
 
 
 def test_a_seal_running_while_a_reload_begins_does_not_let_the_reload_commit_unrestored() -> None:
-    """Attacker: the serving thread calls ``contract.seal()`` (re-seal after adding a graph; the contract is
-    serving-safe, so nothing refuses it) while the RL thread begins a reload. ``_seal`` checks ``_active`` once,
-    before its walk; the reload begins during the walk (nothing stops it: ``begin()`` takes the transaction lock,
-    ``seal()`` does not), snapshots the old seal, loads and runs PWAL. The seal then finishes on the model as it is
-    mid-reload (PWAL's new ``w_t``) and replaces the contract's layers; ``finish()`` restores against that seal, finds
-    everything in place and COMMITS, while the graphs captured before read the old ``w_t``, never restored.
+    """The serving thread calls ``contract.seal()`` (re-seal after adding a graph; the contract is serving-safe, so
+    nothing refuses it) while the RL thread begins a reload. ``_seal`` checks ``_active`` once, before its walk; the
+    reload begins during the walk (nothing stops it: ``begin()`` takes the transaction lock, ``seal()`` does not),
+    snapshots the old seal, loads and runs PWAL. The seal then finishes on the model as it is mid-reload (PWAL's new
+    ``w_t``) and replaces the contract's layers; ``finish()`` restores against that seal, finds everything in place and
+    COMMITS, while the graphs captured before read the old ``w_t``, never restored.
 
-    Promise 1. Missing rule: ``GraphContract.seal``/``reseal`` (contract/_contract.py) do not take the transaction
+    Promise 1. Without the rule: ``GraphContract.seal``/``reseal`` (contract/_contract.py) do not take the transaction
     lock: a seal and a reload can interleave."""
     net = SlowWalk()
     contract = GraphContract(net, "recapture").seal()
@@ -517,7 +516,7 @@ TestReloadSequences.settings = settings(
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_rank_waiting_for_agreement_on_a_reload_it_could_not_restore_is_not_serving_safe(mode: str) -> None:
-    """Attacker: a rank's PWAL respecified its declared ``w_t`` (a shorter tensor: no copy restores it), so its local
+    """A rank's PWAL respecified its declared ``w_t`` (a shorter tensor: no copy restores it), so its local
     outcome is NEEDS_RECAPTURE and its captured memory keeps the old values. It then waits in the rank agreement
     (``StoreAgreement`` waits up to 300 s for slow peers). ``_settle`` has already cleared the open transaction and
     nothing has marked the contract unsafe yet: for the whole wait ``serving_safe`` is True and ``unsafe_reason`` is
@@ -525,7 +524,7 @@ def test_a_rank_waiting_for_agreement_on_a_reload_it_could_not_restore_is_not_se
     replays graphs that read the old values.
 
     Promise 1 (``serving_safe``: "never while a reload transaction is open: its layers may be half-restored").
-    Missing rule: ``ReloadTransaction._settle``/``_finish`` (contract/_transaction.py) mark the contract unsafe only
+    Without the rule: ``ReloadTransaction._settle``/``_finish`` (contract/_transaction.py) mark the contract unsafe only
     after the agreement returns, although this rank's own outcome already says it is not."""
     net = nn.Sequential(Layer(1), Layer(2))
     contract = GraphContract(net, mode).seal()  # type: ignore[arg-type]
@@ -579,7 +578,7 @@ class LazyScale(nn.Module):
 @pytest.mark.parametrize("recorded", ["record_inputs", "first_reload"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_tensor_that_appeared_after_the_recording_is_checked_for_freshness(mode: str, recorded: str) -> None:
-    """Attacker: the initial load is recorded (``record_inputs()``, the README's advice; or the contract's first
+    """The initial load is recorded (``record_inputs()``, the README's advice; or the contract's first
     reload records by itself), then the warm-up forward builds ``_x`` from the weight, and the graphs are captured.
     A reload with new weights leaves ``_x`` as it was (nothing rebuilds it). ``detect="every-reload"`` (the default)
     finds ``_x`` at every reload, but a walker slot's ``unrecorded`` defaults to False, so "a recording exists and
@@ -587,7 +586,7 @@ def test_a_tensor_that_appeared_after_the_recording_is_checked_for_freshness(mod
     ``_x`` of the first weights.
 
     Promise 1, and the docs: a tensor only the walker found "is checked like a declared derived slot until a
-    recording shows PWAL does not compute it ... (or it appeared unseen): then ... it stays watched". Missing rule:
+    recording shows PWAL does not compute it ... (or it appeared unseen): then ... it stays watched". Without the rule:
     ``_sealed_slot`` (contract/_sealing.py) makes walker slots ``unrecorded=False``: "no recording saw it" reads as
     "a recording saw PWAL leave it"."""
     net = nn.Sequential(LazyScale())
@@ -630,14 +629,14 @@ def test_a_tensor_that_appeared_after_the_recording_is_checked_for_freshness(mod
 
 @pytest.mark.parametrize("mode", ["recapture", "migrate"])
 def test_a_reordered_layer_is_still_checked_for_stale_values_before_a_recapture(mode: str) -> None:
-    """Attacker: the engine reorders ``layers`` between reloads (swaps two entries of the ``ModuleList``). The next
+    """The engine reorders ``layers`` between reloads (swaps two entries of the ``ModuleList``). The next
     reload loads each position's weights into the module now there, and the PWAL of one of them skips ``w_t`` (the
     guard bug). Both sealed layers are ``vanished`` at their qualnames ("the layer itself was replaced or removed"),
     so neither is snapshotted: no freshness check runs on them, the outcome is NEEDS_RECAPTURE (every finding is
     recapture-fixable), the ``on_recapture`` callback recaptures and the contract reseals serving-safe on a model
     whose ``layers.1.w_t`` was computed from other weights than ``layers.1.weight``.
 
-    Promise 1 ("NEEDS_RECAPTURE after which a recapture would read wrong values"). Missing rule:
+    Promise 1 ("NEEDS_RECAPTURE after which a recapture would read wrong values"). Without the rule:
     ``ReloadTransaction._snapshot`` (contract/_steps.py) drops a sealed layer that left its qualname even when
     the same module object is still in the model: a stale value in it can then never be found."""
     net = nn.Module()
@@ -674,7 +673,7 @@ def test_a_reordered_layer_is_still_checked_for_stale_values_before_a_recapture(
 
 @pytest.mark.parametrize("mode", ["recapture", "migrate"])
 def test_a_layer_replaced_after_the_seal_is_checked_for_stale_values_before_a_recapture(mode: str) -> None:
-    """Attacker: the engine replaces ``layers.1`` by a new module (same class, built from the same weights) between
+    """The engine replaces ``layers.1`` by a new module (same class, built from the same weights) between
     reloads. The next reload loads new weights into it and its PWAL's guard skips ``w_t``. The old module is
     ``vanished``, the new one ``untrackable`` ("registered after the seal ... recapture the graphs, then reseal()"):
     NEEDS_RECAPTURE, and the recapture reads ``w_t`` of the old weights.

@@ -1,8 +1,8 @@
 """``GraphContract(unread="skip")`` on CPU: the kernel scan's truth comes from recorded node tables (a fake driver
 and allocator view, as in tests/collectors/test_kernelscan.py), so every branch of the skip rule runs without a GPU.
 
-Attacker's list first: each test below is a way the skip could lie (report COMMITTED while a graph reads memory
-without the reload's values, or write values a tensor was not given), and the rule that closes it.
+The ways the skip could lie come first: each test below is one (report COMMITTED while a graph reads memory
+without the reload's values, or write values a tensor was not given), with the rule that closes it.
 """
 
 from __future__ import annotations

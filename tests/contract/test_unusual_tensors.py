@@ -1,6 +1,6 @@
 """Unusual tensors on the restore path: copy-intercepting classes, quantized slots, lazy bits, nested tensors.
 
-Every test is a minimal reproduction of one violation of the promise, red on the code it was written against. The
+Every test is a minimal reproduction of one way the promise could break, and pins the rule that holds it. The
 oracle is independent of graphsafe: what a cold model computes from the same final weights (recomputed here), set
 against the captured tensors (the objects a graph captured, held from before the reload) after the reload: their
 bytes, and how those bytes are read.
@@ -19,7 +19,7 @@ from torch import nn
 
 from graphsafe import ContractViolation, GraphContract, ReloadOutcome, Status, register_derived
 
-pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+pytestmark = pytest.mark.both_tiers  # these tests hold on both restore tiers
 
 MODES = ("strict", "recapture", "migrate")
 

@@ -1,6 +1,6 @@
 """What graphsafe writes, and where: sources on another slot's captured bytes, broadcast tensors, take-backs.
 
-Every test is a minimal reproduction of one violation of the promise, red on the code it was written against. The
+Every test is a minimal reproduction of one way the promise could break, and pins the rule that holds it. The
 oracle is independent of graphsafe: an eager twin of the model that runs the same reload with no contract (what
 each path holds after the load), compared with the bytes of the captured tensors (the pre-reload objects, by
 address) after the reload.
@@ -16,7 +16,7 @@ from torch import nn
 
 from graphsafe import ContractViolation, GraphContract, ReloadOutcome, Status, register_derived
 
-pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+pytestmark = pytest.mark.both_tiers  # these tests hold on both restore tiers
 
 MODES = ("strict", "recapture", "migrate")
 

@@ -1,7 +1,7 @@
-"""Minimal reproducers of the lies the differential fuzzer (``tests/fuzz``) found, one named test each.
+"""Minimal scenarios of the differential fuzzer (``tests/fuzz``) on which a reload could lie, one named test each.
 
-Each scenario was shrunk by hypothesis from a fuzzer failure, then trimmed by hand; the docstring says what the
-reload does and why the outcome is a lie. Every test runs the scenario through the same harness and independent
+Each scenario is as small as the failure needs; the docstring says what the reload does and why a COMMITTED (or
+crashing) outcome would be a lie. Every test runs the scenario through the same harness and independent
 oracle as the fuzzer (:func:`fuzz.harness.run`) and asserts the verdict is ``ok``: no silent success (committed
 while a replay reads wrong memory, or graphsafe writing values the reload did not produce) and no crash. The
 failure message names the verdict, its reason and the scenario. A scenario reads
@@ -47,7 +47,7 @@ def test_rotated_captured_tensors_are_not_committed_with_crossed_values(mode: st
     gets d2's, d2 gets d0's), then writes each slot's new values in place. The model's values are right. Restore
     copies slot by slot: d0's captured storage <- the tensor now at d0 (d1's captured storage), ...; the last copy
     reads d0's captured storage, already overwritten by the first, so d2's captured storage gets d0's values and the
-    reload commits. A graph replaying d2 reads d0's values (found as ``rotate``, shrunk from three layers)."""
+    reload commits. A graph replaying d2 reads d0's values (the ``rotate`` class, in one layer)."""
     slots = (
         SlotSpec("d0", source="t", factor=1, declare="graph_visible"),
         SlotSpec("d1", source="t", factor=2, declare="graph_visible"),
@@ -329,7 +329,7 @@ def test_a_skipped_tensor_and_its_alias_in_a_child_without_weights_are_stale(det
 
 
 # ----------------------------------------------------------------------------------------------------
-# Found by the long run on the GPU machine's CPUs (126,000 reloads), minimized
+# Minimal scenarios of the fuzzer's long profile
 
 
 @pytest.mark.parametrize("mutation", ["neg", "conj"])
@@ -483,8 +483,8 @@ def test_a_tie_to_an_untracked_tensor_pwal_freed_is_stale() -> None:
 def test_a_skipped_tensor_whose_only_declared_view_is_empty_is_stale(mode: str) -> None:
     """Undeclared d0 (``scale``: one element for a one-row weight) and declared d1, its empty tail (``d0[1:]``);
     the weight is loaded through ``.data`` and PWAL skips both. The empty view was the only watched witness of
-    d0's staleness: a rule that took empty slots for never stale (2026-12-02, from an adversarial review's "false
-    alarm") made the reload commit with d0 stale (found by the long fuzz run as ``skip``)."""
+    d0's staleness: a rule that takes empty slots for never stale (to spare a "false alarm") makes the reload
+    commit with d0 stale (the ``skip`` class)."""
     slots = (
         SlotSpec("d0", source="scale", holder="list", mutation="skip"),
         SlotSpec("d1", kind="tail", of=0, holder="child", declare="graph_visible", mutation="skip"),
@@ -496,8 +496,8 @@ def test_a_skipped_tensor_whose_only_declared_view_is_empty_is_stale(mode: str) 
 @pytest.mark.parametrize("detect", ["every-reload", "declared-only"])
 def test_shared_memory_compared_bit_for_bit_takes_any_stride(detect: str) -> None:
     """A one-element derived slot PWAL rebuilds with another stride (``respec_stride``) next to a stashed buffer
-    weight: the bit-for-bit comparison of shared memory (2026-12-02) viewed a stride-2 one-element tensor as bytes
-    and raised out of the restore (found by the long fuzz run as a crash)."""
+    weight: the bit-for-bit comparison of shared memory must not view a stride-2 one-element tensor as bytes and
+    raise out of the restore (a crash)."""
     slot = SlotSpec(
         "d0", source="scale", factor=3, holder="child", declare="register_derived", mutation="respec_stride"
     )
@@ -506,10 +506,9 @@ def test_shared_memory_compared_bit_for_bit_takes_any_stride(detect: str) -> Non
 
 
 def test_an_alias_pwal_leaves_on_a_respecified_slots_memory_is_not_taken_for_recapture_fixable() -> None:
-    """Found by the long fuzz (55f93f5, 1 silent in 12,000 reloads), shrunk: PWAL gives ``d0`` another shape (a
-    recapture's business), leaves ``d1``, an undeclared alias of ``d0``'s memory, where it was, and rebuilds the
-    declared tail ``d2`` of ``d0``. ``d1`` then reads memory no reload wrote while the weights changed: a recapture
-    through ``d1`` reads old values, so the reload must fail, not wait for a recapture."""
+    """PWAL gives ``d0`` another shape (a recapture's business), leaves ``d1``, an undeclared alias of ``d0``'s memory,
+    where it was, and rebuilds the declared tail ``d2`` of ``d0``. ``d1`` then reads memory no reload wrote while the
+    weights changed: a recapture through ``d1`` reads old values, so the reload must fail, not wait for a recapture."""
     scenario = Scenario(
         layers=(
             LayerSpec(
@@ -565,13 +564,13 @@ def test_an_alias_path_that_leaves_memory_its_slot_s_copy_rewrote_abandons_nothi
 
 
 def test_a_layerwise_child_restore_does_not_overwrite_a_respecified_partner_still_pending() -> None:
-    """Found by the long fuzz (906b123, ``rotate`` + ``tie``), shrunk: layer 1's PWAL rotates the captured tensors of
-    d0 (a ``Marked`` subclass), d1 and d2 (d2 held on the child ``sub``, a seal entry of its own), each then written
-    in place; d3 ties layer 0's d0, so layers.1 is restored at ``finish()`` while ``layers.1.sub`` is restored at its
-    ``after_layer``. d0 now holds d2's plain captured tensor: another class, so no copy can restore it and it stays
-    at its path. The child's step copied d2's values into that memory: d0's values, which PWAL got right, were
-    overwritten and the reload asked for a recapture that reads them. A pending layer's tensor that stays at its
-    path is a reader of what the step writes, like the step's own kept tensors."""
+    """``rotate`` + ``tie``: layer 1's PWAL rotates the captured tensors of d0 (a ``Marked`` subclass), d1 and d2 (d2
+    held on the child ``sub``, a seal entry of its own), each then written in place; d3 ties layer 0's d0, so layers.1
+    is restored at ``finish()`` while ``layers.1.sub`` is restored at its ``after_layer``. d0 now holds d2's plain
+    captured tensor: another class, so no copy can restore it and it stays at its path. The child's step copied d2's
+    values into that memory: d0's values, which PWAL got right, were overwritten and the reload asked for a recapture
+    that reads them. A pending layer's tensor that stays at its path is a reader of what the step writes, like the
+    step's own kept tensors."""
     scenario = Scenario(
         layers=(
             LayerSpec(rows=1, cols=1, slots=(SlotSpec("d0", source="sum"),)),
@@ -595,12 +594,12 @@ def test_a_layerwise_child_restore_does_not_overwrite_a_respecified_partner_stil
 
 @pytest.mark.parametrize("mode", ["recapture", "migrate"])
 def test_a_tie_left_on_memory_an_earlier_after_layer_abandoned_is_not_taken_for_recapture_fixable(mode: str) -> None:
-    """Found by the long fuzz (906b123, ``swap`` + ``tie:skip`` + ``layerwise``), shrunk: layer 0's weights stay
-    (``keep``); its PWAL swaps the captured tensors of the declared d0 and d2 and writes each one's values in place,
-    so d2's captured memory now holds d0's values. Layer 1's undeclared d3 (seen by the capture manifest) still ties
-    that memory. ``after_layer(0)`` cannot copy d2 back (d3 holds its memory) and leaves both slots on their new
-    tensors. Layer 1's snapshot, taken after that, sees d3 unchanged and its inputs unchanged: the reload asked for a
-    recapture, which reads d0's values through d3. A slot left on memory an earlier step abandoned fails closed."""
+    """``swap`` + ``tie:skip`` + ``layerwise``: layer 0's weights stay (``keep``); its PWAL swaps the captured tensors
+    of the declared d0 and d2 and writes each one's values in place, so d2's captured memory now holds d0's values.
+    Layer 1's undeclared d3 (seen by the capture manifest) still ties that memory. ``after_layer(0)`` cannot copy d2
+    back (d3 holds its memory) and leaves both slots on their new tensors. Layer 1's snapshot, taken after that, sees d3
+    unchanged and its inputs unchanged: the reload asked for a recapture, which reads d0's values through d3. A slot
+    left on memory an earlier step abandoned fails closed."""
     scenario = Scenario(
         layers=(
             LayerSpec(
@@ -625,8 +624,8 @@ def test_a_tie_left_on_memory_an_earlier_after_layer_abandoned_is_not_taken_for_
 
 
 def test_a_skipped_tie_to_an_inference_tensor_in_a_layer_whose_weights_did_not_change_is_stale() -> None:
-    """Found by the long fuzz on ``4cafe29`` (two processes, 11 silent: ``layerwise:repwal`` + ``tie:skip`` +
-    ``inference:both``), shrunk to this by dropping layers, slots and mutations: neither the layerwise reload nor the
+    """``layerwise:repwal`` + ``tie:skip`` + ``inference:both``, reduced to what the failure needs: neither the
+    layerwise reload nor the
     second PWAL is needed. The first load's PWAL runs under ``torch.inference_mode()`` (every derived tensor is an
     inference tensor); layers.1's undeclared d0 is tied to layers.0's d0; layers.0 reloads new weights and its PWAL
     rebinds d0, layers.1 keeps its weights and PWAL skips the tie. The reload says NEEDS_RECAPTURE, but the tie
@@ -644,15 +643,14 @@ def test_a_skipped_tie_to_an_inference_tensor_in_a_layer_whose_weights_did_not_c
 
 
 def test_a_skipped_tie_to_a_rotated_respecified_slot_in_a_repwal_layer_is_not_recapture_fixable() -> None:
-    """Found by the long fuzz on ``4cafe29`` (one process, 9 silent: ``layerwise:repwal`` + ``tie:skip`` +
-    ``inference:reload`` + ``rotate``), partly shrunk (the shrink ran out of time). Layerwise; the reload's PWAL runs
-    under ``torch.inference_mode()``; layers.0 rotates d0, d2, d1 (then skips d0, respecifies d1 with doubled
-    strides, frees d2); layers.1 holds a tie to layers.0's d1 that PWAL skips, and its PWAL runs once more after its
-    after_layer() (which does not matter: layers.1 shares memory with layers.0, so its restore waits for
-    finish()). The reload said NEEDS_RECAPTURE, but the tie held other values than a cold model, so a recapture
-    read wrong values: the tie's captured memory was written by PWAL as another slot's new tensor (the rotation),
-    which an earlier restore step copied from and released; a later step's slot left on that memory holds that
-    slot's values (``_steps._note_earlier_new``, ``stale``)."""
+    """``layerwise:repwal`` + ``tie:skip`` + ``inference:reload`` + ``rotate``, not fully reduced. Layerwise; the
+    reload's PWAL runs under ``torch.inference_mode()``; layers.0 rotates d0, d2, d1 (then skips d0, respecifies d1 with
+    doubled strides, frees d2); layers.1 holds a tie to layers.0's d1 that PWAL skips, and its PWAL runs once more after
+    its after_layer() (which does not matter: layers.1 shares memory with layers.0, so its restore waits for finish()).
+    The reload said NEEDS_RECAPTURE, but the tie held other values than a cold model, so a recapture read wrong values:
+    the tie's captured memory was written by PWAL as another slot's new tensor (the rotation), which an earlier restore
+    step copied from and released; a later step's slot left on that memory holds that slot's values
+    (``_steps._note_earlier_new``, ``stale``)."""
     scenario = Scenario(
         layers=(
             LayerSpec(
@@ -706,10 +704,10 @@ def test_a_skipped_tie_to_a_rotated_slot_held_in_a_child_is_not_overwritten_in_a
 
 
 def test_a_rotation_writing_a_slot_s_memory_as_another_slot_s_new_tensor_is_not_taken_back() -> None:
-    """Found by the long fuzz run (a value PWAL got right overwritten, outcome FAILED), shrunk by hand: PWAL rotates
-    d1 -> d2 -> d0 and writes each slot's new values in place, while undeclared aliases of d0 stay on d0's captured
-    memory. That memory was written as another slot's new tensor (the rotation), not by an owner of its own: the
-    rule that takes back a copy into memory its alias path wrote (``contract._owned``) must not act on it."""
+    """A value PWAL got right must not be overwritten (that reload was FAILED): PWAL rotates d1 -> d2 -> d0 and writes
+    each slot's new values in place, while undeclared aliases of d0 stay on d0's captured memory. That memory was
+    written as another slot's new tensor (the rotation), not by an owner of its own: the rule that takes back a copy
+    into memory its alias path wrote (``contract._owned``) must not act on it."""
     slots = (
         SlotSpec("d0", source="fp8", factor=1, holder="list", mutation="stash"),
         SlotSpec("d1", source="fp8", factor=2, holder="attr", declare="graph_visible", mutation="respec_stride"),
@@ -725,8 +723,8 @@ def test_a_rotation_writing_a_slot_s_memory_as_another_slot_s_new_tensor_is_not_
 def test_a_swap_of_subclass_slots_with_an_alias_and_a_tie_in_a_later_layer_writes_nothing_pwal_did_not_produce() -> (
     None
 ):
-    """Found by the long fuzz run with the previous one, shrunk by hand: two layers each swapping two derived
-    subclass tensors, an alias of the swapped d1 in layer 0, ties to it in layer 1."""
+    """The previous case's twin: two layers each swapping two derived subclass tensors, an alias of the swapped d1 in
+    layer 0, ties to it in layer 1."""
     layer0 = LayerSpec(
         rows=2,
         cols=1,
@@ -783,9 +781,9 @@ def test_a_swap_of_subclass_slots_with_an_alias_and_a_tie_in_a_later_layer_write
 
 
 def test_a_late_before_layer_does_not_commit_a_stale_tensor_attribute() -> None:
-    """Found by the long fuzz run (the call_order class), as drawn: layerwise, ``before_layer`` after PWAL; d2 is
-    written in place and carries ``.fz_attr``, a tensor set on the first PWAL only. The loader writes through
-    ``.data`` (no version counter moves), so only a digest of the weights shows the load came first."""
+    """The call_order class, as drawn: layerwise, ``before_layer`` after PWAL; d2 is written in place and carries
+    ``.fz_attr``, a tensor set on the first PWAL only. The loader writes through ``.data`` (no version counter moves),
+    so only a digest of the weights shows the load came first."""
     import fuzz.classes  # noqa: F401  (registers the class's model maker)
 
     layer = LayerSpec(
@@ -814,10 +812,10 @@ def test_a_late_before_layer_does_not_commit_a_stale_tensor_attribute() -> None:
 
 
 def test_a_layer_pwal_rotated_without_before_or_after_layer_does_not_ask_for_a_recapture_that_reads_wrong() -> None:
-    """Found by the long fuzz run (the call_order class): layerwise, layer 0 gets neither before_layer() nor
-    after_layer(); its loader leaves the weights alone but PWAL rotates three derived tensors, and an undeclared alias
-    of one stays on the old object. The snapshot taken at the end saw PWAL's tensors as the captured ones; the
-    verdict was NEEDS_RECAPTURE and the recapture read the alias's wrong values."""
+    """The call_order class: layerwise, layer 0 gets neither before_layer() nor after_layer(); its loader leaves the
+    weights alone but PWAL rotates three derived tensors, and an undeclared alias of one stays on the old object. The
+    snapshot taken at the end saw PWAL's tensors as the captured ones; the verdict was NEEDS_RECAPTURE and the recapture
+    read the alias's wrong values."""
     import fuzz.classes  # noqa: F401  (registers the class's model maker)
 
     layer0 = LayerSpec(
@@ -872,9 +870,9 @@ def test_a_layer_pwal_rotated_without_before_or_after_layer_does_not_ask_for_a_r
 
 
 def test_a_repwal_rotation_with_a_tie_in_a_later_layer_writes_nothing_pwal_did_not_produce() -> None:
-    """Found by the long fuzz run, as drawn (layerwise, PWAL again after layer 0's after_layer()). Layer 0's storage
-    is tied to a later layer, so its restore waits for finish(); PWAL run again permuted its tensors meanwhile, and
-    the later layer's tie holds a tensor of another role. ``stale``, never a recapture."""
+    """As drawn (layerwise, PWAL again after layer 0's after_layer()). Layer 0's storage is tied to a later layer, so
+    its restore waits for finish(); PWAL run again permuted its tensors meanwhile, and the later layer's tie holds a
+    tensor of another role. ``stale``, never a recapture."""
     layer0 = LayerSpec(
         rows=4,
         cols=4,
@@ -972,10 +970,10 @@ def test_a_tied_layer_pwal_permuted_again_after_its_after_layer_fails_closed() -
 
 
 def test_a_slot_kept_on_its_new_tensor_at_after_layer_is_stale_when_the_weight_is_written_again() -> None:
-    """Found by the long fuzz run (the input_shares class): the weight Parameter is a view at offset 1 of a storage
-    the static input shares; the loader binds a new Parameter and PWAL re-views it (``d0 = weight.t()``, offset 0:
-    respecified, it keeps its new tensor). after_layer() binds the captured Parameter back; then the weight is written
-    again with other values. ``d0`` still views the Parameter no path holds: a recapture read its old values."""
+    """The input_shares class: the weight Parameter is a view at offset 1 of a storage the static input shares; the
+    loader binds a new Parameter and PWAL re-views it (``d0 = weight.t()``, offset 0: respecified, it keeps its new
+    tensor). after_layer() binds the captured Parameter back; then the weight is written again with other values. ``d0``
+    still views the Parameter no path holds: a recapture read its old values."""
     import fuzz.classes  # noqa: F401  (registers the class's model maker)
 
     layer = LayerSpec(
@@ -1002,11 +1000,11 @@ def test_a_slot_kept_on_its_new_tensor_at_after_layer_is_stale_when_the_weight_i
 
 
 def test_a_skipped_tail_of_a_rotated_tensor_is_not_left_to_a_recapture() -> None:
-    """Found by the long fuzz run (the wrapper class; the base class reproduces it, as here): layerwise in order,
-    layer 0 rotates d1, d0, d2 (d0 and d1 respecified: they keep their new tensors) and skips ``d3 = tail(d2)``,
-    which then views d0's new tensor, written with d0's values. The reader check took those values for d3's own (it
-    looked for the writer among the moves only) and broke d2 away: NEEDS_RECAPTURE, and the recapture read d3 wrong.
-    It is ``stale`` now (written through a new tensor another path holds)."""
+    """The wrapper class (the base class reproduces it, as here): layerwise in order, layer 0 rotates d1, d0, d2 (d0 and
+    d1 respecified: they keep their new tensors) and skips ``d3 = tail(d2)``, which then views d0's new tensor, written
+    with d0's values. The reader check took those values for d3's own (it looked for the writer among the moves only)
+    and broke d2 away: NEEDS_RECAPTURE, and the recapture read d3 wrong. It is ``stale`` now (written through a new
+    tensor another path holds)."""
     layer0 = LayerSpec(
         rows=2,
         cols=4,
@@ -1035,13 +1033,12 @@ def test_a_skipped_tail_of_a_rotated_tensor_is_not_left_to_a_recapture() -> None
 
 
 def test_a_layer_swapping_a_slot_with_its_child_layer_s_undeclared_slot_twice_is_not_left_to_a_recapture() -> None:
-    """Found by the long fuzz run (5 silent in one run: ``layerwise:repwal`` + a swap across a layer and its child
-    layer + a tie), shrunk. Layerwise; layers.0's PWAL swaps its declared ``d1`` with ``sub.d0`` (undeclared, in
-    the child layer, which a tie from layers.1 makes wait for ``finish()``) and runs again after its
-    ``after_layer()``. That step's copy went into ``d1``'s captured memory, which the pending child's undeclared
-    slot held as its new tensor: not restored in recapture mode, it kept the values the copy wrote, both slots
-    ended on one tensor, and the recapture read them. A pending layer's undeclared slot that its restore will not
-    copy is a reader of that memory (``_holders._protect_pending``)."""
+    """``layerwise:repwal`` + a swap across a layer and its child layer + a tie. Layerwise; layers.0's PWAL swaps its
+    declared ``d1`` with ``sub.d0`` (undeclared, in the child layer, which a tie from layers.1 makes wait for
+    ``finish()``) and runs again after its ``after_layer()``. That step's copy went into ``d1``'s captured memory, which
+    the pending child's undeclared slot held as its new tensor: not restored in recapture mode, it kept the values the
+    copy wrote, both slots ended on one tensor, and the recapture read them. A pending layer's undeclared slot that its
+    restore will not copy is a reader of that memory (``_holders._protect_pending``)."""
     layer0 = LayerSpec(
         rows=1,
         cols=1,
@@ -1058,10 +1055,10 @@ def test_a_layer_swapping_a_slot_with_its_child_layer_s_undeclared_slot_twice_is
 
 @pytest.mark.parametrize("mode", ("recapture", "migrate"))
 def test_watched_slots_permuted_again_after_after_layer_with_a_tie_in_a_later_layer_fail_closed(mode: str) -> None:
-    """Found by the fuzzer (shrunk): under ``declared-only`` layer 0's undeclared slots are watched only (the
-    capture manifest saw them); layer 1 ties to layer 0's ``d1``. PWAL swaps layer 0's tensors, and runs again after
-    every ``after_layer()``, swapping them back: layer 1's tie now holds the tensor of ``d0``'s role. The manifest
-    sees that storage left layer 1's path (a recapture), but a recapture would read ``d0``'s values there."""
+    """Under ``declared-only`` layer 0's undeclared slots are watched only (the capture manifest saw them); layer 1 ties
+    to layer 0's ``d1``. PWAL swaps layer 0's tensors, and runs again after every ``after_layer()``, swapping them back:
+    layer 1's tie now holds the tensor of ``d0``'s role. The manifest sees that storage left layer 1's path (a
+    recapture), but a recapture would read ``d0``'s values there."""
     layer0 = LayerSpec(
         rows=1, cols=1, cycle=(0, 1), slots=(SlotSpec("d0", source="sum", factor=2), SlotSpec("d1", source="sum"))
     )
@@ -1073,10 +1070,10 @@ def test_watched_slots_permuted_again_after_after_layer_with_a_tie_in_a_later_la
 
 
 def test_an_alias_of_a_rotated_inference_slot_in_a_repwal_layer_is_not_left_to_a_recapture() -> None:
-    """Found by the long fuzz run (shrunk): PWAL, under inference mode (no version counters), rotates three slots'
-    tensors on every pass; the restore at ``after_layer()`` leaves them on their new tensors (respecified, class
-    changes). PWAL runs again and rotates them once more, writing each in place: the memory a skipped declared alias
-    of ``d1`` reads now holds ``d2``'s values, and a recapture would read them there."""
+    """PWAL, under inference mode (no version counters), rotates three slots' tensors on every pass; the restore at
+    ``after_layer()`` leaves them on their new tensors (respecified, class changes). PWAL runs again and rotates them
+    once more, writing each in place: the memory a skipped declared alias of ``d1`` reads now holds ``d2``'s values, and
+    a recapture would read them there."""
     layer = LayerSpec(
         rows=1,
         cols=1,
@@ -1150,12 +1147,12 @@ def test_a_contextvar_set_by_pwal_before_a_late_rewrite_is_not_left_to_a_recaptu
 
 
 def test_a_repeated_pwal_over_a_rotation_with_respecified_slots_asks_no_recapture_that_reads_wrong_values() -> None:
-    """Found by the long fuzz run (with and without a recording of the reload, on the code before the current rules
-    too): layerwise (``repwal``: PWAL again after the layer's ``after_layer()``), the loader keeps the weight (a
-    buffer, with loader metadata), PWAL rotates d1 -> d0 -> d2 -> d1 and gives d0 another stride, d1 another dtype,
-    skips d2 and frees d3 (an alias of d0). ``after_layer()`` bound d2's captured tensor back although d0 kept it as
-    its new tensor (d0 and d1 respecified), tying the two paths; PWAL's second run then wrote d1's values through
-    the tie and d0 read them (a restore never ties two paths the model did not: ``_holders.new_ties``)."""
+    """With and without a recording of the reload: layerwise (``repwal``: PWAL again after the layer's
+    ``after_layer()``), the loader keeps the weight (a buffer, with loader metadata), PWAL rotates d1 -> d0 -> d2 -> d1
+    and gives d0 another stride, d1 another dtype, skips d2 and frees d3 (an alias of d0). ``after_layer()`` bound d2's
+    captured tensor back although d0 kept it as its new tensor (d0 and d1 respecified), tying the two paths; PWAL's
+    second run then wrote d1's values through the tie and d0 read them (a restore never ties two paths the model did
+    not: ``_holders.new_ties``)."""
     slots = (
         SlotSpec("d0", source="fp8", holder="closure", declare="register_derived", mutation="respec_stride"),
         SlotSpec("d1", source="fp8", factor=3, subclass=True, holder="child", mutation="respec_dtype"),

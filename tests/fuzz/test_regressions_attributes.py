@@ -1,9 +1,8 @@
-"""Minimal reproducers of what the differential fuzzer (``tests/fuzz``) found with its attribute, late-write and
-inference-mode draws (Python attributes PWAL hangs on tensors, layerwise reloads with a touch after
-``after_layer()``, PWAL under ``torch.inference_mode()``). Each was shrunk from a fuzzer failure; the docstring says
-what the reload does and what the promise requires. The scenario tests run through the fuzzer's harness and
-independent oracle (:func:`fuzz.harness.run`) and assert the verdict is ``ok`` (or a false alarm); two are written
-against the public API alone. All fail on the code they were found on (``55f93f5``).
+"""Minimal scenarios of the differential fuzzer's (``tests/fuzz``) attribute, late-write and inference-mode draws
+(Python attributes PWAL hangs on tensors, layerwise reloads with a touch after ``after_layer()``, PWAL under
+``torch.inference_mode()``), each as small as the failure needs; the docstring says what the reload does and what the
+promise requires. The scenario tests run through the fuzzer's harness and independent oracle (:func:`fuzz.harness.run`)
+and assert the verdict is ``ok`` (or a false alarm); two are written against the public API alone.
 """
 
 from __future__ import annotations
@@ -213,14 +212,14 @@ def test_an_attribute_naming_the_rebound_weight_follows_it_to_the_captured_param
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Shapes the generator once left out (docs/fault-matrix.md, "attributes on a tensor" and "changed after
-# after_layer()"), each shrunk case kept here.
+# Shapes of docs/fault-matrix.md's "attributes on a tensor" and "changed after after_layer()", each in its
+# smallest form.
 
 
 def test_a_swapped_slot_carrying_an_attribute_that_names_its_partner() -> None:
-    """cycle(d0, d1), ``d1.fz_attr`` names ``d0``'s tensor, strict (shrunk from the grown fuzzer). Was a strict xfail
-    (a documented gap); passes since an alias-broken slot's kept clone carries the class and attributes
-    of the object PWAL made (the take-back rule). The shape as a whole stays out of the fuzzer's draws."""
+    """cycle(d0, d1), ``d1.fz_attr`` names ``d0``'s tensor, strict. An alias-broken slot's kept clone carries the
+    class and attributes of the object PWAL made (the take-back rule). The shape as a whole stays out of the fuzzer's
+    draws."""
     slots = (
         SlotSpec("d0", source="t", factor=2, declare="graph_visible"),
         SlotSpec("d1", source="t", factor=1, declare="graph_visible", attr="peer", attr_of=0),
@@ -230,10 +229,10 @@ def test_a_swapped_slot_carrying_an_attribute_that_names_its_partner() -> None:
 
 
 def test_pwal_run_again_after_after_layer_on_a_layer_that_rotates_its_tensors() -> None:
-    """Layerwise, layers.1 rotates d0, d1, d2 and its PWAL runs once more after its after_layer() (shrunk from the
-    grown fuzzer): the reload asked for a recapture the model's values could not give. A slot of a layer closed by
+    """Layerwise, layers.1 rotates d0, d1, d2 and its PWAL runs once more after its after_layer(): the reload
+    must not ask for a recapture the model's values cannot give. A slot of a layer closed by
     ``after_layer()`` that holds, when the reload finishes, what another of its slots held at the close (a second
-    PWAL permuted them) is now ``stale``: FAILED, not a recapture."""
+    PWAL permuted them) is ``stale``: FAILED, not a recapture."""
     layer0 = LayerSpec(rows=1, cols=1, slots=(SlotSpec("d0", source="t", factor=1, declare="graph_visible"),))
     slots = (
         SlotSpec("d0", source="t", factor=1, declare="graph_visible"),
@@ -248,12 +247,12 @@ def test_pwal_run_again_after_after_layer_on_a_layer_that_rotates_its_tensors() 
 
 
 def test_a_layerwise_reload_with_a_tie_across_two_swapping_layers() -> None:
-    """Layerwise, weights kept; layers.0 and layers.1 each swap d0 and d1; layers.1.d2 is a tie to layers.0's d0
-    that PWAL leaves (skip). Shrunk from the grown fuzzer (seed 733 of the long profile); older than the
-    attribute draws (red before them too). layers.0's PWAL wrote d1's values into the captured d0 before layers.1's
-    before_layer(), so a snapshot of layers.1 taken there saw them as the old state and the tie looked untouched: a
-    recapture through it would read d1's values. A layer whose captured storage another layer reads is now
-    snapshotted when the reload begins, as in a whole-model reload, which fails it (stale)."""
+    """Layerwise, weights kept; layers.0 and layers.1 each swap d0 and d1; layers.1.d2 is a tie to layers.0's d0 that
+    PWAL leaves (skip) (seed 733 of the fuzzer's long profile; it needs no attribute draws). layers.0's PWAL wrote d1's
+    values into the captured d0 before layers.1's before_layer(), so a snapshot of layers.1 taken there saw them as the
+    old state and the tie looked untouched: a recapture through it would read d1's values. A layer whose captured
+    storage another layer reads is now snapshotted when the reload begins, as in a whole-model reload, which fails it
+    (stale)."""
     layer0 = LayerSpec(
         rows=1,
         cols=1,
@@ -282,11 +281,11 @@ def test_a_layerwise_reload_with_a_tie_across_two_swapping_layers() -> None:
 
 
 def test_a_conditional_weight_attribute_on_a_subclass_view_at_a_child_follows_the_rebound_weight() -> None:
-    """Found by the long fuzz run (strict, ``declared-only``, under a capture manifest): the loader binds a new
-    Parameter at ``weight`` carrying loader metadata; PWAL keeps ``d0`` (a complex subclass at a child module) as a view
-    of its old tensor and, where a condition on the new weights holds, hangs the weight on it (``d0.fz_attr``). The
-    reload committed with ``d0.fz_attr`` naming the orphaned new Parameter: no slot path names ``d0`` under
-    ``declared-only``, so no remap reached it (the attribute of any tensor naming a rebound one is remapped now)."""
+    """Strict, ``declared-only``, under a capture manifest: the loader binds a new Parameter at ``weight`` carrying
+    loader metadata; PWAL keeps ``d0`` (a complex subclass at a child module) as a view of its old tensor and, where a
+    condition on the new weights holds, hangs the weight on it (``d0.fz_attr``). The reload committed with
+    ``d0.fz_attr`` naming the orphaned new Parameter: no slot path names ``d0`` under ``declared-only``, so no remap
+    reached it (the attribute of any tensor naming a rebound one is remapped now)."""
     slot = SlotSpec(
         "d0",
         source="complex",

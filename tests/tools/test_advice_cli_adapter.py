@@ -1,8 +1,8 @@
-"""Attacks on what users touch above the contract: the migration report's advice, the testing toolkit, the CLI
+"""What users touch above the contract: the migration report's advice, the testing toolkit, the CLI
 and the torch adapter.
 
-Each test is a minimal reproduction of one violation of graphsafe's promise and FAILS on the code it was written
-against. The oracle is independent of graphsafe's reasoning: the addresses a captured graph reads (kept as data
+Each test is a minimal reproduction of one way graphsafe's promise could break, and pins the rule that holds it.
+The oracle is independent of graphsafe's reasoning: the addresses a captured graph reads (kept as data
 pointers / tensors at capture time) and their bytes after the reload, against a model built cold on the new
 weights.
 """

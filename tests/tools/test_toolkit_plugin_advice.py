@@ -1,8 +1,8 @@
-"""Attacks on what users touch above the contract: the testing toolkit, the pytest plugin and the vLLM adapter's
+"""What users touch above the contract: the testing toolkit, the pytest plugin and the vLLM adapter's
 reload paths (the vLLM ones are in ``tests/vllm/test_reload_paths.py``).
 
-Each test is a minimal reproduction of one violation of graphsafe's promise and FAILED on the code it was written
-against. The oracle is independent of graphsafe's reasoning: a layer built cold on the new weights (what the
+Each test is a minimal reproduction of one way graphsafe's promise could break, and pins the rule that holds it.
+The oracle is independent of graphsafe's reasoning: a layer built cold on the new weights (what the
 reloaded layer must hold after its PWAL), and the tensors a captured graph reads.
 """
 
@@ -56,7 +56,7 @@ class _StaleScaleLinear(nn.Module):
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), std=st.sampled_from([2e-2, 1e-2, 1e-3]))
 def test_toolkit_value_check_catches_a_stale_small_magnitude_scale(seed: int, std: float) -> None:
-    """Attack: ``assert_reload_stable`` compares what PWAL wrote with a layer built cold on the same weights
+    """``assert_reload_stable`` compares what PWAL wrote with a layer built cold on the same weights
     through ``torch.testing.assert_close`` at its default tolerances (float32: ``atol=1e-5``). An FP8 per-tensor
     weight scale of realistic weights (std 0.02: ``amax / 448`` ~ 1.6e-4) differs between two seeds by about
     1e-5 or less, so the scale of weights A passes for the scale of weights B.
@@ -108,7 +108,7 @@ def _load_compounding(layer: nn.Module, generator: torch.Generator) -> None:
 
 
 def test_toolkit_compares_a_buffer_pwal_writes_with_the_cold_built_layer() -> None:
-    """Attack: a layer whose PWAL writes a derived buffer in place, wrongly from the second load on. Without
+    """A layer whose PWAL writes a derived buffer in place, wrongly from the second load on. Without
     ``example_input`` (optional), ``assert_reload_stable`` checks parameters and buffers for their address only
     (``state_tensors``) and compares by value only the non-state slots PWAL wrote, so the buffer's values are
     never compared; the contract commits (a buffer is an input, never checked for freshness).
@@ -135,10 +135,9 @@ _SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def test_marker_fails_a_test_whose_contract_saw_no_reload(pytester: pytest.Pytester) -> None:
-    """Attack: a marked test makes its contract through the fixture, then reloads the model without
-    ``contract.reload()`` (the easy slip: the ``with`` forgotten). The legacy layer's PWAL moves its derived
-    tensor, so a captured graph reads the old storage, but no reload ran under the contract: no outcome, no
-    finding, and the contract still says serving-safe.
+    """A marked test makes its contract through the fixture, then reloads the model without ``contract.reload()`` (the
+    easy slip: the ``with`` forgotten). The legacy layer's PWAL moves its derived tensor, so a captured graph reads the
+    old storage, but no reload ran under the contract: no outcome, no finding, and the contract still says serving-safe.
 
     Promise: docs/making-a-kernel-reload-safe.md: the marker fails a test that made no contract "the marker would
     otherwise check nothing"; a contract that saw no reload checks nothing either. Observed: the test passes.
@@ -175,7 +174,7 @@ def test_marker_fails_a_test_whose_contract_saw_no_reload(pytester: pytest.Pytes
 
 
 def test_report_fix_pasted_into_a_layers_own_pwal_keeps_loading_working(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Attack: the zoo's legacy ``lazy_permute_scratch``: ``PermuteMoE`` has its own PWAL, ``(self)``, which drops
+    """The zoo's legacy ``lazy_permute_scratch``: ``PermuteMoE`` has its own PWAL, ``(self)``, which drops
     the scratch the captured forward writes. The report's fix says: at the end of
     ``PermuteMoE.process_weights_after_loading``, paste
     ``layer._permute_scratch = stable_empty(layer, "_permute_scratch", (16, 16), torch.float32, "cpu")``. That
@@ -260,7 +259,7 @@ def target():
 def test_cli_report_refuses_a_target_whose_reload_loads_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Attack: a TARGET whose ``reload(model, seed)`` loads nothing (a slip: it loads into another model, or
+    """A TARGET whose ``reload(model, seed)`` loads nothing (a slip: it loads into another model, or
     returns a lazy loader it never runs). The reload commits with no finding; the report lists ``w_t`` (computed
     from the weight by PWAL, kept by an "already processed" guard) and, since the recorded reload saw PWAL leave
     it alone, advises ``@graph_visible("w_t", static=True)``. Pasted, that exempts ``w_t`` from the freshness
@@ -320,7 +319,7 @@ def target():
 def test_cli_report_json_on_stdout_stays_valid_when_the_target_prints(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Attack: ``graphsafe report TARGET -f json | jq`` with a TARGET whose import, load, reload or warm-up print
+    """``graphsafe report TARGET -f json | jq`` with a TARGET whose import, load, reload or warm-up print
     progress to stdout, as model loaders do. The CLI runs the TARGET with stdout as it is, so those lines land in
     front of (and inside) the JSON document.
 
@@ -381,7 +380,7 @@ def _load_two(model: nn.Module, seed: int) -> None:
 def test_report_decorator_is_advised_only_for_paths_every_layer_of_its_pwal_has(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Attack: two layers of one class, one with a bias (its PWAL derives ``bias_t``), one without. Only the first
+    """Two layers of one class, one with a bias (its PWAL derives ``bias_t``), one without. Only the first
     has an entry, so the report's rule "a decorator for the paths every layer of the PWAL has" is computed over
     that one layer: ``@graph_visible("bias_t")`` on ``_BiasLinear.process_weights_after_loading``. Pasted, the
     decorator raises ``DeclarationError`` at the PWAL of the layer without a bias: loading breaks.

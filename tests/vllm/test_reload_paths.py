@@ -1,7 +1,7 @@
-"""Attacks on the vLLM adapter's reload paths (the toolkit and plugin ones are in
+"""The vLLM adapter's reload paths (the toolkit and plugin ones are in
 ``tests/tools/test_toolkit_plugin_advice.py``). Runs in ``.venv-vllm`` on CPU with vLLM's own reload code.
 
-Each test FAILED on the code it was written against; its docstring names the attack and the promise it breaks.
+Each docstring names the reload that could break a promise, and the promise it must keep.
 """
 
 from __future__ import annotations
@@ -39,13 +39,12 @@ __all__ = ["plugin", "vllm_config"]  # fixtures used by name below
 def test_a_first_reload_in_kernel_format_is_guarded_like_a_checkpoint_one(
     vllm_config: VllmConfig, plugin: Callable[..., Any]
 ) -> None:
-    """Attack: a model loaded outside vLLM's runner and bound to it (``graphsafe.adapters.vllm.bind``, the
-    documented way), or loaded before the plugin was turned on, has no contract until its first reload: the
-    layerwise route seals one when it begins (``begin`` -> ``ensure_contract``). The kernel-format route
-    (``reload_weights(..., is_checkpoint_format=False)``) opens its whole-model transaction only
-    ``if model in state.contracts``, so a first reload that way copies the new weights in with no transaction at
-    all: the author-declared derived slot ``w_t`` keeps the old weights' values, no outcome is recorded and no
-    contract (so no serving gate) exists.
+    """A model loaded outside vLLM's runner and bound to it (``graphsafe.adapters.vllm.bind``, the documented way), or
+    loaded before the plugin was turned on, has no contract until its first reload: the layerwise route seals one when
+    it begins (``begin`` -> ``ensure_contract``). The kernel-format route (``reload_weights(...,
+    is_checkpoint_format=False)``) opens its whole-model transaction only ``if model in state.contracts``, so a first
+    reload that way copies the new weights in with no transaction at all: the author-declared derived slot ``w_t`` keeps
+    the old weights' values, no outcome is recorded and no contract (so no serving gate) exists.
 
     Promise (1): docs/vllm.md, "A reload_weights(..., is_checkpoint_format=False) ... runs inside one
     whole-model transaction: a derived tensor computed from the old weights is then reported stale, not left
@@ -69,12 +68,12 @@ def test_a_first_reload_in_kernel_format_is_guarded_like_a_checkpoint_one(
 def test_the_serving_gate_keeps_vllms_encoder_cuda_graphs_from_replaying(
     vllm_config: VllmConfig, plugin: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Attack: a multimodal model served on model runner V1 with encoder CUDA graphs (vLLM 0.33's
-    ``EncoderCudaGraphManager``, ``compilation_config.encoder_cudagraph_token_budgets``). Its graphs replay from
-    ``GPUModelRunner._execute_mm_encoder`` through ``EncoderCudaGraphManager.execute`` -> ``graph.replay()``,
-    never through ``CudagraphDispatcher.dispatch``, the only V1 path the serving gate wraps. After a failed reload
-    the decoder runs eager, but every image still goes through the captured encoder graphs, which read the
-    encoder's memory as it was captured (stale, or freed and reused).
+    """A multimodal model served on model runner V1 with encoder CUDA graphs (vLLM 0.33's ``EncoderCudaGraphManager``,
+    ``compilation_config.encoder_cudagraph_token_budgets``). Its graphs replay from
+    ``GPUModelRunner._execute_mm_encoder`` through ``EncoderCudaGraphManager.execute`` -> ``graph.replay()``, never
+    through ``CudagraphDispatcher.dispatch``, the only V1 path the serving gate wraps. After a failed reload the decoder
+    runs eager, but every image still goes through the captured encoder graphs, which read the encoder's memory as it
+    was captured (stale, or freed and reused).
 
     Promise (1): docs/vllm.md, "After a FAILED reload ... the engine keeps serving but runs eager ... so no
     captured graph replays". Oracle: the contract is not serving-safe (the dispatcher gate is closed), and the
@@ -168,7 +167,7 @@ def test_the_pack_keeps_the_humming_locks_of_every_fp8_linear_method(
     linear: str | None,
     detect: str,
 ) -> None:
-    """Attack: the humming FP8 linear kernel (``kernels/linear/scaled_mm/humming.py``) allocates new lock tensors
+    """The humming FP8 linear kernel (``kernels/linear/scaled_mm/humming.py``) allocates new lock tensors
     in its PWAL; the pack declares them (static) for ``Fp8LinearMethod`` only, but the online FP8 linear methods
     (``quantization="fp8"`` on a bf16 checkpoint, the usual RL set-up) and FBGEMM FP8 hold the same kernel at the
     same path, ``quant_method.fp8_linear``, and the compressed-tensors and Quark W8A8 FP8 schemes at

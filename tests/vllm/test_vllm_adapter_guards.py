@@ -1,7 +1,5 @@
-"""Attacks on the vLLM adapter : each test is a place where the plugin lies or breaks vLLM.
-
-Every test here FAILS on the code it was written against; each docstring names the attack and the promise it
-breaks. vLLM's own classes and functions are used wherever they run on CPU: the layerwise reload, the real quant
+"""The vLLM adapter's guards: each test is a place where the plugin could lie or break vLLM, and the rule it must
+hold there. vLLM's own classes and functions are used wherever they run on CPU: the layerwise reload, the real quant
 method classes the declarations pack wraps, vLLM's ``make_fp8_moe_kernel`` building the real TRT-LLM and CUTLASS
 experts objects, vLLM's ``CudagraphDispatcher`` and the V1 runner's ``_determine_batch_execution_and_padding``.
 Where a quant method's own PWAL needs a GPU, the class's PWAL is replaced (before the plugin wraps it) by the part
@@ -196,12 +194,12 @@ def _reload_moe_and_judge(
 def test_pack_misses_trtllm_fp8_per_tensor_alphas_declared_only_commits_stale(
     vllm_config: VllmConfig, plugin: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Attack: Fp8MoEMethod (a pack entry) on the FlashInfer TRT-LLM backend with per-tensor scales. vLLM's
-    ``TrtLlmFp8ExpertsMonolithic.__init__`` (experts/trtllm_fp8_moe.py:370-376) computes ``_g1_alphas =
-    w1_scale * a1_scale``, ``_g2_alphas`` and ``_g1_scale_c`` as NEW tensors derived from the weight scales, read
-    by every launch (lines 558-561). The pack declares ``gemm1_alpha/beta/clamp_limit`` etc. on
-    ``quant_method.moe_kernel.impl.fused_experts``, not these three. Under ``GRAPHSAFE_DETECT=declared-only``
-    nothing tracks them.
+    """Fp8MoEMethod (a pack entry) on the FlashInfer TRT-LLM backend with per-tensor scales. vLLM's
+    ``TrtLlmFp8ExpertsMonolithic.__init__`` (experts/trtllm_fp8_moe.py:370-376) computes ``_g1_alphas = w1_scale *
+    a1_scale``, ``_g2_alphas`` and ``_g1_scale_c`` as NEW tensors derived from the weight scales, read by every launch
+    (lines 558-561). The pack declares ``gemm1_alpha/beta/clamp_limit`` etc. on
+    ``quant_method.moe_kernel.impl.fused_experts``, not these three. Under ``GRAPHSAFE_DETECT=declared-only`` nothing
+    tracks them.
 
     Promise (1): a reload never reports success while a graph would read wrong memory. Oracle: a cold load of the
     new weights; the captured tensors' addresses must hold the new values, or the reload must not commit.
@@ -211,7 +209,7 @@ def test_pack_misses_trtllm_fp8_per_tensor_alphas_declared_only_commits_stale(
     monkeypatch.setattr(method, "process_weights_after_loading", _kernel_builder("trtllm", True))
     plugin("strict", detect="declared-only")
     outcome, moved, stale, changed = _reload_moe_and_judge(vllm_config, method, TRTLLM_DERIVED)
-    assert changed, "the attack needs the derived scales to change with the weights"
+    assert changed, "the scenario needs the derived scales to change with the weights"
     assert not outcome.committed or not (moved or stale), (
         f"committed while the TRT-LLM experts' {moved} moved to new storage; the captured ones hold the old "
         f"weights' values ({stale} differ from a cold load)"
@@ -222,12 +220,12 @@ def test_pack_misses_trtllm_fp8_per_tensor_alphas_declared_only_commits_stale(
 def test_pack_misses_fp8_moe_methods_that_build_the_same_cutlass_kernel(
     vllm_config: VllmConfig, plugin: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, target: str
 ) -> None:
-    """Attack: the FP8 MoE methods outside the pack that build the same ``make_fp8_moe_kernel`` kernel as
-    Fp8MoEMethod: ``Fp8PerTensorOnlineMoEMethod`` (``quantization="fp8"`` on a bf16 checkpoint, the usual RL
-    set-up; online/fp8.py:556) and ``QuarkW8A8Fp8MoEMethod`` (quark_moe.py:969). With the VLLM_CUTLASS backend
-    every PWAL allocates new CUTLASS stride tables on the experts object (cutlass_moe.py:300-310), which the
-    pack declares for Fp8MoEMethod only. Under ``declared-only`` they move unseen. (Control, checked while
-    writing this: the same builder on Fp8MoEMethod restores all four and commits.)
+    """The FP8 MoE methods outside the pack that build the same ``make_fp8_moe_kernel`` kernel as Fp8MoEMethod:
+    ``Fp8PerTensorOnlineMoEMethod`` (``quantization="fp8"`` on a bf16 checkpoint, the usual RL set-up;
+    online/fp8.py:556) and ``QuarkW8A8Fp8MoEMethod`` (quark_moe.py:969). With the VLLM_CUTLASS backend every PWAL
+    allocates new CUTLASS stride tables on the experts object (cutlass_moe.py:300-310), which the pack declares for
+    Fp8MoEMethod only. Under ``declared-only`` they move unseen. (Control, checked while writing this: the same builder
+    on Fp8MoEMethod restores all four and commits.)
 
     Promise (1): never commit while a captured address no longer holds what the graph must read (here: the old
     stride tables are freed, the graph reads freed memory).
@@ -289,7 +287,7 @@ def test_the_serving_gate_makes_vllms_v1_recapture_assert(
     monkeypatch: pytest.MonkeyPatch,
     route: str,
 ) -> None:
-    """Attack: a reload that needs its graphs captured again, on model runner V1. The recapture runs while the
+    """A reload that needs its graphs captured again, on model runner V1. The recapture runs while the
     contract is not serving-safe (``_apply`` marks it unsafe before the callback; ``graphsafe_recapture`` reseals
     only after the capture), so the serving gate (``_wrap_dispatch_v1``) answers NONE to the capture's own
     dispatch, and vLLM's ``_dummy_run`` asserts that the dispatched mode equals the mode it captures.
@@ -327,12 +325,12 @@ def test_the_serving_gate_makes_vllms_v1_recapture_assert(
 def test_reload_weights_in_kernel_format_is_unguarded_and_leaves_a_declared_slot_stale(
     vllm_config: VllmConfig, plugin: Callable[..., Any]
 ) -> None:
-    """Attack: ``reload_weights(..., is_checkpoint_format=False)`` (``collective_rpc("reload_weights",
+    """``reload_weights(..., is_checkpoint_format=False)`` (``collective_rpc("reload_weights",
     kwargs={"weights_iterator": ..., "is_checkpoint_format": False})``): vLLM copies the parameters in place
-    (inplace.py: ``param.copy_``) and runs no PWAL, no initialize, no finalize. The plugin wraps this very
-    function (docs/vllm.md: "The plugin guards ... reload_weights") but opens no transaction for this branch:
-    the author-declared derived slot ``w_t`` keeps the old weights' values, no outcome is recorded, the last
-    outcome still says ``committed``, and the contract (and so the serving gate) stays serving-safe.
+    (inplace.py: ``param.copy_``) and runs no PWAL, no initialize, no finalize. The plugin wraps this very function
+    (docs/vllm.md: "The plugin guards ... reload_weights") but opens no transaction for this branch: the author-declared
+    derived slot ``w_t`` keeps the old weights' values, no outcome is recorded, the last outcome still says
+    ``committed``, and the contract (and so the serving gate) stays serving-safe.
 
     Promise (1)/(3): a reload never reports success (here: the status the plugin exposes) while a graph reads
     wrong values. Oracle: a cold load of the same new weights.

@@ -1,6 +1,5 @@
-"""Attacks on undeclared tensors (the walker, ``detect="sealed-paths"``/``"every-reload"``) and on the capture
-manifest: places where a reload reports success, or leaves the model, on memory other than what a cold model built
-on the new weights holds.
+"""Undeclared tensors (the walker, ``detect="sealed-paths"``/``"every-reload"``) and the capture manifest: a reload
+never reports success, or leaves the model, on memory other than what a cold model built on the new weights holds.
 
 Every reload loads DIFFERENT weights. The oracle is a second model built from scratch on the new weights (load +
 PWAL); it never asks graphsafe anything.
@@ -83,7 +82,7 @@ def _storage_bytes(storage: torch.UntypedStorage, lo: int, hi: int) -> bytes:
     ],
 )
 def test_manifest_bytes_read_past_a_slots_view_are_not_committed_stale(declared: bool, mode: str, detect: str) -> None:
-    """Attacker: the layer holds ``lo``, a view of the first half of a packed buffer PWAL rebuilds every load; the
+    """The layer holds ``lo``, a view of the first half of a packed buffer PWAL rebuilds every load; the
     captured kernel reads the whole buffer through ``lo``'s pointer. The capture runs under ``record_capture``, so
     the manifest records that the graph read bytes ``[0, 2N*4)`` of the captured storage, twice what ``lo`` spans.
 
@@ -179,7 +178,7 @@ def _load_gidx(model: GidxModel, seed: int, *, new_parameter: bool) -> None:
 def test_rebinding_a_captured_tensor_does_not_bring_back_its_stale_attribute(
     holder: str, mode: str, detect: str
 ) -> None:
-    """Attacker: PWAL hangs a derived tensor on a tensor object (``weight.g_idx``, ``w_t.scale``) and the reload
+    """PWAL hangs a derived tensor on a tensor object (``weight.g_idx``, ``w_t.scale``) and the reload
     gives the holder a new object (the loader binds a new Parameter; PWAL builds a new declared ``w_t``). graphsafe
     restores the holder by copying into the captured object and binding the captured object back at its path; the
     captured object still carries the OLD attribute tensor, so after the reload ``weight.g_idx`` (``w_t.scale``)
@@ -253,7 +252,7 @@ def _load_lazy(model: LazyModel, seed: int) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_sealed_paths_with_a_manifest_does_not_commit_a_stale_graph_read_storage(mode: str) -> None:
-    """Attacker: seal, then a warm-up forward lazily computes ``_cache`` from the weight, then the capture runs under
+    """Seal, then a warm-up forward lazily computes ``_cache`` from the weight, then the capture runs under
     ``record_capture``. The manifest records that the graph reads ``_cache``'s storage, which the model holds at
     ``layers.N._cache``; no slot tracks it (it appeared after the seal). The reload loads new weights and PWAL
     leaves ``_cache`` as it was.

@@ -1,4 +1,4 @@
-"""Adversarial reloads: ways a reload could report COMMITTED while a graph-visible address is wrong or stale.
+"""Faulty reloads: ways a reload could report COMMITTED while a graph-visible address is wrong or stale.
 
 Each test injects one fault and asserts the reload is not committed and the contract is not serving-safe; its
 positive twin does the same reload the right way and asserts a commit whose slots are at their sealed storage
@@ -28,7 +28,7 @@ from graphsafe.contract import _copy
 from graphsafe.errors import GraphSafeError
 from graphsafe.paths import SlotPath
 
-pytestmark = pytest.mark.both_tiers  # the attack tests hold on both restore tiers
+pytestmark = pytest.mark.both_tiers  # these tests hold on both restore tiers
 
 MODES = ("strict", "recapture", "migrate")
 KEEP: list[torch.Tensor] = []  # stands for anything else that keeps an old storage alive (a cache, a view)
