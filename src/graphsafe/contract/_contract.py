@@ -335,7 +335,6 @@ class GraphContract:
 
     # Recording the inputs of declared slots (contract._recording).
     recorded_inputs = _recording.recorded_inputs
-    _input_index = _recording._input_index
     _walked_tensors = _recording.walked_tensors
     _learn_initial_inputs = _recording._learn_initial_inputs
 

@@ -4,7 +4,7 @@ sealed slots. Functions of a :class:`~graphsafe.contract.GraphContract`, bound t
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +13,7 @@ from torch import nn
 
 from graphsafe.collectors import Dataflow, walk
 from graphsafe.contract._inputs import ValuesBefore
-from graphsafe.contract._slots import InputRef, SealedSlot
+from graphsafe.contract._slots import InputRef, SealedLayer, SealedSlot
 from graphsafe.errors import GraphSafeError, hide_frames_in_pytest
 from graphsafe.outcome import Origin, SlotRef
 from graphsafe.paths import SlotPath
@@ -25,7 +25,7 @@ __tracebackhide__ = hide_frames_in_pytest
 if TYPE_CHECKING:
     from graphsafe.contract._contract import GraphContract
 
-__all__: list[str] = []
+__all__ = ["InputIndex"]
 
 
 # -- what PWAL reads -----------------------------------------------------------------------------------------
@@ -78,28 +78,84 @@ def recorded_inputs(self: GraphContract) -> dict[SlotRef, tuple[SlotRef, ...]]:
     }
 
 
-def _input_index(
-    self: GraphContract, dataflow: Dataflow
-) -> tuple[Callable[[Any], InputRef | None], dict[int, set[int]]]:
+class InputIndex:
     """Every tensor the model holds, by storage, as the first path found (parameters and buffers, then plain
-    tensor attributes, then the seal's deeper paths); and by module id, the storages of its weights (anything
-    but its declared slots) the recording saw written."""
-    # id(storage) -> (the storage, where the model holds it: module, qualified name, path); the InputRef is made
-    # when a walk finds it (a few of the thousands of tensors a model holds are some slot's inputs).
-    index: dict[int, tuple[Any, nn.Module, str, SlotPath]] = {}
-    found: dict[int, InputRef] = {}
-    paths: dict[str, SlotPath | None] = {}  # parsed once per attribute name
-    updated: dict[int, set[int]] = {}
-    modules = list(self.model.named_modules())
+    tensor attributes, then the seal's deeper paths), for the walks back from each slot PWAL recomputed; and by
+    module id, the storages of its weights (anything but its declared slots) the recording saw written.
 
-    def add(module: nn.Module, qualname: str, text: str, value: Any, weight: bool) -> None:
+    Built once per recorded reload: each ``after_layer()`` step reads its own layers again (:meth:`refresh`: what
+    their load and PWAL bound), not the whole model (a walk of every module per layer made a layerwise reload
+    quadratic in its layers). A storage made during the recording, alive and not found, may be held by a module
+    the steps have not read since: the whole model is read again, once per step."""
+
+    def __init__(self, contract: GraphContract, dataflow: Dataflow) -> None:
+        self._contract = contract
+        self._dataflow = dataflow
+        # id(storage) -> (the storage, where the model holds it: module, qualified name, path), weakly: the index
+        # lives as long as the reload, and a reference of its own would pass for a holder of captured memory. The
+        # InputRef is made when a walk finds it (a few of the thousands of tensors a model holds are some slot's
+        # inputs).
+        self._index: dict[int, tuple[weakref.ref[Any], weakref.ref[nn.Module], str, SlotPath]] = {}
+        self._found: dict[int, InputRef] = {}
+        self._paths: dict[str, SlotPath | None] = {}  # parsed once per attribute name
+        self._updated: dict[int, set[int]] = {}
+        self._read_whole = False  # the whole model read again since the last refresh
+        self._read(list(contract.model.named_modules()), contract._layers)
+
+    def refresh(self, layers: list[tuple[str, nn.Module]]) -> None:
+        """Read again the modules under ``layers`` (qualified name, module) and their sealed slots' paths."""
+        modules = [entry for qualname, layer in layers for entry in layer.named_modules(prefix=qualname)]
+        for _, module in modules:
+            self._updated.pop(id(module), None)
+        ids = {id(layer) for _, layer in layers}
+        self._read(modules, [sealed for sealed in self._contract._layers if id(sealed.layer_ref()) in ids])
+        self._read_whole = False
+
+    def held(self, storage: Any) -> InputRef | None:
+        """Where the model holds ``storage`` (the first path found), or ``None``."""
+        entry = self._index.get(id(storage))
+        if (entry is None or entry[0]() is not storage) and not self._read_whole and self._dataflow.made(storage):
+            self._read_whole = True  # made during the recording: bound since by a module no step read again?
+            self._read(list(self._contract.model.named_modules()), self._contract._layers)
+            entry = self._index.get(id(storage))
+        if entry is None or entry[0]() is not storage:
+            return None
+        ref = self._found.get(id(storage))
+        if ref is None:  # one InputRef per storage: walks tell inputs apart by identity
+            _, module, qualname, path = entry
+            ref = self._found[id(storage)] = InputRef(module, path, SlotRef(qualname, path.text))
+        return ref
+
+    def written(self, layer: nn.Module) -> set[int]:
+        """The storages of the weights of ``layer`` and the modules under it that the recording saw written."""
+        return {storage for module in layer.modules() for storage in self._updated.get(id(module), ())}
+
+    def _read(self, modules: list[tuple[str, nn.Module]], layers: list[SealedLayer]) -> None:
+        add = self._add
+        for qualname, module in modules:
+            for name, value in (*module._parameters.items(), *module._buffers.items()):
+                add(module, qualname, name, value, True)
+        for qualname, module in modules:
+            declared = declarations_of(module)
+            for name, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor):  # (most attributes are not: no call for those)
+                    add(module, qualname, name, value, name not in declared)
+        for sealed in layers:
+            layer = sealed.layer_ref()
+            if layer is not None:
+                for slot in sealed.slots:
+                    add(layer, sealed.qualname, slot.path.text, slot.get(layer), False)
+
+    def _add(self, module: nn.Module, qualname: str, text: str, value: Any, weight: bool) -> None:
         if not isinstance(value, torch.Tensor) or value.layout is not torch.strided or value.device.type == "meta":
             return
         storage = value.untyped_storage()
-        if weight and dataflow.updated(value):
-            updated.setdefault(id(module), set()).add(id(storage))
-        if id(storage) in index:
+        if weight and self._dataflow.updated(value):
+            self._updated.setdefault(id(module), set()).add(id(storage))
+        entry = self._index.get(id(storage))
+        if entry is not None and entry[0]() is storage:
             return
+        paths = self._paths
         if text in paths:
             path = paths[text]
         else:
@@ -108,38 +164,13 @@ def _input_index(
             except GraphSafeError:  # an attribute name outside the path grammar cannot be watched by path
                 path = paths[text] = None
         if path is not None:
-            index[id(storage)] = (storage, module, qualname, path)
-
-    for qualname, module in modules:
-        for name, value in (*module._parameters.items(), *module._buffers.items()):
-            add(module, qualname, name, value, True)
-    for qualname, module in modules:
-        declared = declarations_of(module)
-        for name, value in list(vars(module).items()):
-            if isinstance(value, torch.Tensor):  # (most attributes are not: no call for those)
-                add(module, qualname, name, value, name not in declared)
-    for sealed in self._layers:
-        layer = sealed.layer_ref()
-        if layer is not None:
-            for slot in sealed.slots:
-                add(layer, sealed.qualname, slot.path.text, slot.get(layer), False)
-
-    def held(storage: Any) -> InputRef | None:
-        entry = index.get(id(storage))
-        if entry is None or entry[0] is not storage:
-            return None
-        ref = found.get(id(storage))
-        if ref is None:  # one InputRef per storage: walks tell inputs apart by identity
-            _, module, qualname, path = entry
-            ref = found[id(storage)] = InputRef(weakref.ref(module), path, SlotRef(qualname, path.text))
-        return ref
-
-    return held, updated
+            self._index[id(storage)] = (weakref.ref(storage), weakref.ref(module), qualname, path)
+            self._found.pop(id(storage), None)
 
 
 def _learn_initial_inputs(self: GraphContract, dataflow: Dataflow, before: ValuesBefore) -> None:
     """Keep what the recorded initial load computed each declared slot from (see :meth:`record_inputs`)."""
-    held, _ = self._input_index(dataflow)
+    held = InputIndex(self, dataflow).held
     unseen: list[tuple[SealedSlot, torch.Tensor]] = []  # walker slots the recording did not see computed
     for sealed in self._layers:
         layer = sealed.layer_ref()

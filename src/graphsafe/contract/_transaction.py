@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils import _python_dispatch
 
 from graphsafe._gcpause import collections_paused
 from graphsafe.collectors import Dataflow
@@ -42,6 +43,7 @@ from graphsafe.outcome import Finding, FindingKind, ReloadOutcome, Status
 __tracebackhide__ = hide_frames_in_pytest
 
 from graphsafe.contract import _holders, _steps
+from graphsafe.contract._recording import InputIndex
 from graphsafe.contract._verdict import _next_step, _unloaded_warning
 
 if TYPE_CHECKING:
@@ -79,6 +81,7 @@ class ReloadTransaction:
         self._findings: list[Finding] = []
         #: New tensors earlier restore steps left at their paths (findings): later steps treat them as readers.
         self._kept: list[torch.Tensor] = []
+        self._inputs: InputIndex | None = None  # where the model holds each tensor, for a recording's walks
         self._keepers: list[_holders.Keeper] = []  # paths earlier after_layer() steps left on new tensors
         #: (weak reference to each new tensor a restore step replaced, what replaced it): see _settle.
         self._rebound: list[tuple[weakref.ReferenceType[torch.Tensor], torch.Tensor]] = []
@@ -248,7 +251,13 @@ class ReloadTransaction:
         if dataflow is None or dataflow.paused:
             yield
             return
-        dataflow.paused = True
+        if _python_dispatch._get_current_dispatch_mode() is dataflow:
+            # Off the stack meanwhile: a paused mode still costs a Python call per op (thousands per layerwise
+            # reload: the snapshots' samples and digests, the restore's copies).
+            with _python_dispatch._pop_mode_temporarily():
+                yield
+            return
+        dataflow.paused = True  # under another mode (or on another thread's stack): let ops through unrecorded
         try:
             yield
         finally:
@@ -271,13 +280,18 @@ class ReloadTransaction:
         snapshots = [s for s in snapshots if s.freshness and not s.done]
         if not snapshots:
             return
-        held, updated = self.contract._input_index(dataflow)
+        index = self._inputs
+        if index is None:
+            index = self._inputs = InputIndex(self.contract, dataflow)
+        else:  # what this step's load and PWAL bound
+            index.refresh([(s.sealed.qualname, s.layer) for s in snapshots])
+        held = index.held
 
         def reads(tensor: torch.Tensor) -> list[InputRef]:
             return dataflow.reads(tensor, held)
 
         for snapshot in snapshots:
-            written = {storage for module in snapshot.layer.modules() for storage in updated.get(id(module), ())}
+            written = index.written(snapshot.layer)
             self._unloaded.extend(snapshot.learn_inputs(reads, dataflow.updated, written))
             snapshot.note_partial_writes(dataflow.unwritten_bytes, saw_load=bool(written))
             for slot in snapshot.slots:
