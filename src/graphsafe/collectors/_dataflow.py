@@ -708,11 +708,6 @@ class Dataflow(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch lea
         node = self._nodes.get(id(storage))
         return node is not None and node() is storage and (node.created or node.written)
 
-    def made(self, storage: Any) -> bool:
-        """Whether ``storage`` (an untyped storage) was allocated while recording."""
-        node = self._nodes.get(id(storage))
-        return node is not None and node() is storage and node.created
-
     def watch(self, tensors: Iterable[Any]) -> None:
         """Keep, from now on, which elements of each of ``tensors``' storages in-place writes reach
         (:meth:`unwritten_bytes`); other storages keep no such account."""

@@ -85,8 +85,8 @@ class InputIndex:
 
     Built once per recorded reload: each ``after_layer()`` step reads its own layers again (:meth:`refresh`: what
     their load and PWAL bound), not the whole model (a walk of every module per layer made a layerwise reload
-    quadratic in its layers). A storage made during the recording, alive and not found, may be held by a module
-    the steps have not read since: the whole model is read again, once per step."""
+    quadratic in its layers). A storage the walk asks about that is not found where the index saw it (bound since
+    by a module no step read again, or moved to another path) has the whole model read again, once per step."""
 
     def __init__(self, contract: GraphContract, dataflow: Dataflow) -> None:
         self._contract = contract
@@ -112,19 +112,32 @@ class InputIndex:
         self._read_whole = False
 
     def held(self, storage: Any) -> InputRef | None:
-        """Where the model holds ``storage`` (the first path found), or ``None``."""
-        entry = self._index.get(id(storage))
-        if (entry is None or entry[0]() is not storage) and not self._read_whole and self._dataflow.made(storage):
-            self._read_whole = True  # made during the recording: bound since by a module no step read again?
+        """Where the model holds ``storage`` (the first path found, still holding it), or ``None``."""
+        ref = self._lookup(storage)
+        if ref is None and not self._read_whole:
+            # Not where the index saw it: bound since by a module no step read again (made before the reload, on
+            # another thread, or moved from another path), or not the model's at all. Read the whole model again,
+            # once per step.
+            self._read_whole = True
+            self._index.clear()
+            self._found.clear()
+            self._updated.clear()
             self._read(list(self._contract.model.named_modules()), self._contract._layers)
-            entry = self._index.get(id(storage))
+            ref = self._lookup(storage)
+        return ref
+
+    def _lookup(self, storage: Any) -> InputRef | None:
+        entry = self._index.get(id(storage))
         if entry is None or entry[0]() is not storage:
             return None
         ref = self._found.get(id(storage))
         if ref is None:  # one InputRef per storage: walks tell inputs apart by identity
             _, module, qualname, path = entry
             ref = self._found[id(storage)] = InputRef(module, path, SlotRef(qualname, path.text))
-        return ref
+        held = ref.resolve()  # the path may hold another tensor since (the old one moved elsewhere)
+        if not (isinstance(held, torch.Tensor) and held.layout is torch.strided):
+            return None
+        return ref if held.untyped_storage() is storage else None
 
     def written(self, layer: nn.Module) -> set[int]:
         """The storages of the weights of ``layer`` and the modules under it that the recording saw written."""

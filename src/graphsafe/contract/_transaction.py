@@ -514,6 +514,7 @@ class ReloadTransaction:
             if dataflow is not None and error is None:
                 self._learn_inputs(dataflow, list(self._snapshots.values()))
                 contract._recorded = True
+            self._inputs = None  # (it holds the recording: let both go with the reload's last walk)
             if error is None:
                 # One plan for the whole model: every copy is planned against every other before any is launched,
                 # and small copies of every layer share one _foreach_copy_ per group.
