@@ -1,6 +1,6 @@
 """The recorded reload of an engine-shaped model: what recording what PWAL reads and refreshes costs.
 
-    PYTHONPATH=src python3 benchmarks/first_reload.py [--models 5] [--device cuda]
+    PYTHONPATH=src python3 benchmarks/first_reload.py [--models 5] [--device cuda] [--layerwise]
 
 Each model is built, sealed (``declared-only``, strict) and reloaded with other weights. A recorded reload runs the
 load and PWAL under a dispatch mode (``collectors.Dataflow``): every reload under ``record_reloads="every"`` (the
@@ -30,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="cpu (the CPU engine shape) or cuda (the GPU one)")
+    parser.add_argument("--layerwise", action="store_true", help="one before_layer()/after_layer() per layer")
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device(args.device)
@@ -42,23 +43,33 @@ def main() -> None:
     for _ in range(args.models):
         model = _engine.build(shape, device, declare=True, weights=initial)
         contract = GraphContract(model, "strict", detect="declared-only").seal()
-        first.append(_reload(contract, model, new))
+        first.append(_reload(contract, model, new, args.layerwise))
         for turn in range(4):
             every = turn % 2 == 1
             contract.record_reloads = "every" if every else "first"
-            later[every].append(_reload(contract, model, initial if turn % 2 else new))
-    print(f"{shape.name} on {device}, medians over {args.models} models:")
+            later[every].append(_reload(contract, model, initial if turn % 2 else new, args.layerwise))
+    how = "layerwise" if args.layerwise else "whole model"
+    print(f"{shape.name} on {device}, {how}, medians over {args.models} models:")
     print(f"  the first (recorded) reload            {statistics.median(first) * 1e3:7.1f} ms")
     plain, every = (statistics.median(later[flag]) * 1e3 for flag in (False, True))
     print(f"  a later reload, record_reloads='first' {plain:7.1f} ms  (unrecorded)")
     print(f"  a later reload, record_reloads='every' {every:7.1f} ms  ({every / plain:.2f}x, the default)")
 
 
-def _reload(contract: GraphContract, model: _engine.EngineModel, weights: list[list[torch.Tensor]]) -> float:
+def _reload(
+    contract: GraphContract, model: _engine.EngineModel, weights: list[list[torch.Tensor]], layerwise: bool
+) -> float:
     _sync(weights)
     start = time.perf_counter()
-    with contract.reload():
-        _engine.load_weights(model, weights, declare=True)
+    if layerwise:
+        with contract.reload(layerwise=True) as txn:
+            for layer, values in zip(model.layers, weights, strict=True):
+                txn.before_layer(layer)
+                _engine.load_layer(layer, values, declare=True)
+                txn.after_layer(layer)
+    else:
+        with contract.reload():
+            _engine.load_weights(model, weights, declare=True)
     _sync(weights)
     return time.perf_counter() - start
 

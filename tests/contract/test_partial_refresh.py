@@ -1,10 +1,10 @@
-"""A recorded reload (the first after seal) whose PWAL rewrites a derived slot in place only in part
+"""A recorded reload (every reload, by default) whose PWAL rewrites a derived slot in place only in part
 (``collectors/_dataflow.py``, ``Dataflow.unwritten_bytes``; ``contract/_freshness.py``): through indices, a mask,
 ``scatter_``, a strided view with gaps, and followed by a new view of the same memory, the slot is ``stale`` where its
 inputs changed; so is one whose partial write is followed by a whole write of the slot's own old values (a no-op
-scale, a copy of itself), which refreshes nothing. One kind stays open (a strict xfail, docs/fault-matrix.md): a
-write the dispatcher never sees (a NumPy view) is not counted. Every
-reload loads different weights; the oracle is computed here.
+scale, a copy of itself), which refreshes nothing. A write the dispatcher never sees (a NumPy view) is judged by
+the slot's inputs (``tests/contract/test_unseen_writes.py``). Every reload loads different weights; the oracle is
+computed here.
 """
 
 from __future__ import annotations

@@ -14,20 +14,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from graphsafe import GraphContract, ReloadFailedError, SlotRef, Status, register_derived
-
-
-class _Layer(nn.Module):
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(8, generator=torch.Generator().manual_seed(seed)), requires_grad=False)
-        self.skip = False
-
-    def pwal(self, scale: torch.Tensor) -> None:
-        if self.skip:
-            return
-        self.d = self.weight.detach() * scale
-        register_derived(self, "d")
+from contract.test_recorded_inputs_layerwise import _Layer
+from graphsafe import GraphContract, ReloadFailedError, SlotRef, Status
 
 
 class _Model(nn.Module):

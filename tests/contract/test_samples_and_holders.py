@@ -4,8 +4,7 @@ judges with an independent oracle.
 
 Pinned here: a DLPack tie made after the seal, a slot carved out of a parameter the loader replaces, an unsampled
 weight change through a ``Parameter`` subclass (no digest), a skipped refresh disguised as a re-import. The
-variants graphsafe cannot tell apart are strict xfails (documented gaps); the subprocess scripts below keep long
-lines."""
+subprocess scripts below keep long lines."""
 
 # ruff: noqa: E501
 
