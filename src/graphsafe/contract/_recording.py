@@ -99,8 +99,8 @@ class InputIndex:
         self._found: dict[int, InputRef] = {}
         self._paths: dict[str, SlotPath | None] = {}  # parsed once per attribute name
         self._updated: dict[int, set[int]] = {}
-        self._read_whole = False  # the whole model read again since the last refresh
         self._read(list(contract.model.named_modules()), contract._layers)
+        self._read_whole = True  # the whole model read since the last refresh (here: just now)
 
     def refresh(self, layers: list[tuple[str, nn.Module]]) -> None:
         """Read again the modules under ``layers`` (qualified name, module) and their sealed slots' paths."""
