@@ -4,7 +4,7 @@ copy, one the load abandoned is doubted, and the manifest's extra holders are tr
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -14,7 +14,7 @@ from torch import nn
 
 from graphsafe.collectors import walk
 from graphsafe.contract._copy import clone_laid_out
-from graphsafe.contract._memory import _memory, address_range, reads_as_captured
+from graphsafe.contract._memory import _hits, _memory, _sorted_ranges, address_range, reads_as_captured
 from graphsafe.contract._plan import RestorePlan
 from graphsafe.contract._samples import Digest, Sample, version_of
 from graphsafe.contract._slots import SealedLayer, SealedSlot
@@ -286,8 +286,8 @@ class Keeper:
     layer: nn.Module
     slot: SealedSlot
     tensor: torch.Tensor
-    reads: tuple[tuple[Any, int, int], ...]
-    sealed: tuple[tuple[Any, int, int], ...]
+    reads: Mapping[Any, tuple[list[int], list[int]]]  # (:func:`._memory._sorted_ranges`, asked by ``_hits``)
+    sealed: Mapping[Any, tuple[list[int], list[int]]]
     ref: str
 
 
@@ -306,7 +306,8 @@ def keepers(snapshot: LayerSnapshot, skip: Container[int]) -> Iterator[Keeper]:
         reads = _ranges(current)
         if reads:
             sealed = _ranges(captured) if slot.wrapped and captured is not None else _sealed_range(slot)
-            yield Keeper(layer, slot, current, reads, sealed, str(SlotRef(snapshot.sealed.qualname, slot.path.text)))
+            ref = str(SlotRef(snapshot.sealed.qualname, slot.path.text))
+            yield Keeper(layer, slot, current, _sorted_ranges(reads), _sorted_ranges(sealed), ref)
 
 
 def new_ties(
@@ -326,7 +327,7 @@ def new_ties(
     for move in plan.moves:
         dst = move.memory
         for keeper in found:
-            if any(_overlap(r, dst) for r in keeper.reads) and not any(_overlap(r, dst) for r in keeper.sealed):
+            if _hits(keeper.reads, dst) and not _hits(keeper.sealed, dst):
                 reasons.setdefault(
                     (id(move.snapshot), move.index),
                     f"its captured memory is what {keeper.ref} now reads as its new tensor (PWAL moved it there), "
@@ -354,10 +355,6 @@ def _sealed_range(slot: SealedSlot) -> tuple[tuple[Any, int, int], ...]:
     start, end = slot.span
     fp = slot.fp
     return ((fp.device, fp.storage_ptr + start, fp.storage_ptr + end),) if end > start else ()
-
-
-def _overlap(a: tuple[Any, int, int], b: tuple[Any, int, int]) -> bool:
-    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 
 def _take_back(
