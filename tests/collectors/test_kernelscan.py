@@ -4,6 +4,7 @@ classification against a fake allocator view, the manifest built from a fake dri
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -64,6 +65,150 @@ def test_pointer_words_refuse_a_short_parameter_buffer() -> None:
         pointer_words([(0, 8)], [b"\0" * 4])
     with pytest.raises(ValueError, match="2 parameter offsets but 1 parameter buffers"):
         pointer_words([(0, 8), (8, 8)], [_word(1)])
+
+
+# -- parameter types from the kernel's name --------------------------------------------------------------------------
+#: ``at::native::indexSelectSmallIndex<float, long, unsigned int, 2, 2, -2>(TensorInfo<float, unsigned int>,
+#: TensorInfo<float const, unsigned int>, TensorInfo<long const, unsigned int>, int, int, unsigned int, long)``, with
+#: the parameter layout cuFuncGetParamInfo gives for it (tests/data/cuda_index_graph.json).
+INDEX_SELECT = (
+    "_ZN2at6native44_GLOBAL__N__50c743a2_11_Indexing_cu_89862edb21indexSelectSmallIndexIfljLi2ELi2ELin2EEEvNS_4cuda6"
+    "detail10TensorInfoIT_T1_EENS5_IKS6_S7_EENS5_IKT0_S7_EEiiS7_l"
+)
+INDEX_SELECT_LAYOUT = ((0, 216), (216, 216), (432, 216), (648, 4), (652, 4), (656, 4), (664, 8))
+
+
+def _tensor_info(data: int, dims: list[int], tail: list[int], width: int = 4) -> bytes:
+    """A TensorInfo's bytes: ``data``, ``dims`` sizes and strides, the unused entries as ``tail`` words left them."""
+    filler = b"".join(_word(w) for w in tail) * 64
+    sizes = b"".join(n.to_bytes(width, "little") for n in dims)
+    unused = 25 * width - len(sizes)
+    arrays = (sizes + filler[:unused]) * 2
+    raw = _word(data) + arrays + len(dims).to_bytes(4, "little")
+    return raw + filler[: -len(raw) % 8]
+
+
+def test_a_tensor_info_parameter_gives_only_its_data_pointer() -> None:
+    garbage = [0x7F0000123400, 0x7FFC00001000]  # earlier pointers the launch left in the unused dims
+    params = [
+        _tensor_info(0x7F0000001000, [4, 256], garbage),
+        _tensor_info(0x7F0000002000, [4, 256], garbage),
+        _tensor_info(0x7F0000003000, [4], garbage),
+        (1).to_bytes(4, "little"),
+        (0).to_bytes(4, "little"),
+        (1024).to_bytes(4, "little"),
+        _word(4),
+    ]
+    assert [len(p) for p in params] == [size for _, size in INDEX_SELECT_LAYOUT]
+    words = pointer_words(INDEX_SELECT_LAYOUT, params, INDEX_SELECT)
+    assert words == [0x7F0000001000, 0x7F0000002000, 0x7F0000003000, 4]
+    # A name that proves nothing (a Triton kernel's, an extern "C" one) reads every word, the garbage too.
+    assert set(garbage) <= set(pointer_words(INDEX_SELECT_LAYOUT, params, "triton_poi_fused_0"))
+
+
+@pytest.mark.parametrize(
+    ("why", "layout"),
+    [
+        ("a size that is not TensorInfo's", ((0, 224), *INDEX_SELECT_LAYOUT[1:])),
+        ("a misaligned offset", ((4, 216), *INDEX_SELECT_LAYOUT[1:])),
+        ("another parameter count", INDEX_SELECT_LAYOUT[:-1]),
+    ],
+)
+def test_a_tensor_info_whose_layout_does_not_match_is_read_whole(why: str, layout: tuple[tuple[int, int], ...]) -> None:
+    limits = kscan.pointer_limits(INDEX_SELECT, layout)
+    if len(layout) == len(INDEX_SELECT_LAYOUT):
+        assert limits[0] == layout[0][1] and limits[1:3] == (8, 8), why  # the others still match
+    else:
+        assert limits == tuple(size for _, size in layout), why
+
+
+def test_a_table_recorded_on_the_gpu_reads_tensor_infos_at_their_data_pointers() -> None:
+    # index_select, gather, cat, a sum and two multiplies captured on the GPU: the TensorInfo arrays of the index
+    # kernel carry the host stack's earlier contents (host and device addresses) past their used dims.
+    table = json.loads((Path(__file__).resolve().parents[1] / "data" / "cuda_index_graph.json").read_text("utf-8"))
+    drv = RecordedDriver(table)
+    (node,) = [n for n in scan_graph(drv.root, drv).nodes if "indexSelect" in n.name]
+    assert node.params is not None and kscan.parameter_types(node.name) is not None
+    src, ids, out = 0x7F9757E00600, 0x7F9757E00400, 0x7F9742601600  # out: in the graph's private pool
+    assert node.words() == [out, src, ids, 4]
+    tails = {int.from_bytes(p[at : at + 8], "little") for p in node.params[:3] for at in range(8, 216, 8)}
+    assert any(0x7F0000000000 <= w < 0x800000000000 for w in tails)  # the tails do hold address-like words
+
+
+_BUILTINS = {"i": "int", "j": "unsigned int", "l": "long", "m": "unsigned long", "f": "float", "d": "double",
+             "b": "bool", "h": "unsigned char", "x": "long long"}  # fmt: skip
+_SIZES = {"int": 4, "unsigned int": 4, "long": 8, "unsigned long": 8, "float": 4, "double": 8, "bool": 1,
+          "unsigned char": 1, "long long": 8}  # fmt: skip
+#: sizeof(TensorInfo<T, IndexType>) by IndexType width, as the GPU's cuFuncGetParamInfo reports it (4) and as the
+#: struct's definition gives it (8: 8 + 2 * 25 * 8 + 4, padded to 8).
+_INFO_BYTES = {4: 216, 8: 416}
+
+
+@st.composite
+def _parameter(draw: st.DrawFn) -> tuple[str, str, int, bool]:
+    """``(mangled, demangled, size, tensor_info)`` of one by-value kernel parameter."""
+    kind = draw(st.sampled_from(["builtin", "pointer", "const_pointer", "info", "struct", "pair"]))
+    code, spelled = draw(st.sampled_from(sorted(_BUILTINS.items())))
+    if kind == "builtin":
+        return code, spelled, _SIZES[spelled], False
+    if kind == "pointer":
+        return "P" + code, spelled + "*", 8, False
+    if kind == "const_pointer":
+        return "PK" + code, spelled + " const*", 8, False
+    if kind == "struct":
+        return "N2ns6ParamsE", "ns::Params", draw(st.sampled_from([8, 16, 216, 416])), False
+    if kind == "pair":
+        return "N2ns4PairIijEE", "ns::Pair<int, unsigned int>", draw(st.sampled_from([8, 216])), False
+    const = draw(st.booleans())
+    indices = [("j", "unsigned int"), ("i", "int"), ("m", "unsigned long"), ("l", "long")]
+    index_code, index = draw(st.sampled_from(indices))
+    element = ("K" if const else "") + code
+    mangled = f"N2at4cuda6detail10TensorInfoI{element}{index_code}EE"
+    spelled_info = f"at::cuda::detail::TensorInfo<{spelled}{' const' if const else ''}, {index}>"
+    return mangled, spelled_info, _INFO_BYTES[_SIZES[index]], True
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    parameters=st.lists(_parameter(), max_size=6),
+    templated=st.booleans(),
+    resize=st.lists(st.sampled_from([0, 0, 0, 8, -8]), min_size=6, max_size=6),
+    words=st.lists(st.integers(1, 2**64 - 1), min_size=64, max_size=64),
+)
+def test_parameter_types_and_limits_match_the_demangled_signature(
+    parameters: list[tuple[str, str, int, bool]], templated: bool, resize: list[int], words: list[int]
+) -> None:
+    head = "_ZN2at6native6kernelIfLi4EEEv" if templated else "_Z6kernel"
+    name = head + ("".join(p[0] for p in parameters) or "v")
+    assert kscan.parameter_types(name) == [p[1] for p in parameters]
+
+    layout: list[tuple[int, int]] = []
+    expected_limits: list[int] = []
+    at = 0
+    for (_, _, size, info), delta in zip(parameters, resize, strict=False):
+        size = size + delta if info else size  # a TensorInfo of another size is not one the scan knows
+        align = min(size, 8)
+        at = -(-at // align) * align
+        layout.append((at, size))
+        expected_limits.append(8 if info and delta == 0 else size)
+        at += size
+    assert kscan.pointer_limits(name, tuple(layout)) == tuple(expected_limits)
+
+    stream = itertools.cycle(words)
+    params = [b"".join(_word(next(stream)) for _ in range(-(-size // 8)))[:size] for _, size in layout]
+    expected = []
+    for (offset, size), data, limit in zip(layout, params, expected_limits, strict=True):
+        for start in range(0, size - 7):
+            if (offset + start) % 8 == 0 and start + 8 <= limit:
+                expected.append(int.from_bytes(data[start : start + 8], "little"))
+    assert pointer_words(layout, params, name) == [w for w in expected if w]
+
+
+def test_names_that_prove_nothing_give_no_parameter_types() -> None:
+    assert kscan.parameter_types("triton_poi_fused_add_0") is None  # not mangled
+    assert kscan.parameter_types("") is None
+    assert kscan.parameter_types("_Z6kernelv") == []
+    assert kscan.parameter_types("_ZN12_GLOBAL__N_16kernelEPFviEi") == ["void (*)(int)", "int"]
 
 
 # -- the node walk on a recorded table ------------------------------------------------------------------------------
@@ -280,6 +425,35 @@ def test_kernel_scan_manifest_flags_unowned_alive_storage_and_counts_unread_slot
         _CACHE["table"].add_(1)  # written in place: a recapture reads what PWAL left there
     outcome = contract.last_outcome
     assert outcome is not None and [f.kind for f in outcome.problems] == [FindingKind.ORPHANED]
+
+
+@pytest.mark.parametrize("name", [INDEX_SELECT, "index_select_kernel"])
+def test_an_earlier_pointer_left_in_a_tensor_info_is_no_unowned_read(fake_cuda: dict[str, Any], name: str) -> None:
+    # The unused dims of a TensorInfo hold a pointer to a live tensor no model path holds (an earlier op's): the
+    # graph never reads it. Only a name that proves the layout lets the scan pass it by.
+    model = Cached()
+    ids, out, stray = torch.tensor([1, 0, 3, 2]), torch.zeros(4, 4), torch.randn(16)
+    garbage = [stray.untyped_storage().data_ptr()]
+    params = [
+        _tensor_info(out.untyped_storage().data_ptr(), [4, 4], garbage),
+        _tensor_info(model.weight.untyped_storage().data_ptr(), [4, 4], garbage),
+        _tensor_info(ids.untyped_storage().data_ptr(), [4], garbage),
+        (1).to_bytes(4, "little"), (0).to_bytes(4, "little"), (4).to_bytes(4, "little"), _word(4),
+    ]  # fmt: skip
+    row = {"type": "kernel", "name": name, "layout": INDEX_SELECT_LAYOUT, "params": [p.hex() for p in params]}
+    fake_cuda["table"] = {"root": 1, "graphs": {"1": [row]}}
+    fake_cuda["tensors"] = [model.weight, ids, out, stray]
+    contract = GraphContract(model, "recapture").seal()
+    with record_capture(contract, name="g", graph=FakeGraph(1), ignore=[ids, out]) as manifest:
+        pass
+    unowned = [entry.storage_ref() for entry in manifest.unowned()]
+    if name == INDEX_SELECT:
+        assert unowned == []
+        with contract.reload(), torch.no_grad():
+            model.weight.copy_(torch.randn(4, 4))
+        assert contract.last_outcome is not None and contract.last_outcome.committed
+    else:
+        assert unowned == [stray.untyped_storage()]
 
 
 def test_dispatch_recorded_captures_leave_unread_unknown(fake_cuda: dict[str, Any]) -> None:

@@ -195,6 +195,31 @@ def test_cublas_gemm_reads_are_found(device: torch.device, gpu_notes: list[str])
     assert any("gemm" in n.lower() or "sm90" in n.lower() or "cutlass" in n.lower() for n in names), names
 
 
+def test_tensor_info_parameters_are_read_at_their_data_pointer_only(device: torch.device) -> None:
+    # ATen's legacy index kernels take TensorInfo by value; the launch leaves the unused dims of its size and stride
+    # arrays as the host stack held them. The layout the scan assumes must be torch's own.
+    src = torch.randn(4, 16, 16, device=device)
+    ids = torch.tensor([2, 0, 3, 1], device=device)
+    out = torch.empty(4, 16, 16, device=device)
+    torch.index_select(src, 0, ids, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        torch.index_select(src, 0, ids, out=out)
+    scan = scan_graph(kscan.raw_graph(graph), kscan.driver())
+    (node,) = [n for n in scan.nodes if "indexSelect" in n.name]
+    types = kscan.parameter_types(node.name)
+    assert types is not None and len(types) == len(node.layout), (node.name, types)
+    infos = [i for i, name in enumerate(types) if name.startswith("at::cuda::detail::TensorInfo<")]
+    assert len(infos) == 3, types
+    limits = kscan.pointer_limits(node.name, node.layout)
+    assert [limits[i] for i in infos] == [kscan.POINTER_SIZE] * 3, (node.layout, limits)
+    assert node.params is not None
+    data = {int.from_bytes(node.params[i][: kscan.POINTER_SIZE], "little") for i in infos}
+    assert data == {out.data_ptr(), src.data_ptr(), ids.data_ptr()}
+    assert data <= set(node.words())
+
+
 def test_torch_compile_triton_reads_are_found(device: torch.device, gpu_notes: list[str]) -> None:
     class Scale(nn.Module):
         def __init__(self) -> None:

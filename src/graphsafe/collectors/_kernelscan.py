@@ -6,7 +6,8 @@ the truth: every kernel node keeps the bytes of its arguments. This module walks
 driver API and reads them:
 
 * kernel nodes: the parameter bytes at the offsets and sizes ``cuFuncGetParamInfo`` gives; every aligned,
-  pointer-sized word of them is a candidate address;
+  pointer-sized word of them is a candidate address, except the words of a by-value descriptor whose layout the
+  kernel's name proves are not pointers (ATen's ``TensorInfo``: only its data pointer, :func:`pointer_limits`);
 * memset nodes: the destination; memcpy nodes: source and destination; child-graph nodes: walked in turn.
 
 :class:`StorageView` then says what each candidate address is: a byte of a storage some model path holds, a
@@ -31,7 +32,10 @@ against the unread spans (a few, or none), and a host copy of the distinct words
 weights directly thus costs about two reads of every weight over 1 MiB per capture (bandwidth-bound), plus one host
 synchronisation per chunk, and no device work when no memory the view knows is left unread.
 
-Limits: a pointer a kernel reads through a device-side pointer array (grouped-GEMM argument arrays) is visible to
+Limits: a word a launch left uninitialised inside a parameter whose layout the kernel's name does not prove (an
+ATen closure's ``OffsetCalculator`` past its used dims) is located like any other, so an earlier pointer there that
+lands in a live tensor no model path holds is reported as an unowned read (a false alarm; it fails closed); a
+pointer a kernel reads through a device-side pointer array (grouped-GEMM argument arrays) is visible to
 the findings only as the array (one level of arrays counts for what is unread, see :func:`attribute`); a registered
 graph input or output over :data:`POINTER_ARRAY_BYTES` (the engine's own data: the KV cache) is not read for
 pointers; a storage that cannot be read (no memory of its own) makes the scan incomplete; parameters
@@ -48,7 +52,9 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import gc
+import re
 import time
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -76,7 +82,9 @@ __all__ = [
     "driver",
     "keeps_graph",
     "live_tensors",
+    "parameter_types",
     "pointer_array_words",
+    "pointer_limits",
     "pointer_words",
     "raw_graph",
     "record_table",
@@ -128,31 +136,116 @@ class GraphNode:
             return [p for p in self.pointers if p]
         if self.params is None:
             return []
-        return pointer_words(self.layout, self.params)
+        return pointer_words(self.layout, self.params, self.name)
 
 
-def pointer_words(layout: Sequence[tuple[int, int]], params: Sequence[bytes]) -> list[int]:
-    """Every non-zero, pointer-aligned, pointer-sized word of a kernel's parameters.
+def pointer_words(layout: Sequence[tuple[int, int]], params: Sequence[bytes], name: str = "") -> list[int]:
+    """Every non-zero, pointer-aligned, pointer-sized word of a kernel's parameters that may hold a pointer.
 
     ``layout[i]`` is parameter ``i``'s ``(offset, size)`` in the argument buffer and ``params[i]`` its bytes.
     Words are taken at argument-buffer offsets that are multiples of :data:`POINTER_SIZE` (where the ABI puts a
     pointer), inside parameters of at least that size: a pointer argument, or a pointer field of a struct
-    argument (``TensorInfo``, an array of pointers passed by value).
+    argument (an array of pointers passed by value), within the leading bytes :func:`pointer_limits` gives for
+    the kernel ``name`` (every byte of a parameter whose type the name does not prove).
     """
     if len(layout) != len(params):
         raise ValueError(f"kernel scan: {len(layout)} parameter offsets but {len(params)} parameter buffers")
+    limits = pointer_limits(name, tuple((int(offset), int(size)) for offset, size in layout))
     words: list[int] = []
-    for (offset, size), data in zip(layout, params, strict=True):
+    for (offset, size), data, limit in zip(layout, params, limits, strict=True):
         if size < POINTER_SIZE:
             continue
         if len(data) < size:
             raise ValueError(f"kernel scan: parameter at offset {offset} has {len(data)} bytes, expected {size}")
         start = (-offset) % POINTER_SIZE
-        for at in range(start, size - POINTER_SIZE + 1, POINTER_SIZE):
+        for at in range(start, min(size, limit) - POINTER_SIZE + 1, POINTER_SIZE):
             word = int.from_bytes(data[at : at + POINTER_SIZE], "little")
             if word:
                 words.append(word)
     return words
+
+
+#: ATen's by-value tensor descriptor ``at::cuda::detail::TensorInfo<T, IndexType>``: ``T* data``, then
+#: ``IndexType sizes[25]``, ``IndexType strides[25]`` and ``int dims``. Its data pointer is its only pointer; a
+#: launch fills ``dims`` entries of each array and leaves the rest as the host stack held them, often an earlier
+#: pointer, which may land in any live tensor (a read the graph never makes).
+_TENSOR_INFO = re.compile(r"at::cuda::detail::TensorInfo<.+, (?P<index>unsigned int|int|unsigned long|long)>")
+_TENSOR_INFO_DIMS = 25
+_INDEX_BYTES = {"unsigned int": 4, "int": 4, "unsigned long": 8, "long": 8}
+
+
+def _tensor_info_bytes(index_type: str) -> int:
+    """``sizeof(TensorInfo<T, IndexType>)``: the pointer, two arrays, ``dims``, padded to the pointer's alignment."""
+    raw = POINTER_SIZE + 2 * _TENSOR_INFO_DIMS * _INDEX_BYTES[index_type] + 4
+    return -(-raw // POINTER_SIZE) * POINTER_SIZE
+
+
+def parameter_types(name: str) -> list[str] | None:
+    """The parameter types of the kernel ``name`` as the C++ demangler spells them, in order; ``None`` when the
+    name is not a mangled C++ function (a Triton or ``extern "C"`` kernel) or its parameter list cannot be read."""
+    demangle = getattr(torch._C, "_demangle", None)
+    if demangle is None or not name:
+        return None
+    signature = str(demangle(name))
+    if signature == name or not signature.endswith(")"):
+        return None
+    depth = 0
+    opening = -1
+    for at in range(len(signature) - 1, -1, -1):  # the parameter list is the last balanced (...) of the signature
+        if signature[at] == ")":
+            depth += 1
+        elif signature[at] == "(":
+            depth -= 1
+            if depth == 0:
+                opening = at
+                break
+    if opening < 0:
+        return None
+    inner = signature[opening + 1 : -1]
+    types: list[str] = []
+    depth = 0
+    start = 0
+    for at, char in enumerate(inner):
+        if char in "<([":
+            depth += 1
+        elif char in ">)]":
+            depth -= 1
+            if depth < 0:
+                return None
+        elif char == "," and depth == 0:
+            types.append(inner[start:at].strip())
+            start = at + 1
+    if depth != 0:
+        return None
+    last = inner[start:].strip()
+    if last and last != "void":
+        types.append(last)
+    elif types:
+        return None  # "f(a, )": not a parameter list the demangler writes
+    return types
+
+
+@functools.lru_cache(maxsize=4096)
+def pointer_limits(name: str, layout: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """Per parameter of the kernel ``name``, how many of its leading bytes may hold a pointer.
+
+    A parameter's size, unless its demangled type is a layout the scan knows and its size and alignment match
+    that layout: then only the bytes that layout keeps pointers in (:data:`POINTER_SIZE` for ATen's
+    ``TensorInfo``, whose data pointer comes first). A name that does not demangle to exactly ``len(layout)``
+    parameters proves nothing, and every byte of every parameter is read.
+    """
+    sizes = tuple(size for _, size in layout)
+    types = parameter_types(name)
+    if types is None or len(types) != len(layout):
+        return sizes
+    limits: list[int] = []
+    for (offset, size), type_name in zip(layout, types, strict=True):
+        match = _TENSOR_INFO.fullmatch(type_name)
+        if match is not None and offset % POINTER_SIZE == 0 and size == _tensor_info_bytes(match["index"]):
+            limits.append(POINTER_SIZE)
+        else:
+            limits.append(size)
+    return tuple(limits)
 
 
 class Driver(Protocol):
