@@ -122,6 +122,17 @@ def test_a_tensor_info_whose_layout_does_not_match_is_read_whole(why: str, layou
         assert limits == tuple(size for _, size in layout), why
 
 
+@pytest.mark.parametrize("dims", [26, -1, 0x7F00])
+def test_a_tensor_info_whose_dims_field_holds_no_dimension_count_is_read_whole(dims: int) -> None:
+    # The name and the size say TensorInfo, the bytes do not (another torch's struct): every word is read.
+    info = bytearray(_tensor_info(0x7F0000001000, [4], [0x7F0000123400]))
+    info[208:212] = dims.to_bytes(4, "little", signed=True)
+    params = [bytes(info), _tensor_info(0x7F0000002000, [4], [0]), _tensor_info(0x7F0000003000, [4], [0])]
+    params += [bytes(4), bytes(4), bytes(4), _word(0)]
+    words = pointer_words(INDEX_SELECT_LAYOUT, params, INDEX_SELECT)
+    assert 0x7F0000123400 in words and words[-2:] == [0x7F0000002000, 0x7F0000003000]
+
+
 def test_a_table_recorded_on_the_gpu_reads_tensor_infos_at_their_data_pointers() -> None:
     # index_select, gather, cat, a sum and two multiplies captured on the GPU: the TensorInfo arrays of the index
     # kernel carry the host stack's earlier contents (host and device addresses) past their used dims.
@@ -173,10 +184,15 @@ def _parameter(draw: st.DrawFn) -> tuple[str, str, int, bool]:
     parameters=st.lists(_parameter(), max_size=6),
     templated=st.booleans(),
     resize=st.lists(st.sampled_from([0, 0, 0, 8, -8]), min_size=6, max_size=6),
+    dims=st.lists(st.integers(-2, 40), min_size=6, max_size=6),
     words=st.lists(st.integers(1, 2**64 - 1), min_size=64, max_size=64),
 )
 def test_parameter_types_and_limits_match_the_demangled_signature(
-    parameters: list[tuple[str, str, int, bool]], templated: bool, resize: list[int], words: list[int]
+    parameters: list[tuple[str, str, int, bool]],
+    templated: bool,
+    resize: list[int],
+    dims: list[int],
+    words: list[int],
 ) -> None:
     head = "_ZN2at6native6kernelIfLi4EEEv" if templated else "_Z6kernel"
     name = head + ("".join(p[0] for p in parameters) or "v")
@@ -196,6 +212,13 @@ def test_parameter_types_and_limits_match_the_demangled_signature(
 
     stream = itertools.cycle(words)
     params = [b"".join(_word(next(stream)) for _ in range(-(-size // 8)))[:size] for _, size in layout]
+    for index, (limit, count) in enumerate(zip(expected_limits, dims, strict=False)):
+        size = layout[index][1]
+        if limit < size:  # a TensorInfo: its dims field after the pointer and the two arrays
+            at = 8 + 2 * 25 * {216: 4, 416: 8}[size]
+            params[index] = params[index][:at] + count.to_bytes(4, "little", signed=True) + params[index][at + 4 :]
+            if not 0 <= count <= 25:
+                expected_limits[index] = size  # bytes that are no TensorInfo: read whole
     expected = []
     for (offset, size), data, limit in zip(layout, params, expected_limits, strict=True):
         for start in range(0, size - 7):

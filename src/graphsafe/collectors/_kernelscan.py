@@ -146,7 +146,8 @@ def pointer_words(layout: Sequence[tuple[int, int]], params: Sequence[bytes], na
     Words are taken at argument-buffer offsets that are multiples of :data:`POINTER_SIZE` (where the ABI puts a
     pointer), inside parameters of at least that size: a pointer argument, or a pointer field of a struct
     argument (an array of pointers passed by value), within the leading bytes :func:`pointer_limits` gives for
-    the kernel ``name`` (every byte of a parameter whose type the name does not prove).
+    the kernel ``name`` (every byte of a parameter whose type the name does not prove, or whose bytes do not bear
+    the proven layout out: a TensorInfo whose ``dims`` field holds no dimension count).
     """
     if len(layout) != len(params):
         raise ValueError(f"kernel scan: {len(layout)} parameter offsets but {len(params)} parameter buffers")
@@ -157,6 +158,8 @@ def pointer_words(layout: Sequence[tuple[int, int]], params: Sequence[bytes], na
             continue
         if len(data) < size:
             raise ValueError(f"kernel scan: parameter at offset {offset} has {len(data)} bytes, expected {size}")
+        if limit < size and not _tensor_info_dims_plausible(data, size):
+            limit = size  # not the layout the name promised (another torch's struct): every word, as for any other
         start = (-offset) % POINTER_SIZE
         for at in range(start, min(size, limit) - POINTER_SIZE + 1, POINTER_SIZE):
             word = int.from_bytes(data[at : at + POINTER_SIZE], "little")
@@ -174,10 +177,21 @@ _TENSOR_INFO_DIMS = 25
 _INDEX_BYTES = {"unsigned int": 4, "int": 4, "unsigned long": 8, "long": 8}
 
 
-def _tensor_info_bytes(index_type: str) -> int:
-    """``sizeof(TensorInfo<T, IndexType>)``: the pointer, two arrays, ``dims``, padded to the pointer's alignment."""
-    raw = POINTER_SIZE + 2 * _TENSOR_INFO_DIMS * _INDEX_BYTES[index_type] + 4
+def _tensor_info_bytes_by_width(width: int) -> int:
+    """``sizeof(TensorInfo<T, IndexType>)`` for an index of ``width`` bytes: the pointer, two arrays, ``dims``,
+    padded to the pointer's alignment."""
+    raw = POINTER_SIZE + 2 * _TENSOR_INFO_DIMS * width + 4
     return -(-raw // POINTER_SIZE) * POINTER_SIZE
+
+
+def _tensor_info_dims_plausible(data: bytes, size: int) -> bool:
+    """Whether a parameter :func:`pointer_limits` took for a TensorInfo of ``size`` bytes has its ``dims`` field
+    where that layout puts it, holding a dimension count (0 to 25)."""
+    for width in (4, 8):
+        if _tensor_info_bytes_by_width(width) == size:
+            at = POINTER_SIZE + 2 * _TENSOR_INFO_DIMS * width
+            return 0 <= int.from_bytes(data[at : at + 4], "little", signed=True) <= _TENSOR_INFO_DIMS
+    return False
 
 
 def parameter_types(name: str) -> list[str] | None:
@@ -241,7 +255,8 @@ def pointer_limits(name: str, layout: tuple[tuple[int, int], ...]) -> tuple[int,
     limits: list[int] = []
     for (offset, size), type_name in zip(layout, types, strict=True):
         match = _TENSOR_INFO.fullmatch(type_name)
-        if match is not None and offset % POINTER_SIZE == 0 and size == _tensor_info_bytes(match["index"]):
+        width = _INDEX_BYTES[match["index"]] if match is not None else 0
+        if width and offset % POINTER_SIZE == 0 and size == _tensor_info_bytes_by_width(width):
             limits.append(POINTER_SIZE)
         else:
             limits.append(size)
