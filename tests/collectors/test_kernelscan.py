@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -225,6 +225,97 @@ def test_parameter_types_and_limits_match_the_demangled_signature(
             if (offset + start) % 8 == 0 and start + 8 <= limit:
                 expected.append(int.from_bytes(data[start : start + 8], "little"))
     assert pointer_words(layout, params, name) == [w for w in expected if w]
+
+
+_INFO_FLOAT_INT = "N2at4cuda6detail10TensorInfoIfiEE"  # at::cuda::detail::TensorInfo<float, int>, 216 bytes
+
+
+def _pointer_batch(pointers: list[int], count: int) -> bytes:
+    """``struct { float* ptrs[26]; int n; }``: 216 bytes, 8-aligned, ``n`` where TensorInfo keeps ``dims``."""
+    return b"".join(_word(p) for p in pointers) + count.to_bytes(4, "little") + bytes(4)
+
+
+_BATCH = [0x7F0000100000 + 0x1000 * i for i in range(26)]
+#: Kernels ``k(X<...>, Z<...>, TensorInfo<float, int>, W<...>)`` whose template arguments hold comparisons or
+#: operator names: an angle there is no bracket, and a split by brackets would move TensorInfo's type onto ``Z``, a
+#: by-value pointer batch of 216 bytes whose count sits where TensorInfo keeps ``dims``.
+_ANGLED_NAMES = {
+    "comparison expressions": "_Z1kILi2EEv1XIXltT_Li3EEE1ZIXgtT_Li3EEE" + _INFO_FLOAT_INT + "1WIXgtT_Li1EEXltT_Li4EEE",
+    "operator names": "_Z1k1XIXadL_ZltiiEEE1ZIXadL_ZgtiiEEE" + _INFO_FLOAT_INT + "1WIXadL_ZgtiiEEXadL_ZltiiEEE",
+}
+
+
+@pytest.mark.parametrize("why", sorted(_ANGLED_NAMES))
+def test_a_name_whose_angles_may_be_operators_proves_nothing(why: str) -> None:
+    name = _ANGLED_NAMES[why]
+    assert kscan.parameter_types(name) is None, why
+    layout = ((0, 8), (8, 216), (224, 216), (440, 8))
+    params = [_word(0x7F0000000100), _pointer_batch(_BATCH, 3), _tensor_info(0x7F0000200000, [4], [0]), _word(8)]
+    assert set(_BATCH) <= set(pointer_words(layout, params, name))
+
+
+_OPERATORS = ["lt", "gt", "le", "ge", "ls", "rs", "pl", "mi", "eq", "ne"]
+
+
+@st.composite
+def _angled_struct(draw: st.DrawFn) -> str:
+    """A struct type ``S<...>`` whose template arguments are expressions or operator functions (mangled)."""
+    arguments = []
+    for _ in range(draw(st.integers(1, 3))):
+        operator = draw(st.sampled_from(_OPERATORS))
+        if draw(st.booleans()):
+            left, right = draw(st.sampled_from(["T_", "Li3E"])), f"Li{draw(st.integers(0, 9))}E"
+            arguments.append(f"X{operator}{left}{right}E")
+        else:
+            arguments.append(f"XadL_Z{operator}iiEE")
+    return f"1{draw(st.sampled_from('SUV'))}I{''.join(arguments)}E"
+
+
+_SHIFTING = ["1XIXltT_Li3EEE", "1ZIXgtT_Li3EEE", "", "1WIXgtT_Li1EEXltT_Li4EEE", ""]  # the shapes that shift a split
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["info", "angled", "angled", "plain"]), min_size=1, max_size=5),
+    structs=st.lists(_angled_struct(), min_size=5, max_size=5),
+)
+@example(kinds=["angled", "angled", "info", "angled"], structs=_SHIFTING)
+@example(kinds=["angled", "angled", "info", "angled"], structs=[s.replace("T_", "Li2E") for s in _SHIFTING])
+def test_no_parameter_but_a_tensor_info_is_ever_read_short(kinds: list[str], structs: list[str]) -> None:
+    # Whatever the demangler prints inside template arguments, a 216-byte parameter that is not a TensorInfo (here a
+    # pointer batch whose count sits where TensorInfo keeps dims) is read whole.
+    mangled = {"info": _INFO_FLOAT_INT, "plain": "1P"}
+    name = "_Z1kILi2EEv" + "".join(mangled.get(kind, struct) for kind, struct in zip(kinds, structs, strict=False))
+    layout = tuple((216 * i, 216) for i in range(len(kinds)))
+    limits = kscan.pointer_limits(name, layout)
+    assert all(limit == 216 for limit, kind in zip(limits, kinds, strict=True) if kind != "info"), (
+        name,
+        kscan.parameter_types(name),
+    )
+    params = [_pointer_batch(_BATCH, 3) for _ in kinds]
+    words = pointer_words(layout, params, name)
+    assert words.count(_BATCH[1]) >= sum(kind != "info" for kind in kinds)
+
+
+def test_a_type_mangling_that_is_no_function_name_proves_nothing() -> None:
+    # An extern "C" kernel's name the demangler also reads as a type, "void (TensorInfo<float, int>)".
+    name = "Fv" + _INFO_FLOAT_INT + "E"
+    assert kscan.parameter_types(name) is None
+    assert set(_BATCH) <= set(pointer_words(((0, 216),), [_pointer_batch(_BATCH, 3)], name))
+
+
+def test_a_type_nested_in_a_tensor_info_is_not_a_tensor_info() -> None:
+    name = "_Z1kN2at4cuda6detail10TensorInfoIfiE1XIciEE"  # k(TensorInfo<float, int>::X<char, int>)
+    assert kscan.parameter_types(name) == ["at::cuda::detail::TensorInfo<float, int>::X<char, int>"]
+    assert kscan.pointer_limits(name, ((0, 216),)) == (216,)
+
+
+@pytest.mark.parametrize("name", ["_Z1k\ud800", "\ud800", "_Z1k\u00e9i"])
+def test_a_name_that_is_no_ascii_proves_nothing_and_raises_nothing(name: str) -> None:
+    # A recorded table (JSON) may carry any string; the driver decodes with errors="replace".
+    assert kscan.parameter_types(name) is None
+    assert pointer_words(((0, 8),), [_word(0x7F0000001000)], name) == [0x7F0000001000]
+    assert GraphNode("kernel", name=name, layout=((0, 8),), params=(_word(0x1000),)).words() == [0x1000]
 
 
 def test_names_that_prove_nothing_give_no_parameter_types() -> None:

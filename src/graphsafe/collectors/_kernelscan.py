@@ -54,7 +54,6 @@ import bisect
 import ctypes
 import functools
 import gc
-import re
 import time
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -172,7 +171,7 @@ def pointer_words(layout: Sequence[tuple[int, int]], params: Sequence[bytes], na
 #: ``IndexType sizes[25]``, ``IndexType strides[25]`` and ``int dims``. Its data pointer is its only pointer; a
 #: launch fills ``dims`` entries of each array and leaves the rest as the host stack held them, often an earlier
 #: pointer, which may land in any live tensor (a read the graph never makes).
-_TENSOR_INFO = re.compile(r"at::cuda::detail::TensorInfo<.+, (?P<index>unsigned int|int|unsigned long|long)>")
+_TENSOR_INFO = "at::cuda::detail::TensorInfo<"
 _TENSOR_INFO_DIMS = 25
 _INDEX_BYTES = {"unsigned int": 4, "int": 4, "unsigned long": 8, "long": 8}
 
@@ -194,14 +193,57 @@ def _tensor_info_dims_plausible(data: bytes, size: int) -> bool:
     return False
 
 
+def _split_arguments(text: str) -> list[str] | None:
+    """``text`` split at its top-level commas, stripped; ``None`` where its brackets do not balance."""
+    parts: list[str] = []
+    depth = 0
+    start = 0
+    for at, char in enumerate(text):
+        if char in "<([{":
+            depth += 1
+        elif char in ">)]}":
+            depth -= 1
+            if depth < 0:
+                return None
+        elif char == "," and depth == 0:
+            parts.append(text[start:at].strip())
+            start = at + 1
+    if depth != 0:
+        return None
+    parts.append(text[start:].strip())
+    return parts
+
+
+#: A character after which the demangler's ``<`` opens a template argument list, and those before a ``>`` that
+#: closes one. Anywhere else (``(2)<(3)``, ``(2)>(3)``, ``->``) an angle is an operator of an expression.
+_BEFORE_OPENING = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+_BEFORE_CLOSING = _BEFORE_OPENING | frozenset(">} *&]")
+
+
+def _angles_are_brackets(signature: str) -> bool:
+    """Whether every ``<`` and ``>`` of ``signature`` is a template bracket by the characters before it (a name
+    with an ``operator`` or an expression in a template argument is not one the scan splits)."""
+    if "operator" in signature:
+        return False
+    for at, char in enumerate(signature):
+        before = signature[at - 1] if at else ""
+        if (char == "<" and before not in _BEFORE_OPENING) or (char == ">" and before not in _BEFORE_CLOSING):
+            return False
+    return True
+
+
 def parameter_types(name: str) -> list[str] | None:
     """The parameter types of the kernel ``name`` as the C++ demangler spells them, in order; ``None`` when the
-    name is not a mangled C++ function (a Triton or ``extern "C"`` kernel) or its parameter list cannot be read."""
+    name is not a mangled C++ function (a Triton or ``extern "C"`` kernel) or its parameter list cannot be split
+    for certain (an angle bracket that may be an operator)."""
     demangle = getattr(torch._C, "_demangle", None)
-    if demangle is None or not name:
+    if demangle is None or not name.startswith("_Z") or not name.isascii():
         return None
-    signature = str(demangle(name))
-    if signature == name or not signature.endswith(")"):
+    try:
+        signature = str(demangle(name))
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if signature == name or not signature.endswith(")") or not _angles_are_brackets(signature):
         return None
     depth = 0
     opening = -1
@@ -215,28 +257,23 @@ def parameter_types(name: str) -> list[str] | None:
                 break
     if opening < 0:
         return None
-    inner = signature[opening + 1 : -1]
-    types: list[str] = []
-    depth = 0
-    start = 0
-    for at, char in enumerate(inner):
-        if char in "<([":
-            depth += 1
-        elif char in ">)]":
-            depth -= 1
-            if depth < 0:
-                return None
-        elif char == "," and depth == 0:
-            types.append(inner[start:at].strip())
-            start = at + 1
-    if depth != 0:
+    types = _split_arguments(signature[opening + 1 : -1])
+    if types is None:
         return None
-    last = inner[start:].strip()
-    if last and last != "void":
-        types.append(last)
-    elif types:
-        return None  # "f(a, )": not a parameter list the demangler writes
-    return types
+    if types in ([""], ["void"]):
+        return []
+    return None if "" in types else types  # "f(a, )": not a parameter list the demangler writes
+
+
+def _tensor_info_index(type_name: str) -> str | None:
+    """The index type of an ``at::cuda::detail::TensorInfo<T, IndexType>`` spelled ``type_name``, else ``None``
+    (another type, or one nested in a TensorInfo: ``TensorInfo<float, int>::X<...>``)."""
+    if not type_name.startswith(_TENSOR_INFO) or not type_name.endswith(">"):
+        return None
+    arguments = _split_arguments(type_name[len(_TENSOR_INFO) : -1])
+    if arguments is None or len(arguments) != 2 or arguments[1] not in _INDEX_BYTES:
+        return None
+    return arguments[1]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -254,8 +291,8 @@ def pointer_limits(name: str, layout: tuple[tuple[int, int], ...]) -> tuple[int,
         return sizes
     limits: list[int] = []
     for (offset, size), type_name in zip(layout, types, strict=True):
-        match = _TENSOR_INFO.fullmatch(type_name)
-        width = _INDEX_BYTES[match["index"]] if match is not None else 0
+        index = _tensor_info_index(type_name)
+        width = _INDEX_BYTES[index] if index is not None else 0
         if width and offset % POINTER_SIZE == 0 and size == _tensor_info_bytes_by_width(width):
             limits.append(POINTER_SIZE)
         else:
