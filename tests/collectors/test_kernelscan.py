@@ -318,11 +318,113 @@ def test_a_name_that_is_no_ascii_proves_nothing_and_raises_nothing(name: str) ->
     assert GraphNode("kernel", name=name, layout=((0, 8),), params=(_word(0x1000),)).words() == [0x1000]
 
 
+# -- names whose template arguments compare names -------------------------------------------------------------------
+#: k(X<a<b>, Z<a>=b>, TensorInfo<float, int>, W<a>=b, a<b>): four parameters. The demangler prints ``a<b`` and
+#: ``a>=b`` between names bare (only ``>`` is wrapped), so their angles follow an identifier as a template bracket's
+#: would, and a split by brackets gives ``["X<a<b>, Z<a>=b>", "TensorInfo<float, int>", "W<a>=b", "a<b>"]``: four
+#: parts, the count matches, and TensorInfo's type lands on the 216-byte ``Z<...>``. No such name is read.
+SHIFTED_NAMES = {
+    "unresolved names": "_Z1k1XIXlt1a1bEE1ZIXge1a1bEE" + _INFO_FLOAT_INT + "1WIXge1a1bEXlt1a1bEE",
+    "external names": "_Z1k1XIXltL_Z1aEL_Z1bEEE1ZIXgeL_Z1aEL_Z1bEEE"
+    + _INFO_FLOAT_INT
+    + "1WIXgeL_Z1aEL_Z1bEEXltL_Z1aEL_Z1bEEE",
+    # The SFINAE shape of real templates: enable_if<(T::value < N)>, printed "float::value<b".
+    "dependent member": "_Z1kIfEv1XIXltsrT_5valueL_Z1bEEE1ZIXgesrT_5valueL_Z1bEEE" + _INFO_FLOAT_INT
+    + "1WIXgesrT_5valueL_Z1bEEXltsrT_5valueL_Z1bEEE",
+}  # fmt: skip
+
+
+def test_comparisons_between_names_do_not_move_a_tensor_info_onto_another_parameter() -> None:
+    layout = ((0, 8), (8, 216), (224, 216), (440, 8))
+    params = [_word(0x7F0000000100), _pointer_batch(_BATCH, 3), _tensor_info(0x7F0000200000, [1], [0]), _word(8)]
+    failures = {}
+    for why, name in SHIFTED_NAMES.items():
+        limits = kscan.pointer_limits(name, layout)
+        missing = set(_BATCH) - set(pointer_words(layout, params, name))
+        if limits[1] != 216 or missing:
+            failures[why] = (kscan.parameter_types(name), limits, len(missing))
+    assert not failures, failures
+
+
+#: k(TensorInfo<X<a<b>, int>::N<c>=d, int>): one parameter, a member template ``N`` of a TensorInfo, no TensorInfo.
+#: ``X<a<b>`` opens one angle too many and ``c>=d`` closes it, so the type's text starts with TensorInfo's prefix,
+#: ends with ``>``, and splits into ``["X<a<b>, int>::N<c>=d", "int"]``.
+NESTED = "_Z1kN2at4cuda6detail10TensorInfoI1XIXlt1a1bEEiE1NIXge1c1dEiEE"
+
+
+def test_a_member_template_of_a_tensor_info_with_comparison_arguments_is_not_a_tensor_info() -> None:
+    assert kscan.pointer_limits(NESTED, ((0, 216),)) == (216,), kscan.parameter_types(NESTED)
+    assert set(_BATCH) <= set(pointer_words(((0, 216),), [_pointer_batch(_BATCH, 3)], NESTED))
+
+
+#: void (*k<int>(ns::Params))(TensorInfo<float, int>): the last balanced (...) is the returned function type's
+#: parameter list, not k's (k takes one 216-byte ns::Params). No __global__ kernel returns non-void, so a real
+#: kernel name never has this shape; it still reads a non-TensorInfo short.
+RETURNS_FUNCTION = "_Z1kIiEPFv" + _INFO_FLOAT_INT + "EN2ns6ParamsE"
+
+
+def test_a_returned_function_types_parameter_list_is_not_the_kernels() -> None:
+    assert kscan.pointer_limits(RETURNS_FUNCTION, ((0, 216),)) == (216,), kscan.parameter_types(RETURNS_FUNCTION)
+
+
+_COMPARED = ["1a", "1b", "L_Z1cE", "srT_5valueE", "Li3E", "T_"]
+_COMPARISONS = ["lt", "gt", "le", "ge", "rs", "ls", "eq"]
+
+
+@st.composite
+def _comparison(draw: st.DrawFn) -> str:
+    return (
+        f"X{draw(st.sampled_from(_COMPARISONS))}{draw(st.sampled_from(_COMPARED))}{draw(st.sampled_from(_COMPARED))}E"
+    )
+
+
+@st.composite
+def _compared_struct(draw: st.DrawFn) -> str:
+    arguments = draw(st.lists(st.one_of(_comparison(), st.sampled_from(["i", "f", "Li2E"])), min_size=1, max_size=3))
+    return f"1{draw(st.sampled_from('SUVW'))}I{''.join(arguments)}E"
+
+
+@st.composite
+def _compared_parameter(draw: st.DrawFn) -> tuple[str, bool]:
+    """``(mangled, is_tensor_info)`` of a 216-byte by-value parameter."""
+    kind = draw(st.sampled_from(["info", "struct", "struct", "nested"]))
+    if kind == "info":
+        return _INFO_FLOAT_INT, True
+    if kind == "struct":
+        return draw(_compared_struct()), False
+    inner = draw(_compared_struct())  # TensorInfo<S<...>, int>::N<...>: a member template of a TensorInfo
+    return f"N2at4cuda6detail10TensorInfoI{inner}iE1NI{draw(_comparison())}iEE", False
+
+
+@settings(max_examples=500, deadline=None)
+@given(parameters=st.lists(_compared_parameter(), min_size=1, max_size=5), templated=st.booleans())
+@example(
+    parameters=[
+        ("1XIXlt1a1bEE", False),
+        ("1ZIXge1a1bEE", False),
+        (_INFO_FLOAT_INT, True),
+        ("1WIXge1a1bEXlt1a1bEE", False),
+    ],
+    templated=False,
+)
+def test_no_parameter_but_a_tensor_info_is_read_short_whatever_the_comparisons(
+    parameters: list[tuple[str, bool]], templated: bool
+) -> None:
+    name = ("_Z1kIfEv" if templated else "_Z1k") + "".join(mangled for mangled, _ in parameters)
+    layout = tuple((216 * i, 216) for i in range(len(parameters)))
+    limits = kscan.pointer_limits(name, layout)
+    wrong = [
+        i for i, ((_, info), limit) in enumerate(zip(parameters, limits, strict=True)) if not info and limit != 216
+    ]
+    assert not wrong, (name, kscan.parameter_types(name), limits)
+
+
 def test_names_that_prove_nothing_give_no_parameter_types() -> None:
     assert kscan.parameter_types("triton_poi_fused_add_0") is None  # not mangled
     assert kscan.parameter_types("") is None
     assert kscan.parameter_types("_Z6kernelv") == []
-    assert kscan.parameter_types("_ZN12_GLOBAL__N_16kernelEPFviEi") == ["void (*)(int)", "int"]
+    assert kscan.parameter_types("_ZN12_GLOBAL__N_16kernelEfi") == ["float", "int"]  # (anonymous namespace)
+    assert kscan.parameter_types("_ZN12_GLOBAL__N_16kernelEPFviEi") is None  # a function type: not read for certain
 
 
 # -- the node walk on a recorded table ------------------------------------------------------------------------------

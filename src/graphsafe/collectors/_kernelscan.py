@@ -54,6 +54,7 @@ import bisect
 import ctypes
 import functools
 import gc
+import re
 import time
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -214,28 +215,103 @@ def _split_arguments(text: str) -> list[str] | None:
     return parts
 
 
-#: A character after which the demangler's ``<`` opens a template argument list, and those before a ``>`` that
-#: closes one. Anywhere else (``(2)<(3)``, ``(2)>(3)``, ``->``) an angle is an operator of an expression.
-_BEFORE_OPENING = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
-_BEFORE_CLOSING = _BEFORE_OPENING | frozenset(">} *&]")
+class _NotSimple(Exception):
+    """The demangled signature is not one :class:`_Signature` reads for certain."""
 
 
-def _angles_are_brackets(signature: str) -> bool:
-    """Whether every ``<`` and ``>`` of ``signature`` is a template bracket by the characters before it (a name
-    with an ``operator`` or an expression in a template argument is not one the scan splits)."""
-    if "operator" in signature:
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_INTEGER = re.compile(r"-?[0-9]+(?:ull|ul|ll|u|l)?")
+#: Words that start a builtin type of several (``unsigned int``, ``long long``), and the words that may follow.
+_BUILTIN_FIRST = frozenset({"unsigned", "signed", "long", "short"})
+_BUILTIN_NEXT = frozenset({"int", "long", "char", "short", "double"})
+
+
+class _Signature:
+    """A recursive-descent reader of the demangler's text for the simple signatures kernels have, and nothing more:
+    ``[void ]qualified::name[<args>](type, ...)``, where a type is a builtin or a qualified name whose template
+    arguments are types or integer literals, with ``const``, ``*`` and ``&``. Anything else (an expression or an
+    ``operator`` in a template argument, a lambda, a function type, a cast) raises :class:`_NotSimple`: such text
+    may hold angles that are no brackets, and a split by brackets could put one parameter's type on another."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._at = 0
+
+    def parameters(self) -> list[str]:
+        self._take("void ")
+        self._qualified()
+        self._expect("(")
+        types: list[str] = []
+        if not self._take(")") and not self._take("void)"):
+            while True:
+                types.append(self._type())
+                if self._take(")"):
+                    break
+                self._expect(", ")
+        if self._at != len(self._text):
+            raise _NotSimple
+        return types
+
+    def _take(self, token: str) -> bool:
+        if self._text.startswith(token, self._at):
+            self._at += len(token)
+            return True
         return False
-    for at, char in enumerate(signature):
-        before = signature[at - 1] if at else ""
-        if (char == "<" and before not in _BEFORE_OPENING) or (char == ">" and before not in _BEFORE_CLOSING):
-            return False
-    return True
+
+    def _expect(self, token: str) -> None:
+        if not self._take(token):
+            raise _NotSimple
+
+    def _identifier(self) -> str:
+        found = _IDENTIFIER.match(self._text, self._at)
+        if found is None:
+            raise _NotSimple
+        self._at = found.end()
+        return found.group()
+
+    def _qualified(self) -> None:
+        while True:
+            if not self._take("(anonymous namespace)"):
+                self._identifier()
+                if self._take("<"):
+                    self._arguments()
+            if not self._take("::"):
+                return
+
+    def _arguments(self) -> None:
+        while True:
+            literal = _INTEGER.match(self._text, self._at)
+            if literal is not None:
+                self._at = literal.end()
+            else:
+                self._type()
+            if self._take(", "):
+                continue
+            self._take(" ")  # "A<B<int> >"
+            self._expect(">")
+            return
+
+    def _type(self) -> str:
+        start = self._at
+        word = self._identifier()
+        if word in _BUILTIN_FIRST:
+            while self._text.startswith(" ", self._at):
+                following = _IDENTIFIER.match(self._text, self._at + 1)
+                if following is None or following.group() not in _BUILTIN_NEXT:
+                    break
+                self._at = following.end()
+        else:
+            self._at = start
+            self._qualified()
+        while self._take(" const") or self._take(" volatile") or self._take("*") or self._take("&"):
+            pass
+        return self._text[start : self._at]
 
 
 def parameter_types(name: str) -> list[str] | None:
     """The parameter types of the kernel ``name`` as the C++ demangler spells them, in order; ``None`` when the
-    name is not a mangled C++ function (a Triton or ``extern "C"`` kernel) or its parameter list cannot be split
-    for certain (an angle bracket that may be an operator)."""
+    name is not a mangled C++ function (a Triton or ``extern "C"`` kernel) or its signature is not one
+    :class:`_Signature` reads for certain."""
     demangle = getattr(torch._C, "_demangle", None)
     if demangle is None or not name.startswith("_Z") or not name.isascii():
         return None
@@ -243,26 +319,12 @@ def parameter_types(name: str) -> list[str] | None:
         signature = str(demangle(name))
     except (TypeError, ValueError, RuntimeError):
         return None
-    if signature == name or not signature.endswith(")") or not _angles_are_brackets(signature):
+    if signature == name:
         return None
-    depth = 0
-    opening = -1
-    for at in range(len(signature) - 1, -1, -1):  # the parameter list is the last balanced (...) of the signature
-        if signature[at] == ")":
-            depth += 1
-        elif signature[at] == "(":
-            depth -= 1
-            if depth == 0:
-                opening = at
-                break
-    if opening < 0:
+    try:
+        return _Signature(signature).parameters()
+    except (_NotSimple, RecursionError):
         return None
-    types = _split_arguments(signature[opening + 1 : -1])
-    if types is None:
-        return None
-    if types in ([""], ["void"]):
-        return []
-    return None if "" in types else types  # "f(a, )": not a parameter list the demangler writes
 
 
 def _tensor_info_index(type_name: str) -> str | None:
