@@ -419,6 +419,49 @@ def test_no_parameter_but_a_tensor_info_is_read_short_whatever_the_comparisons(
     assert not wrong, (name, kscan.parameter_types(name), limits)
 
 
+_SPELLED = "at::cuda::detail::TensorInfo<float, int>"
+
+
+def test_a_source_name_that_spells_a_tensor_info_proves_nothing() -> None:
+    # One source name of 40 characters whose bytes spell the type: the demangler prints them as they are,
+    # "f(at::cuda::detail::TensorInfo<float, int>, TensorInfo<int>)", though no C++ name holds ':', '<', ',' or ' '.
+    name = f"_Z1f{len(_SPELLED)}{_SPELLED}10TensorInfoIiE"  # f(<that name>, TensorInfo<int>)
+    assert kscan.parameter_types(name) is None
+    layout = ((0, 216), (216, 8))
+    assert kscan.pointer_limits(name, layout) == (216, 8)
+    assert set(_BATCH) <= set(pointer_words(layout, [_pointer_batch(_BATCH, 0), _word(1)], name))
+
+
+def _doubling(levels: int) -> str:
+    """``f(A<int>, B<A<int>, A<int> >, B<B<...>, B<...> >, ...)``: each parameter names the one before twice through
+    a back-reference, so the signature doubles per parameter while the name grows by 8 characters."""
+    name = "_Z1f1AIiE1BIS0_S0_E"
+    for earlier in range(2, 2 + levels):
+        ref = f"S{earlier if earlier < 10 else chr(ord('A') + earlier - 10)}_"
+        name += f"S1_I{ref}{ref}E"
+    return name
+
+
+def test_a_name_that_spells_no_tensor_info_is_not_demangled(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(name: str) -> str:
+        raise AssertionError(f"demangled {name[:40]}")
+
+    kscan.pointer_limits.cache_clear()
+    monkeypatch.setattr(torch._C, "_demangle", refuse, raising=False)
+    name = _doubling(19)  # a 231-character name whose signature is about 25 MB
+    assert len(name) < 300
+    assert kscan.pointer_limits(name, ((0, 8),) * 21) == (8,) * 21
+    assert kscan.pointer_limits("triton_poi_fused_0", ((0, 8),)) == (8,)
+    kscan.pointer_limits.cache_clear()
+
+
+def test_a_signature_past_its_bound_is_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    types = ", ".join([_SPELLED] + ["int"] * (kscan.SIGNATURE_CHARS // 5))
+    monkeypatch.setattr(torch._C, "_demangle", lambda name: f"k({types})", raising=False)
+    assert kscan.parameter_types("_Z1kN2at4cuda6detail10TensorInfoIfiEE") is None
+    assert kscan.parameter_types("_Z1k" + "i" * kscan.MANGLED_NAME_CHARS) is None
+
+
 def test_names_that_prove_nothing_give_no_parameter_types() -> None:
     assert kscan.parameter_types("triton_poi_fused_add_0") is None  # not mangled
     assert kscan.parameter_types("") is None

@@ -308,18 +308,28 @@ class _Signature:
         return self._text[start : self._at]
 
 
+#: A C++ function's mangled name: ``_Z`` and identifier characters only (the demangler copies a source name's
+#: bytes as they are, so ``_Z1f40at::cuda::detail::TensorInfo<float, int>i`` would print a TensorInfo it never names).
+_MANGLED = re.compile(r"_Z[A-Za-z0-9_]+")
+#: The longest mangled name read, and the longest signature read: back-references let a short name demangle to
+#: megabytes (each parameter naming the one before twice doubles the text); a longer one proves nothing.
+MANGLED_NAME_CHARS = 4096
+SIGNATURE_CHARS = 16384
+
+
 def parameter_types(name: str) -> list[str] | None:
     """The parameter types of the kernel ``name`` as the C++ demangler spells them, in order; ``None`` when the
-    name is not a mangled C++ function (a Triton or ``extern "C"`` kernel) or its signature is not one
+    name is not a mangled C++ function (a Triton or ``extern "C"`` kernel), is longer than
+    :data:`MANGLED_NAME_CHARS` or its signature than :data:`SIGNATURE_CHARS`, or its signature is not one
     :class:`_Signature` reads for certain."""
     demangle = getattr(torch._C, "_demangle", None)
-    if demangle is None or not name.startswith("_Z") or not name.isascii():
+    if demangle is None or len(name) > MANGLED_NAME_CHARS or _MANGLED.fullmatch(name) is None:
         return None
     try:
         signature = str(demangle(name))
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, MemoryError):
         return None
-    if signature == name:
+    if signature == name or len(signature) > SIGNATURE_CHARS:
         return None
     try:
         return _Signature(signature).parameters()
@@ -348,6 +358,8 @@ def pointer_limits(name: str, layout: tuple[tuple[int, int], ...]) -> tuple[int,
     parameters proves nothing, and every byte of every parameter is read.
     """
     sizes = tuple(size for _, size in layout)
+    if "10TensorInfoI" not in name:  # no TensorInfo spelled, none to find: not demangled at all
+        return sizes
     types = parameter_types(name)
     if types is None or len(types) != len(layout):
         return sizes
