@@ -61,6 +61,13 @@ class ConfigError(SystemExit):
         return str(self.code)
 
 
+def _choice(environ: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
+    raw = environ.get(name, default).strip().lower() or default
+    if raw not in choices:
+        raise ConfigError(f"{name}={environ[name]!r}: choose one of {', '.join(choices)}")
+    return raw
+
+
 def _flag(environ: Mapping[str, str], name: str) -> bool:
     raw = environ.get(name, "").strip().lower()
     if raw in _TRUE:
@@ -94,17 +101,9 @@ class AdapterConfig:
         """The configuration the ``GRAPHSAFE_*`` variables describe; :class:`ConfigError` names a bad one."""
         env = os.environ if environ is None else environ
         explicit = bool(env.get(ENV_MODE, "").strip())
-        mode = env.get(ENV_MODE, "migrate").strip().lower() or "migrate"
-        if mode not in MODES:
-            raise ConfigError(f"{ENV_MODE}={env[ENV_MODE]!r}: choose one of {', '.join(MODES)}")
-        detect = env.get(ENV_DETECT, "every-reload").strip().lower() or "every-reload"
-        if detect not in DETECT_POLICIES:
-            raise ConfigError(f"{ENV_DETECT}={env[ENV_DETECT]!r}: choose one of {', '.join(DETECT_POLICIES)}")
-        record = env.get(ENV_RECORD_RELOADS, "every").strip().lower() or "every"
-        if record not in RECORD_POLICIES:
-            raise ConfigError(
-                f"{ENV_RECORD_RELOADS}={env[ENV_RECORD_RELOADS]!r}: choose one of {', '.join(RECORD_POLICIES)}"
-            )
+        mode = _choice(env, ENV_MODE, MODES, "migrate")
+        detect = _choice(env, ENV_DETECT, DETECT_POLICIES, "every-reload")
+        record = _choice(env, ENV_RECORD_RELOADS, RECORD_POLICIES, "every")
         report = env.get(ENV_REPORT, "").strip() or None
         if _flag(env, ENV_FIX_NONPERSISTENT):
             raise ConfigError(
