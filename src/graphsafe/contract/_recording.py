@@ -99,8 +99,7 @@ class InputIndex:
         self._found: dict[int, InputRef] = {}
         self._paths: dict[str, SlotPath | None] = {}  # parsed once per attribute name
         self._updated: dict[int, set[int]] = {}
-        self._read(list(contract.model.named_modules()), contract._layers)
-        self._read_whole = True  # the whole model read since the last refresh (here: just now)
+        self._read_model()
 
     def refresh(self, layers: list[tuple[str, nn.Module]]) -> None:
         """Read again the modules under ``layers`` (qualified name, module) and their sealed slots' paths."""
@@ -118,13 +117,17 @@ class InputIndex:
             # Not where the index saw it: bound since by a module no step read again (made before the reload, on
             # another thread, or moved from another path), or not the model's at all. Read the whole model again,
             # once per step.
-            self._read_whole = True
-            self._index.clear()
-            self._found.clear()
-            self._updated.clear()
-            self._read(list(self._contract.model.named_modules()), self._contract._layers)
+            self._read_model()
             ref = self._lookup(storage)
         return ref
+
+    def _read_model(self) -> None:
+        """Read the whole model afresh: every module and every sealed slot's path."""
+        self._index.clear()
+        self._found.clear()
+        self._updated.clear()
+        self._read(list(self._contract.model.named_modules()), self._contract._layers)
+        self._read_whole = True  # the whole model read since the last refresh
 
     def _lookup(self, storage: Any) -> InputRef | None:
         entry = self._index.get(id(storage))
