@@ -13,6 +13,8 @@ values.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -42,25 +44,41 @@ class _Model(nn.Module):
         for layer in self.layers:
             layer.pwal(self.holder.scale)
 
+    def scale_of(self) -> torch.Tensor:
+        return self.holder.scale
 
-def _reload(contract: GraphContract, model: _Model, seed: int, *, rebind_scale_after: int) -> Status:
-    """Layerwise: each layer loaded and processed in its window; the holder's scale rebound (a new tensor, the same
-    values) after the step of layer ``rebind_scale_after``."""
+
+def _status(contract: GraphContract) -> Status:
+    outcome = contract.last_outcome
+    assert outcome is not None
+    return outcome.status
+
+
+def _layerwise(contract: GraphContract, model: nn.Module, seed: int, between: Callable[[int], object]) -> Status:
+    """Layerwise: each layer loaded and processed in its window, reading ``model.scale_of()``; ``between(index)``
+    runs after layer ``index``'s step."""
     g = torch.Generator().manual_seed(seed)
     try:
         with contract.reload(layerwise=True) as txn, torch.no_grad():
             for index, layer in enumerate(model.layers):
                 txn.before_layer(layer)
                 layer.weight.copy_(torch.randn(8, generator=g))
-                layer.pwal(model.holder.scale)
+                layer.pwal(model.scale_of())
                 txn.after_layer(layer)
-                if index == rebind_scale_after:
-                    model.holder.scale = model.holder.scale * 1
+                between(index)
     except ReloadFailedError:
         pass
-    outcome = contract.last_outcome
-    assert outcome is not None
-    return outcome.status
+    return _status(contract)
+
+
+def _reload(contract: GraphContract, model: _Model, seed: int, *, rebind_scale_after: int) -> Status:
+    """The holder's scale rebound (a new tensor, the same values) after the step of layer ``rebind_scale_after``."""
+
+    def between(index: int) -> None:
+        if index == rebind_scale_after:
+            model.holder.scale = model.holder.scale * 1
+
+    return _layerwise(contract, model, seed, between)
 
 
 @pytest.mark.parametrize("rebind_scale_after", [-1, 0, 1])

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from contract.test_recorded_inputs_layerwise import _Layer
+from contract.test_recorded_inputs_layerwise import _Layer, _layerwise, _status
 from graphsafe import GraphContract, ReloadFailedError, SlotRef, Status
 
 
@@ -40,28 +40,6 @@ def _clean_mode_stack():
     yield
     while _get_current_dispatch_mode_stack():
         _pop_mode()
-
-
-def _status(contract: GraphContract) -> Status:
-    outcome = contract.last_outcome
-    assert outcome is not None
-    return outcome.status
-
-
-def _layerwise(contract, model, seed, between):
-    """Layerwise reload; ``between(index)`` runs after layer ``index``'s step. Each layer reads ``scale_of()``."""
-    g = torch.Generator().manual_seed(seed)
-    try:
-        with contract.reload(layerwise=True) as txn, torch.no_grad():
-            for index, layer in enumerate(model.layers):
-                txn.before_layer(layer)
-                layer.weight.copy_(torch.randn(8, generator=g))
-                layer.pwal(model.scale_of())
-                txn.after_layer(layer)
-                between(index)
-    except ReloadFailedError:
-        pass
-    return _status(contract)
 
 
 def _later_scale_change_skipped(contract, model, scale: torch.Tensor) -> None:
