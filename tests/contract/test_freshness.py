@@ -732,11 +732,8 @@ def _modes_active() -> int:
     return len(_get_current_dispatch_mode_stack())
 
 
-def test_the_first_reload_records_what_pwal_reads_and_later_reloads_do_not_pay_for_it() -> None:
-    model = build(0)
-    contract = seal(model)
-    contract.record_reloads = "first"
-    assert contract.recorded_inputs() == {}
+def _modes_over_three_reloads(contract: GraphContract, model: nn.Module) -> list[int]:
+    """Three committed reloads of new weights; how many dispatch modes were active during each one's load."""
     seen: list[int] = []
 
     def loader(model: nn.Module, new: Mapping[str, torch.Tensor]) -> None:
@@ -746,7 +743,15 @@ def test_the_first_reload_records_what_pwal_reads_and_later_reloads_do_not_pay_f
     for seed in (1, 2, 3):
         reload(contract, model, weights(model, seed), loader)
         assert contract.last_outcome is not None and contract.last_outcome.committed
-    assert seen == [1, 0, 0]
+    return seen
+
+
+def test_the_first_reload_records_what_pwal_reads_and_later_reloads_do_not_pay_for_it() -> None:
+    model = build(0)
+    contract = seal(model)
+    contract.record_reloads = "first"
+    assert contract.recorded_inputs() == {}
+    assert _modes_over_three_reloads(contract, model) == [1, 0, 0]
     recorded = {(str(s), tuple(sorted(str(i) for i in inputs))) for s, inputs in contract.recorded_inputs().items()}
     assert recorded == {
         (f"layers.{i}:{path}", inputs)
@@ -1048,15 +1053,7 @@ def test_record_reloads_decides_which_reloads_run_under_the_recording(policy: st
     model = build(0)
     contract = seal(model)
     contract.record_reloads = policy  # type: ignore[assignment]
-    seen: list[int] = []
-
-    def loader(model: nn.Module, new: Mapping[str, torch.Tensor]) -> None:
-        seen.append(_modes_active())
-        load_data_copy(model, new)
-
-    for seed in (1, 2, 3):
-        reload(contract, model, weights(model, seed), loader)
-    assert seen == ([1, 1, 1] if policy == "every" else [1, 0, 0])
+    assert _modes_over_three_reloads(contract, model) == ([1, 1, 1] if policy == "every" else [1, 0, 0])
 
 
 def test_an_unknown_record_reloads_policy_is_refused_with_the_choices() -> None:
